@@ -1,0 +1,245 @@
+"""Continuous batching under a per-iteration token budget.
+
+Each ``schedule`` call returns ``{request: number of tokens}`` for one iteration: running
+requests in decode take one token each first (decode is never starved by prefill), then
+prompt chunks of running and waiting requests fill what is left of the budget. When the KV
+cache cannot grow, the request that the ordering ranks last is preempted: its blocks are
+freed and it is recomputed later from its prompt and the tokens it already produced.
+
+Pure: no clock, no torch, no Ray. ``now`` is an argument; KV space is asked of an injected
+``KVManager`` so the live engine and the simulator share this exact code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from policies.chunking import ChunkRule, FixedChunk
+from policies.ordering import FCFS, Ordering
+from policies.sequence import FinishReason, SeqStatus, Sequence
+
+
+class KVManager(Protocol):
+    """What the scheduler needs from the KV cache (``store.kv_manager.KVCacheManager``)."""
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks of ``seq``'s prefix; returns how many tokens they cover."""
+        ...
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Ensure blocks for ``seq``'s first ``num_tokens`` tokens; False if out of space."""
+        ...
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish ``seq``'s fully computed blocks to the prefix cache."""
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block ``seq`` holds."""
+        ...
+
+
+@dataclass
+class SchedulerConfig:
+    token_budget: int = 2048  # tokens computed per iteration, all requests together
+    max_num_seqs: int = 256  # requests running at once
+
+    def __post_init__(self) -> None:
+        if self.token_budget <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("token_budget and max_num_seqs must be positive")
+
+
+@dataclass
+class ScheduledStep:
+    """One iteration's plan: ``entries`` in batch order, each (sequence, tokens to compute).
+
+    A sequence computes tokens ``[num_computed_tokens, num_computed_tokens + n)``; it samples
+    a token when that range reaches its last known token.
+    """
+
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> dict[str, int]:
+        return {seq.request_id: n for seq, n in self.entries}
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries
+
+    @staticmethod
+    def samples(seq: Sequence, n: int) -> bool:
+        return seq.num_computed_tokens + n == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVManager,
+        ordering: Ordering | None = None,
+        chunk_rule: ChunkRule | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.ordering: Ordering = ordering or FCFS()
+        self.chunk_rule: ChunkRule = chunk_rule or FixedChunk(None)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+
+    # -- requests in and out -----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already scheduled")
+        if seq.num_tokens == 0:
+            raise ValueError("a request needs at least one token")
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def finish(self, request_id: str, reason: FinishReason, now: float) -> Sequence | None:
+        """End a request now (abort, or a stop string the caller detected)."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, reason, now)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed, over all requests (a load signal for routers)."""
+        waiting = sum(s.num_uncomputed_tokens for s in self.waiting)
+        return waiting + sum(s.num_uncomputed_tokens for s in self.running if s.in_prefill)
+
+    # -- one iteration ---------------------------------------------------------------------
+    def schedule(self, now: float) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.config.token_budget
+        self.running.sort(key=lambda s: self.ordering.key(s, now))
+        scheduled: set[str] = set()
+
+        # Decodes first, then running prefills; both in priority order.
+        queue = [s for s in self.running if not s.in_prefill]
+        queue += [s for s in self.running if s.in_prefill]
+        for seq in queue:
+            if budget == 0:
+                break
+            if seq.is_finished or seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = 1 if not seq.in_prefill else self.chunk_rule.chunk(seq, budget)
+            if n <= 0:
+                continue
+            if not self._grow_or_preempt(seq, n, step, scheduled):
+                continue
+            step.entries.append((seq, n))
+            scheduled.add(seq.request_id)
+            budget -= n
+
+        # Waiting requests join in priority order; strict order: the first that does not fit
+        # blocks the rest, so a long request is not overtaken forever.
+        self.waiting.sort(key=lambda s: self.ordering.key(s, now))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                seq.num_cached_tokens = self.kv.match_prefix(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens
+            n = self.chunk_rule.chunk(seq, budget)
+            if n <= 0 or not self.kv.allocate(seq, seq.num_computed_tokens + n):
+                # Let go of the prefix it matched, so a waiting request pins no blocks.
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            step.entries.append((seq, n))
+            scheduled.add(seq.request_id)
+            budget -= n
+        return step
+
+    def _grow_or_preempt(
+        self, seq: Sequence, n: int, step: ScheduledStep, scheduled: set[str]
+    ) -> bool:
+        """Find KV space for ``n`` more tokens of ``seq``, preempting lower-ranked requests.
+
+        Returns False if ``seq`` itself had to be preempted.
+        """
+        while not self.kv.allocate(seq, seq.num_computed_tokens + n):
+            victims = [s for s in self.running if s.request_id not in scheduled]
+            victim = victims[-1]  # ranked last; may be seq itself
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    # -- after the model ran ---------------------------------------------------------------
+    def update(self, step: ScheduledStep, sampled: dict[str, int], now: float) -> list[Sequence]:
+        """Advance every scheduled request; append sampled tokens; return those that finished.
+
+        ``sampled`` holds one token per request whose step reached its last known token.
+        Requests finished or aborted while the step ran are skipped.
+        """
+        finished = []
+        for seq, n in step.entries:
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            samples = ScheduledStep.samples(seq, n)
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+            if not samples:
+                continue
+            token = sampled[seq.request_id]
+            seq.append_token(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if token in seq.stop_token_ids:
+                self._finish(seq, FinishReason.STOP, now)
+            elif len(seq.output_token_ids) >= seq.max_tokens:
+                self._finish(seq, FinishReason.LENGTH, now)
+            if seq.is_finished:
+                finished.append(seq)
+        return finished
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        if seq.is_finished:
+            return
+        self.kv.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
+        self._by_id.pop(seq.request_id, None)

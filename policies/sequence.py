@@ -1,0 +1,74 @@
+"""The scheduler's view of one request: its tokens and how far its KV has been computed.
+
+Invariant: ``0 <= num_computed_tokens <= num_tokens``. A step that brings
+``num_computed_tokens`` up to ``num_tokens`` samples one new token, so a request in decode
+has ``num_computed_tokens == num_tokens - 1`` between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"  # max_tokens reached
+    STOP = "stop"  # a stop token or stop string
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()
+    salt: str | None = None  # tenant salt of the prefix-cache hashes
+    priority: float = 0.0  # for orderings other than FCFS; lower runs first
+
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, maintained by KV
+    token_ids: list[int] = field(init=False)  # prompt followed by output
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the newest token still lacks KV (a prompt or a recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,102 @@
+"""Per-request block tables over a ``BlockPool``, with prefix caching.
+
+Implements the scheduler's ``KVManager`` protocol. A request's table lists its blocks in
+token order; block i holds tokens ``[i * block_size, (i + 1) * block_size)``. Full blocks
+whose KV has been computed are registered under their chained hash so later requests with
+the same prefix (and salt) reuse them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from store.block_pool import BlockPool
+from store.hashing import extend_block_hashes
+
+if TYPE_CHECKING:  # the scheduler's request type; store does not depend on policies
+    from policies.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[str, list[int]] = {}
+        self._registered: dict[str, int] = {}  # leading blocks of a table already registered
+        self.hit_tokens = 0  # prefix-cache statistics since start
+        self.queried_tokens = 0
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the longest cached prefix of ``seq``; returns the tokens it covers.
+
+        At least one token is always left to compute, so the step that follows produces
+        logits to sample from.
+        """
+        if seq.request_id in self.tables:
+            raise ValueError(f"request {seq.request_id!r} already holds blocks")
+        self.tables[seq.request_id] = []
+        self._registered[seq.request_id] = 0
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, bs, seq.salt)
+        usable = (seq.num_tokens - 1) // bs
+        table = self.tables[seq.request_id]
+        for i, h in enumerate(seq.block_hashes[:usable]):
+            block = self.pool.lookup(h, seq.token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            self.pool.acquire(block)
+            table.append(block)
+        self._registered[seq.request_id] = len(table)
+        self.queried_tokens += seq.num_prompt_tokens
+        self.hit_tokens += len(table) * bs
+        return len(table) * bs
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        table = self.tables.setdefault(seq.request_id, [])
+        self._registered.setdefault(seq.request_id, 0)
+        need = self.blocks_needed(num_tokens) - len(table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        table.extend(self.pool.allocate(need))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(seq.request_id)
+        if table is None:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(table))
+        done = self._registered[seq.request_id]
+        if full <= done:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids[: full * bs], bs, seq.salt)
+        for i in range(done, full):
+            self.pool.register(table[i], seq.block_hashes[i], seq.token_ids[i * bs : (i + 1) * bs])
+        self._registered[seq.request_id] = full
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.request_id, None)
+        self._registered.pop(seq.request_id, None)
+        if table:
+            self.pool.release(table[::-1])
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
