@@ -1,0 +1,177 @@
+from __future__ import annotations
+
+import pytest
+
+from policies.chunking import FixedChunk
+from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from policies.sequence import FinishReason, SeqStatus, Sequence
+from store.block_pool import BlockPool
+from store.kv_manager import KVCacheManager
+
+
+def make(num_blocks=64, block_size=4, budget=32, chunk=None, max_seqs=16, caching=True):
+    pool = BlockPool(num_blocks, block_size)
+    kv = KVCacheManager(pool, enable_prefix_caching=caching)
+    sched = Scheduler(SchedulerConfig(budget, max_seqs), kv, chunk_rule=FixedChunk(chunk))
+    return sched, kv, pool
+
+
+def seq(rid, n, max_tokens=4, t=0.0, start=0):
+    return Sequence(rid, list(range(start, start + n)), max_tokens, arrival_time=t)
+
+
+def run_step(sched, now=0.0, token=1):
+    step = sched.schedule(now)
+    sampled = {s.request_id: token for s, n in step.entries if ScheduledStep.samples(s, n)}
+    return step, sched.update(step, sampled, now)
+
+
+def run_to_completion(sched, limit=1000):
+    done = []
+    for i in range(limit):
+        if not sched.has_unfinished():
+            return done
+        _, finished = run_step(sched, now=float(i))
+        done.extend(finished)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_chunked_prefill_respects_chunk_and_budget():
+    sched, kv, pool = make(budget=8, chunk=3)
+    sched.add(seq("a", 10))
+    sched.add(seq("b", 10, t=1.0))
+    step = sched.schedule(0.0)
+    assert step.num_tokens == {"a": 3, "b": 3}
+    sched.update(step, {}, 0.0)
+    assert sched.get("a").num_computed_tokens == 3
+
+
+def test_decode_first_and_never_starved():
+    sched, kv, pool = make(budget=4, chunk=None)
+    sched.add(seq("a", 3, max_tokens=5))
+    run_step(sched)  # prefill a fully, samples its first token
+    sched.add(seq("b", 40, t=1.0))
+    for _ in range(3):
+        step, _ = run_step(sched)
+        assert step.entries[0][0].request_id == "a" and step.entries[0][1] == 1
+        assert step.num_tokens["b"] == 3, "prefill takes only what decode leaves"
+
+
+def test_fcfs_order_and_head_of_line():
+    sched, kv, pool = make(num_blocks=4, block_size=4, budget=64)
+    sched.add(seq("big", 15, t=0.0))
+    sched.add(seq("small", 2, t=1.0))
+    step = sched.schedule(0.0)
+    assert [s.request_id for s, _ in step.entries] == ["big"]
+    sched.update(step, {"big": 1}, 0.0)
+
+
+def test_every_request_finishes_with_its_tokens_and_no_leak():
+    sched, kv, pool = make(budget=16, chunk=5)
+    for i in range(6):
+        sched.add(seq(f"r{i}", 7 + i, max_tokens=3 + i, t=float(i)))
+    done = run_to_completion(sched)
+    assert sorted(s.request_id for s in done) == [f"r{i}" for i in range(6)]
+    for s in done:
+        assert len(s.output_token_ids) == s.max_tokens
+        assert s.finish_reason is FinishReason.LENGTH
+    assert pool.num_in_use == 0
+
+
+def test_stop_token_finishes_early():
+    sched, kv, pool = make()
+    s = Sequence("a", [1, 2, 3], 10, stop_token_ids=frozenset({9}))
+    sched.add(s)
+    run_step(sched, token=5)
+    _, finished = run_step(sched, token=9)
+    assert finished == [s] and s.finish_reason is FinishReason.STOP
+    assert s.output_token_ids == [5, 9]
+    assert pool.num_in_use == 0
+
+
+def test_preemption_by_recomputation_when_blocks_run_out():
+    # 6 blocks of 4 tokens; two requests that each grow to 12 tokens need 3 blocks + 1.
+    sched, kv, pool = make(num_blocks=6, block_size=4, budget=64)
+    a, b = seq("a", 8, max_tokens=8, t=0.0), seq("b", 8, max_tokens=8, t=1.0, start=100)
+    sched.add(a)
+    sched.add(b)
+    preempted = []
+    done = []
+    for i in range(200):
+        if not sched.has_unfinished():
+            break
+        step, finished = run_step(sched, now=float(i))
+        preempted += [p.request_id for p in step.preempted]
+        done += finished
+    assert "b" in preempted, "the later request is the victim"
+    assert "a" not in preempted
+    assert {s.request_id for s in done} == {"a", "b"}
+    assert b.num_preemptions >= 1 and len(b.output_token_ids) == 8
+    assert pool.num_in_use == 0
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    sched, kv, pool = make(block_size=4)
+    sched.add(seq("a", 10, max_tokens=1))
+    run_to_completion(sched)
+    sched.add(seq("b", 10, max_tokens=1, t=5.0))
+    step = sched.schedule(5.0)
+    # 10 tokens: 2 full blocks cached (8 tokens); at least one token is always computed.
+    assert step.num_tokens == {"b": 2}
+    assert sched.get("b").num_cached_tokens == 8
+    sched.update(step, {"b": 0}, 5.0)
+    assert pool.num_in_use == 0
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    sched, kv, pool = make(block_size=4)
+    sched.add(seq("a", 8, max_tokens=1))
+    run_to_completion(sched)
+    sched.add(seq("b", 8, max_tokens=1))
+    step = sched.schedule(1.0)
+    assert step.num_tokens == {"b": 4}, "the last block is recomputed to get logits"
+    sched.update(step, {"b": 0}, 1.0)
+
+
+def test_salt_isolates_tenants():
+    sched, kv, pool = make(block_size=4)
+    sched.add(Sequence("a", list(range(9)), 1, salt="alice"))
+    run_to_completion(sched)
+    sched.add(Sequence("b", list(range(9)), 1, salt="bob"))
+    sched.add(Sequence("c", list(range(9)), 1, salt="alice"))
+    sched.schedule(0.0)
+    assert sched.get("b").num_cached_tokens == 0
+    assert sched.get("c").num_cached_tokens == 8
+    sched.finish("b", FinishReason.ABORT, 0.0)
+    sched.finish("c", FinishReason.ABORT, 0.0)
+    assert pool.num_in_use == 0
+
+
+def test_abort_frees_blocks_and_step_update_skips_it():
+    sched, kv, pool = make()
+    sched.add(seq("a", 6))
+    step = sched.schedule(0.0)
+    aborted = sched.finish("a", FinishReason.ABORT, 0.0)
+    assert aborted is not None and aborted.status is SeqStatus.FINISHED
+    assert sched.update(step, {"a": 1}, 0.0) == []
+    assert pool.num_in_use == 0 and not sched.has_unfinished()
+
+
+def test_max_num_seqs_caps_running():
+    sched, kv, pool = make(max_seqs=2, budget=100)
+    for i in range(4):
+        sched.add(seq(f"r{i}", 3, t=float(i)))
+    step = sched.schedule(0.0)
+    assert len(step.entries) == 2
+    sched.update(step, {s.request_id: 1 for s, _ in step.entries}, 0.0)
+    run_to_completion(sched)
+
+
+def test_duplicate_and_empty_requests_rejected():
+    sched, kv, pool = make()
+    sched.add(seq("a", 3))
+    with pytest.raises(ValueError):
+        sched.add(seq("a", 3))
+    with pytest.raises(ValueError):
+        sched.add(Sequence("e", [], 1))
+    sched.finish("a", FinishReason.ABORT, 0.0)
