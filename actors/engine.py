@@ -207,8 +207,11 @@ class Engine:
         deltas = []
         for r, token in zip(reqs, tokens, strict=True):
             text = r.detok.add([token], final=r.seq.is_finished)
-            if r.detok.stopped and not r.seq.is_finished:
-                self.scheduler.finish(r.seq.request_id, FinishReason.STOP, now)
+            if r.detok.stopped:
+                if r.seq.is_finished:  # the stop string completed on the last allowed token
+                    r.seq.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(r.seq.request_id, FinishReason.STOP, now)
             deltas.append(
                 StreamDelta(
                     r.seq.request_id,

@@ -55,6 +55,8 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> list[int]:
     """One token per row. logits: [N, vocab] (any float dtype, any device)."""
+    if not params:
+        return []
     logits = logits.float()
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):

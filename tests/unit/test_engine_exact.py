@@ -29,7 +29,10 @@ def prompts(model_dir):
 
 @pytest.fixture(scope="module")
 def hf_tokens(model_dir, prompts):
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).to(torch.float64)
+    # eager experts: the grouped-matmul MoE path of transformers has no fp64 kernel
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, experts_implementation="eager"
+    ).to(torch.float64)
     model.eval()
     out = []
     for p in prompts:

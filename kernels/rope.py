@@ -1,0 +1,123 @@
+"""Rotary position embeddings, Hugging Face Llama convention ("rotate_half": the head dim is
+split into two halves, not interleaved pairs).
+
+Supported ``rope_scaling`` types: none / "default", "linear" (positions divided by ``factor``)
+and "llama3" (the Llama 3.1 frequency-dependent scaling). The inverse frequencies are computed
+exactly as ``transformers.modeling_rope_utils`` does; cos/sin are precomputed in float32 for
+every position below ``max_positions`` and looked up by position id.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_type_of(rope_scaling: Mapping[str, Any] | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+
+
+def inverse_frequencies(
+    head_dim: int,
+    theta: float,
+    rope_scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies, after scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    kind = rope_type_of(rope_scaling)
+    if kind == "default":
+        return inv_freq
+    assert rope_scaling is not None
+    if kind == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inverse_frequencies(inv_freq, rope_scaling, max_position_embeddings)
+    raise ValueError(
+        f"rope_scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _llama3_inverse_frequencies(
+    inv_freq: torch.Tensor,
+    rope_scaling: Mapping[str, Any],
+    max_position_embeddings: int | None,
+) -> torch.Tensor:
+    """Mirrors ``transformers.modeling_rope_utils._compute_llama3_parameters``."""
+    factor = float(rope_scaling["factor"])
+    low_freq_factor = float(rope_scaling["low_freq_factor"])
+    high_freq_factor = float(rope_scaling["high_freq_factor"])
+    old_context_len = rope_scaling.get("original_max_position_embeddings", max_position_embeddings)
+    if old_context_len is None:
+        raise ValueError("llama3 rope_scaling needs original_max_position_embeddings")
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    # in between: interpolate smoothly
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds ``cos, sin: [max_positions, head_dim]`` float32 (non-persistent buffers)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        rope_scaling: Mapping[str, Any] | None = None,
+        max_position_embeddings: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+        self.max_position_embeddings = max_position_embeddings or max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_cache()
+
+    def reset_cache(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the tables, e.g. after ``to_empty`` moved the module off the meta device."""
+        if device is None:
+            device = self.cos.device
+        inv_freq = inverse_frequencies(
+            self.head_dim, self.theta, self.rope_scaling, self.max_position_embeddings
+        )
+        positions = torch.arange(self.max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]; one product each, as HF
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q: [T, Hq, D]``, ``k: [T, Hkv, D]``, ``positions: [T]`` -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        q_cos, q_sin = cos.to(q.dtype), sin.to(q.dtype)
+        k_cos, k_sin = cos.to(k.dtype), sin.to(k.dtype)
+        q_out = q * q_cos + rotate_half(q) * q_sin
+        k_out = k * k_cos + rotate_half(k) * k_sin
+        return q_out, k_out

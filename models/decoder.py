@@ -1,0 +1,141 @@
+"""``CausalLM``: the Llama-family decoder (Llama, Mistral, Qwen2, Mixtral) over a paged KV cache.
+
+Inputs are flat: a step's ``T`` tokens from any number of sequences, described by
+``AttentionMetadata``. Projections are fused for speed: ``qkv_proj: [(Hq + 2 Hkv) * D, H]``
+(q rows, then k, then v) and ``gate_up_proj: [2 * I, H]`` (gate rows, then up); the loader
+concatenates the Hugging Face tensors into them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.norm import RMSNorm
+from kernels.registry import AttentionBackend, get_attention_backend
+from kernels.rope import RotaryEmbedding
+from models.config import ModelConfig
+from models.moe_block import SparseMoeBlock
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, Hkv, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``x: [T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache`` first."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, k, positions)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out, _ = self.backend.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer, not two
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = SparseMoeBlock(config) if config.is_moe else MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, ``num_hidden_layers`` decoder layers, final norm and LM head."""
+
+    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.attention_backend = get_attention_backend(attention_backend)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.attention_backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(
+            config.head_dim,
+            max_positions=config.max_position_embeddings,
+            theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids, positions: [T]`` int64 -> final-normed hidden states ``[T, H]``.
+
+        ``kv_caches[i]`` is layer i's ``(k_cache, v_cache)``; the step's K/V are written at
+        ``meta.slot_mapping`` before each layer attends.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rope, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [N, H]`` -> logits ``[N, vocab]`` in float32 (whatever the model dtype)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,63 @@
+"""A runtime predictor fitted to measurements: seconds = w . features(batch).
+
+Features follow the roofline's terms, so a fit needs few points and extrapolates sanely:
+a constant (per-iteration overhead), new tokens (linear layers), causal attention pairs
+(``n*c + n*(n+1)/2``), context tokens read (KV bytes) and the number of requests (LM head and
+per-request work). Weights are fitted by non-negative least squares, so no term can make a
+bigger batch predict less time. It implements the same ``batch_time`` as the roofline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from placement.cost_model import Batch
+
+FEATURES = ("const", "tokens", "attn_pairs", "context", "requests")
+
+
+def features(batch: Batch) -> list[float]:
+    tokens = sum(n for n, _ in batch)
+    pairs = sum(n * c + n * (n + 1) / 2 for n, c in batch)
+    context = sum(n + c for n, c in batch)
+    return [1.0, float(tokens), float(pairs), float(context), float(len(batch))]
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with x >= 0: drop the most negative coefficient and refit until none is."""
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            x[:] = 0.0
+            x[active] = sol
+            return x
+        active.pop(int(np.argmin(sol)))
+    return x
+
+
+@dataclass
+class FittedCostModel:
+    weights: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
+
+    @classmethod
+    def fit(cls, batches: Sequence[Batch], seconds: Sequence[float]) -> FittedCostModel:
+        if len(batches) != len(seconds) or not batches:
+            raise ValueError("need one measured time per batch, and at least one")
+        a = np.array([features(b) for b in batches])
+        # Scale columns so the solver sees comparable magnitudes; undo after.
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-12)
+        w = nnls(a / scale, np.asarray(seconds, dtype=float)) / scale
+        return cls([float(v) for v in w])
+
+    def batch_time(self, batch: Batch) -> float:
+        if not batch:
+            return 0.0
+        return float(sum(w * f for w, f in zip(self.weights, features(batch), strict=True)))
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={w:.3g}" for k, w in zip(FEATURES, self.weights, strict=True))

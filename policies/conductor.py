@@ -1,0 +1,380 @@
+"""Mooncake's Conductor: pick a (prefill, decode) pair for a request, or reject it (429).
+
+Prefill (Algorithm 1, KVCache-centric). For request R with block keys K and each prefill
+instance p with local prefix ``l_p`` blocks (leading keys of K that p holds), and the best
+holder b with ``best_len`` blocks:
+
+    T_queue(p)  = p.queue_time if given, else prefill_time(p.queued_tokens, 0)
+    local(p)    = prefill_time(new(l_p), cached(l_p))
+    remote(p)   = transfer_time(best_len - l_p) + prefill_time(new(best_len), cached(best_len))
+    TTFT(p)     = T_queue(p) + min(local(p), remote(p))      (remote only if best_len > l_p)
+
+with ``cached(l) = min(l * block_size, prompt - 1)`` (the last prompt token is always
+computed, it yields the first output token) and ``new(l) = prompt - cached(l)``. The chosen
+p minimises TTFT (first in the given order on ties). When copying wins, ``transfer_from``
+names b. Hot-block replication is a side effect: if b is not p and ``best_len / l_p >
+replication_threshold`` (``l_p = 0`` counts as infinite), blocks ``K[l_p:best_len]`` are
+reported for copying from b onto p, whether or not this request waits for them.
+
+Decode. The request's KV needs ``ceil((prompt + max_tokens) / block_size)`` blocks for its
+whole life; an instance has room if ``used_blocks + need <= total_blocks`` now (KV streams
+into decode while prefill runs, so the space must be free now). Among those with room:
+
+    TBT(d) = decode_tbt(running(d) + 1, context_blocks(d) + ceil(prompt / block_size))
+
+the lowest wins (ties: more free blocks, then given order). No room anywhere: reject
+``decode_full``.
+
+Admission (``admission``):
+  - ``"none"``: only ``decode_full`` rejects; predictions are still reported.
+  - ``"early"``: at arrival, reject when TTFT > ttft_slo or TBT(now) > tbt_slo (the larger
+    of prefill and decode load), so no prefill is spent on a request decode would refuse.
+  - ``"predictive"``: judge decode at ``at = now + TTFT``, when the request would reach it
+    (see ``policies.admission``): running(d) and context_blocks(d) shrink by the decodes
+    that end by ``at`` and grow by an even share of the requests prefill finishes by ``at``.
+
+Pure: no clock, no Ray; the runtime injects fitted regressions, the simulator its cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from policies import admission as adm
+from policies.routing import cached_prefix_blocks
+
+
+@dataclass
+class PrefillInstance:
+    """View of one prefill instance."""
+
+    instance_id: str
+    queued_tokens: int = 0  # uncomputed prompt tokens queued there
+    cached: set[int] = field(default_factory=set)
+    # Optional, more precise inputs: the summed predicted prefill time of the queue (the
+    # paper's T_queue), and how many requests the queue holds (for the predictive mode).
+    queue_time: float | None = None
+    queued_requests: int | None = None
+
+
+@dataclass
+class DecodeInstance:
+    instance_id: str
+    num_running: int = 0
+    used_blocks: int = 0
+    total_blocks: int = 1
+    # Optional predicted finish times of the running requests (for the prediction variant);
+    # when given, one per running request.
+    finish_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ConductorRequest:
+    request_id: str
+    block_hashes: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    block_size: int
+
+
+@dataclass
+class ConductorDecision:
+    accepted: bool
+    prefill_id: str | None
+    decode_id: str | None
+    cached_blocks: int  # prefix blocks reused on the chosen prefill instance
+    transfer_from: str | None  # instance whose blocks are copied to the chosen one
+    replicate_blocks: list[int]  # hot block hashes to replicate onto prefill_id
+    predicted_ttft: float
+    predicted_tbt: float
+    retry_after: float | None  # seconds, when rejected
+    reason: str  # "ttft_slo", "tbt_slo", "decode_full", or "" when accepted
+    replicate_from: str | None = None  # source of replicate_blocks (the best holder)
+
+
+@dataclass
+class _PrefillChoice:
+    index: int
+    ttft: float
+    queue_time: float
+    cached_blocks: int
+    transfer_from: str | None
+    replicate_blocks: list[int]
+    replicate_from: str | None
+
+
+@dataclass
+class _DecodeChoice:
+    index: int
+    tbt: float
+
+
+class Conductor:
+    def __init__(
+        self,
+        prefill_time: Callable[[int, int], float],
+        decode_tbt: Callable[[int, int], float],
+        transfer_time: Callable[[int], float],
+        ttft_slo: float,
+        tbt_slo: float,
+        replication_threshold: float = 2.0,
+        admission: str = "early",
+        decode_duration: float = 10.0,
+        min_retry_after: float = 1.0,
+    ) -> None:
+        """``prefill_time(new tokens, cached tokens)`` and ``transfer_time(blocks)`` are in
+        seconds; ``decode_tbt(batch size, total context blocks)`` is seconds per token;
+        ``decode_duration`` is the uniform decode length t_d of the prediction variant;
+        ``min_retry_after`` is the floor of every Retry-After."""
+        if admission not in adm.ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {adm.ADMISSION_MODES}, not {admission!r}")
+        if ttft_slo <= 0 or tbt_slo <= 0:
+            raise ValueError("SLOs must be positive")
+        self.prefill_time = prefill_time
+        self.decode_tbt = decode_tbt
+        self.transfer_time = transfer_time
+        self.ttft_slo = ttft_slo
+        self.tbt_slo = tbt_slo
+        self.replication_threshold = replication_threshold
+        self.admission = admission
+        self.decode_duration = decode_duration
+        self.min_retry_after = min_retry_after
+
+    # -- prefill -----------------------------------------------------------------------------
+    def queue_time(self, p: PrefillInstance) -> float:
+        if p.queue_time is not None:
+            return p.queue_time
+        return self.prefill_time(p.queued_tokens, 0) if p.queued_tokens > 0 else 0.0
+
+    def _prefill_cost(self, request: ConductorRequest, blocks: int) -> float:
+        n = request.num_prompt_tokens
+        cached = max(0, min(blocks * request.block_size, n - 1))
+        return self.prefill_time(n - cached, cached)
+
+    def select_prefill(
+        self, request: ConductorRequest, prefills: Sequence[PrefillInstance]
+    ) -> _PrefillChoice:
+        """Algorithm 1, lines 3-16 and 20-21 (see the module docstring)."""
+        hashes = request.block_hashes
+        local = [cached_prefix_blocks(hashes, p.cached) for p in prefills]
+        # Best holder: longest prefix, ties by the lighter queue (a less congested sender).
+        best = min(range(len(prefills)), key=lambda i: (-local[i], prefills[i].queued_tokens))
+        best_len = local[best]
+        remote_prefill = self._prefill_cost(request, best_len)
+        choice: _PrefillChoice | None = None
+        for i, p in enumerate(prefills):
+            t_queue = self.queue_time(p)
+            t_exec, blocks, source = self._prefill_cost(request, local[i]), local[i], None
+            if best_len > local[i]:
+                t_remote = self.transfer_time(best_len - local[i]) + remote_prefill
+                if t_remote < t_exec:
+                    t_exec, blocks, source = t_remote, best_len, prefills[best].instance_id
+            ttft = t_queue + t_exec
+            if choice is None or ttft < choice.ttft:
+                choice = _PrefillChoice(i, ttft, t_queue, blocks, source, [], None)
+        assert choice is not None
+        l_p = local[choice.index]
+        if best != choice.index and best_len > l_p:
+            ratio = math.inf if l_p == 0 else best_len / l_p
+            if ratio > self.replication_threshold:
+                choice.replicate_blocks = list(hashes[l_p:best_len])
+                choice.replicate_from = prefills[best].instance_id
+        return choice
+
+    # -- decode ------------------------------------------------------------------------------
+    @staticmethod
+    def decode_blocks(request: ConductorRequest) -> int:
+        """KV blocks for the request's whole life: ``ceil((prompt + max_tokens) / bs)``."""
+        return -(-(request.num_prompt_tokens + request.max_tokens) // request.block_size)
+
+    def select_decode(
+        self,
+        request: ConductorRequest,
+        decodes: Sequence[DecodeInstance],
+        now: float,
+        arrive_at: float | None = None,
+        incoming: float = 0.0,
+        incoming_blocks: float = 0.0,
+    ) -> _DecodeChoice | None:
+        """Lowest predicted TBT among instances with room now; None if none has room.
+
+        Without ``arrive_at`` the TBT is judged on the current load. With it, on the load
+        expected then: ``running_at`` of the current decodes, their blocks scaled by the
+        same surviving fraction, plus ``incoming`` requests (``incoming_blocks`` blocks)
+        that prefill delivers to this instance by then.
+        """
+        need = self.decode_blocks(request)
+        prompt_blocks = -(-request.num_prompt_tokens // request.block_size)
+        best: _DecodeChoice | None = None
+        best_free = -1
+        for i, d in enumerate(decodes):
+            free = d.total_blocks - d.used_blocks
+            if need > free:
+                continue
+            running, context = float(d.num_running), float(d.used_blocks)
+            if arrive_at is not None:
+                running = adm.running_at(
+                    d.num_running, d.finish_times, now, arrive_at, self.decode_duration
+                )
+                if d.num_running > 0:
+                    context = d.used_blocks * running / d.num_running
+                running += incoming
+                context += incoming_blocks
+            tbt = self.decode_tbt(math.ceil(running) + 1, math.ceil(context) + prompt_blocks)
+            if best is None or tbt < best.tbt or (tbt == best.tbt and free > best_free):
+                best, best_free = _DecodeChoice(i, tbt), free
+        return best
+
+    def _incoming_per_decode(
+        self,
+        request: ConductorRequest,
+        prefills: Sequence[PrefillInstance],
+        chosen: int,
+        dt: float,
+        num_decodes: int,
+    ) -> tuple[float, float]:
+        """(requests, blocks) each decode instance receives from prefill within ``dt``.
+
+        Everything queued on the chosen instance finishes before this request (FIFO); on the
+        others ``prefill_done_by``. A queue of unknown request count is taken to hold
+        requests as long as this one; each brings its queued tokens' share of blocks. The
+        total is spread evenly, as decode selection balances.
+        """
+        requests = blocks = 0.0
+        for i, p in enumerate(prefills):
+            if p.queued_tokens <= 0 and not p.queued_requests:
+                continue
+            count = p.queued_requests
+            if count is None:
+                count = max(1, -(-p.queued_tokens // max(1, request.num_prompt_tokens)))
+            done = (
+                float(count) if i == chosen else adm.prefill_done_by(count, self.queue_time(p), dt)
+            )
+            requests += done
+            blocks += done * p.queued_tokens / max(1, count) / request.block_size
+        return requests / num_decodes, blocks / num_decodes
+
+    # -- Retry-After -------------------------------------------------------------------------
+    def _tbt_retry_after(
+        self, request: ConductorRequest, decodes: Sequence[DecodeInstance], now: float
+    ) -> float:
+        """Over instances: the time until enough running decodes finish (k of them, the
+        fewest) that ``decode_tbt(running - k + 1, blocks of the rest + prompt)`` meets the
+        SLO and the request's blocks fit; the soonest instance wins, t_d if none ever does."""
+        need = self.decode_blocks(request)
+        prompt_blocks = -(-request.num_prompt_tokens // request.block_size)
+        best = math.inf
+        for d in decodes:
+            per = adm.blocks_per_request(d.used_blocks, d.num_running)
+
+            def fits(k: int, d: DecodeInstance = d, per: int = per) -> bool:
+                used = max(0, d.used_blocks - k * per)
+                tbt = self.decode_tbt(d.num_running - k + 1, used + prompt_blocks)
+                return used + need <= d.total_blocks and tbt <= self.tbt_slo
+
+            k = adm.finishes_needed(fits, d.num_running)
+            if k is not None:
+                wait = adm.time_until_finished(
+                    k, d.num_running, d.finish_times, now, self.decode_duration
+                )
+                best = min(best, wait)
+        return self.decode_duration if math.isinf(best) else best
+
+    # -- the decision ------------------------------------------------------------------------
+    def schedule(
+        self,
+        request: ConductorRequest,
+        prefills: Sequence[PrefillInstance],
+        decodes: Sequence[DecodeInstance],
+        now: float,
+    ) -> ConductorDecision:
+        if not prefills or not decodes:
+            raise ValueError("the Conductor needs at least one prefill and one decode instance")
+        pre = self.select_prefill(request, prefills)
+        arrive_at: float | None = None
+        incoming = incoming_blocks = 0.0
+        if self.admission == "predictive":
+            arrive_at = now + pre.ttft
+            incoming, incoming_blocks = self._incoming_per_decode(
+                request, prefills, pre.index, pre.ttft, len(decodes)
+            )
+        dec = self.select_decode(request, decodes, now, arrive_at, incoming, incoming_blocks)
+
+        ttft, tbt = pre.ttft, (dec.tbt if dec is not None else math.inf)
+        reason, retry = "", 0.0
+        if dec is None:
+            reason = "decode_full"
+            retry = self._tbt_retry_after(request, decodes, now)
+        elif self.admission != "none" and adm.slo_load(ttft, tbt, self.ttft_slo, self.tbt_slo) > 1:
+            ttft_ratio, tbt_ratio = ttft / self.ttft_slo, tbt / self.tbt_slo
+            reason = "ttft_slo" if ttft_ratio >= tbt_ratio else "tbt_slo"
+            # Retry when both pools have drained enough: the later of the two estimates.
+            if ttft_ratio > 1:
+                retry = adm.ttft_retry_after(ttft, self.ttft_slo)
+            if tbt_ratio > 1:
+                retry = max(retry, self._tbt_retry_after(request, decodes, now))
+        if reason:
+            return ConductorDecision(
+                accepted=False,
+                prefill_id=None,
+                decode_id=None,
+                cached_blocks=0,
+                transfer_from=None,
+                replicate_blocks=[],
+                predicted_ttft=ttft,
+                predicted_tbt=tbt,
+                retry_after=max(self.min_retry_after, retry),
+                reason=reason,
+            )
+        assert dec is not None
+        return ConductorDecision(
+            accepted=True,
+            prefill_id=prefills[pre.index].instance_id,
+            decode_id=decodes[dec.index].instance_id,
+            cached_blocks=pre.cached_blocks,
+            transfer_from=pre.transfer_from,
+            replicate_blocks=pre.replicate_blocks,
+            predicted_ttft=ttft,
+            predicted_tbt=tbt,
+            retry_after=None,
+            reason="",
+            replicate_from=pre.replicate_from,
+        )
+
+
+def apply_decision(
+    decision: ConductorDecision,
+    request: ConductorRequest,
+    prefills: Sequence[PrefillInstance],
+    decodes: Sequence[DecodeInstance],
+    now: float,
+) -> None:
+    """Update the views for an accepted decision before fresh stats arrive ("updates the
+    cache and queue times for that instance accordingly").
+
+    Prefill: queue += uncomputed tokens; it will hold every prompt block (and the
+    replicated ones). Decode: running += 1, used += the lifetime blocks; a predicted finish
+    time ``now + TTFT + max_tokens * TBT`` is appended only if ``finish_times`` is being
+    maintained (one entry per running request).
+    """
+    if not decision.accepted:
+        return
+    p = next(x for x in prefills if x.instance_id == decision.prefill_id)
+    d = next(x for x in decodes if x.instance_id == decision.decode_id)
+    n = request.num_prompt_tokens
+    cached = max(0, min(decision.cached_blocks * request.block_size, n - 1))
+    p.queued_tokens += n - cached
+    if p.queue_time is not None:
+        p.queue_time = decision.predicted_ttft
+    if p.queued_requests is not None:
+        p.queued_requests += 1
+    p.cached.update(request.block_hashes)
+    p.cached.update(decision.replicate_blocks)
+    if d.finish_times and len(d.finish_times) == d.num_running:
+        d.finish_times.append(
+            now + decision.predicted_ttft + request.max_tokens * decision.predicted_tbt
+        )
+    d.num_running += 1
+    d.used_blocks += Conductor.decode_blocks(request)

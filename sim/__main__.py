@@ -1,0 +1,144 @@
+"""Command line of the simulator.
+
+  python -m sim run      one configuration over a trace; prints the summary
+  python -m sim report   the Mooncake experiments -> docs/sim_report.md + docs/figures/
+  python -m sim sim2real replay a trace slice on the live CPU engine with the tiny model,
+                         fit the cost model, compare predicted and measured TTFT / TPOT
+
+Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
+Examples:
+  python -m sim run --trace conversation --mode pd --policy conductor --admission early
+  python -m sim run --mode colocated --policy prefix-aware --instances 16 --speed 2
+  python -m sim report --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from sim.presets import COLOCATED_POLICIES, PD_POLICIES, ClusterConfig, build_cluster
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    d = ClusterConfig()
+    p.add_argument(
+        "--trace",
+        default="conversation",
+        help="conversation | synthetic | azure-code | azure-conv | a file path",
+    )
+    p.add_argument("--trace-dir", default=None, help="folder holding the trace files")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed (2 = twice as fast)")
+    p.add_argument("--mode", default=d.mode, choices=["pd", "colocated"])
+    p.add_argument(
+        "--policy", default=d.policy, help=f"pd: {PD_POLICIES}; colocated: {COLOCATED_POLICIES}"
+    )
+    p.add_argument("--instances", type=int, default=d.instances)
+    p.add_argument("--prefill", type=int, default=None, help="pd: prefill instances (default half)")
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--gpu", default=d.gpu)
+    p.add_argument("--tp", type=int, default=d.tp)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--ttft-slo", type=float, default=d.ttft_slo)
+    p.add_argument("--tbt-slo", type=float, default=d.tbt_slo)
+    p.add_argument(
+        "--admission", default=d.admission, choices=["none", "early", "predictive", "baseline"]
+    )
+    p.add_argument(
+        "--budget", type=int, default=d.colocated_budget, help="colocated/decode token budget"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def _config(a: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(
+        mode=a.mode, policy=a.policy, instances=a.instances, prefill=a.prefill, model=a.model,
+        gpu=a.gpu, tp=a.tp, block_size=a.block_size, ttft_slo=a.ttft_slo, tbt_slo=a.tbt_slo,
+        admission=a.admission, colocated_budget=a.budget, seed=a.seed,
+    )  # fmt: skip
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    from sim.metrics import summarize
+    from sim.traces import load_trace
+
+    reqs = load_trace(a.trace, a.trace_dir, limit=a.limit, speed=a.speed)
+    cluster = build_cluster(_config(a))
+    t0 = time.perf_counter()
+    stats = cluster.run(reqs)
+    wall = time.perf_counter() - t0
+    s = summarize(stats, a.ttft_slo, sorted({0.1, 0.2, 0.3, a.tbt_slo}))
+    out = s.row() | {"attainment": {str(k): v for k, v in s.attainment.items()}}
+    out |= {"wall_s": wall, "events": cluster.loop.fired}
+    print(json.dumps(out, indent=1))
+
+
+def cmd_report(a: argparse.Namespace) -> None:
+    from sim.experiments import capacity_runs, overload_runs, prefill_scheduling, run_all
+    from sim.report import write_report
+
+    base = replace(_config(a), instances=16)
+    speeds = [float(x) for x in a.speeds.split(",")]
+    sched = prefill_scheduling(base, 1.0, a.limit)
+    cap = capacity_runs(base, speeds, a.capacity_limit)
+    over = overload_runs(replace(base, tbt_slo=a.tbt_slo), a.overload_speed, a.limit)
+    for spec in sched + cap + over:
+        spec.trace, spec.trace_dir = a.trace, a.trace_dir
+    results = run_all(sched + cap + over, a.jobs)
+    r_sched = results[: len(sched)]
+    r_cap = results[len(sched) : len(sched) + len(cap)]
+    r_over = results[len(sched) + len(cap) :]
+    notes = Path(a.notes).read_text().splitlines() if a.notes else []
+    write_report(Path(a.out), base, r_sched, r_cap, r_over, notes)
+    for r in results:
+        print(
+            f"{r.spec.label:45s} {r.spec.speed:4g}x  wall {r.wall_s:6.1f}s  "
+            f"rejected {r.summary.rejected}"
+        )
+    print(f"wrote {a.out}")
+
+
+def cmd_sim2real(a: argparse.Namespace) -> None:
+    from sim.sim_to_real import run_sim_to_real
+
+    print(json.dumps(run_sim_to_real(a.trace, a.trace_dir, a.requests, a.seed), indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="simulate one configuration")
+    _add_cluster_args(p_run)
+    p_run.set_defaults(fn=cmd_run)
+    p_rep = sub.add_parser("report", help="write docs/sim_report.md and figures")
+    _add_cluster_args(p_rep)
+    p_rep.add_argument("--speeds", default="0.5,1,1.5,2,3,4", help="capacity sweep speeds")
+    p_rep.add_argument("--capacity-limit", type=int, default=4000, help="requests per capacity run")
+    p_rep.add_argument("--overload-speed", type=float, default=2.0)
+    p_rep.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    p_rep.add_argument("--out", default="docs/sim_report.md")
+    p_rep.add_argument(
+        "--notes", default=None, help="a file of markdown lines for the last section"
+    )
+    p_rep.set_defaults(fn=cmd_report)
+    p_s2r = sub.add_parser("sim2real", help="live CPU engine vs. the simulator")
+    p_s2r.add_argument("--trace", default="conversation")
+    p_s2r.add_argument("--trace-dir", default=None)
+    p_s2r.add_argument("--requests", type=int, default=40)
+    p_s2r.add_argument("--seed", type=int, default=0)
+    p_s2r.set_defaults(fn=cmd_sim2real)
+    a = parser.parse_args(argv)
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

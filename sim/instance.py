@@ -1,0 +1,122 @@
+"""One simulated serving instance: the real scheduler over the real block pool, timed by a
+cost model instead of a GPU.
+
+Each iteration: ``Scheduler.schedule(start)`` picks the batch; the cost model says how long
+it runs; at ``start + duration`` ``Scheduler.update`` advances it with a dummy sampled token
+(0; sequences carry no stop tokens, so they run to ``max_tokens``). Invariants: at most one
+iteration is in flight per instance (``busy``); ``cached`` mirrors exactly the hashes the
+pool holds (kept in step from the pool's stored/evicted events after every change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from placement.cost_model import CostModel
+from policies.chunking import FixedChunk
+from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from policies.sequence import FinishReason, Sequence
+from sim.events import Event
+from store.block_pool import BlockPool
+from store.kv_manager import KVCacheManager
+
+DUMMY_TOKEN = 0
+
+
+class InstanceListener(Protocol):
+    def on_token(self, inst: SimInstance, seq: Sequence, now: float) -> None: ...
+
+    def on_finished(self, inst: SimInstance, seq: Sequence, now: float) -> list[Event]: ...
+
+    def on_unservable(self, inst: SimInstance, seq: Sequence, now: float) -> None: ...
+
+
+class SimInstance:
+    def __init__(
+        self,
+        instance_id: str,
+        role: str,  # "colocated" | "prefill" | "decode"
+        cost: CostModel,
+        num_blocks: int,
+        block_size: int,
+        listener: InstanceListener,
+        token_budget: int = 8192,
+        max_num_seqs: int = 256,
+        chunk_size: int | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.instance_id = instance_id
+        self.role = role
+        self.cost = cost
+        self.listener = listener
+        self.pool = BlockPool(num_blocks, block_size)
+        self.kv = KVCacheManager(self.pool, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(token_budget=token_budget, max_num_seqs=max_num_seqs),
+            self.kv,
+            chunk_rule=FixedChunk(chunk_size),
+        )
+        self.cached: set[int] = set()
+        self.busy = False
+        self.busy_time = 0.0
+        self.iterations = 0
+        self.prefill_tokens = 0  # tokens computed in prefill (not decode) steps
+        self._start_action: Callable[[float], list[Event]] = self._start
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def submit(self, seq: Sequence, now: float) -> list[Event]:
+        self.scheduler.add(seq)
+        return [] if self.busy else [Event(now, self._start_action)]
+
+    def sync_cache(self) -> None:
+        """Replay the pool's stored/evicted events into ``cached``."""
+        cached = self.cached
+        for kind, h in self.pool.drain_events():
+            if kind == "stored":
+                cached.add(h)
+            else:
+                cached.discard(h)
+
+    # -- one iteration -------------------------------------------------------------------
+    def _start(self, now: float) -> list[Event]:
+        if self.busy:
+            return []
+        sched = self.scheduler
+        step = sched.schedule(now)
+        while step.is_empty and sched.waiting and not sched.running:
+            # Nothing runs and the head cannot be admitted into an empty pool: it never will.
+            seq = sched.waiting[0]
+            sched.finish(seq.request_id, FinishReason.ABORT, now)
+            self.listener.on_unservable(self, seq, now)
+            step = sched.schedule(now)
+        if step.is_empty:
+            self.sync_cache()
+            return []
+        batch = [(n, seq.num_computed_tokens) for seq, n in step.entries]
+        self.prefill_tokens += sum(n for n, _ in batch if n > 1)
+        dt = self.cost.batch_time(batch)
+        self.busy = True
+        self.busy_time += dt
+        self.iterations += 1
+        return [Event(now + dt, lambda t: self._end(step, t))]
+
+    def _end(self, step: ScheduledStep, now: float) -> list[Event]:
+        # ScheduledStep.samples, inlined: the step reaches the sequence's last known token.
+        sampling = [s for s, n in step.entries if s.num_computed_tokens + n == len(s.token_ids)]
+        finished = self.scheduler.update(
+            step, dict.fromkeys((s.request_id for s in sampling), DUMMY_TOKEN), now
+        )
+        for seq in sampling:
+            self.listener.on_token(self, seq, now)
+        events: list[Event] = []
+        for seq in finished:
+            events += self.listener.on_finished(self, seq, now)
+        self.sync_cache()
+        self.busy = False
+        if self.scheduler.has_unfinished():
+            events += self._start(now)  # the next iteration starts at once
+        return events

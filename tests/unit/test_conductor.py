@@ -1,0 +1,218 @@
+from __future__ import annotations
+
+import pytest
+
+from policies import admission as adm
+from policies.conductor import (
+    Conductor,
+    ConductorRequest,
+    DecodeInstance,
+    PrefillInstance,
+    apply_decision,
+)
+
+BS = 16
+
+
+def prefill_time(new: int, cached: int) -> float:
+    return 0.001 * new + 0.0001 * cached  # 1 ms per new token, a little per cached one
+
+
+def decode_tbt(batch: int, blocks: int) -> float:
+    return 0.01 + 0.001 * batch + 0.00001 * blocks
+
+
+def slow_transfer(blocks: int) -> float:
+    return 1.0 * blocks
+
+
+def fast_transfer(blocks: int) -> float:
+    return 0.001 * blocks
+
+
+def conductor(transfer=slow_transfer, **kw) -> Conductor:
+    kw.setdefault("ttft_slo", 10.0)
+    kw.setdefault("tbt_slo", 1.0)
+    return Conductor(prefill_time, decode_tbt, transfer, **kw)
+
+
+HASHES = list(range(100, 112))  # 12 full blocks
+
+
+def request(n_blocks=12, tokens=None, max_tokens=64, rid="q") -> ConductorRequest:
+    tokens = tokens if tokens is not None else n_blocks * BS + 8
+    return ConductorRequest(rid, HASHES[:n_blocks], tokens, max_tokens, BS)
+
+
+def decodes(n=2, **kw) -> list[DecodeInstance]:
+    kw.setdefault("total_blocks", 1000)
+    return [DecodeInstance(f"d{i}", **kw) for i in range(n)]
+
+
+def test_prefers_prefix_holder_until_its_queue_makes_another_faster():
+    c = conductor()
+    holder = PrefillInstance("p0", cached=set(HASHES[:10]))
+    other = PrefillInstance("p1")
+    r = request()  # 200 tokens; the holder computes 40, the other 200 (transfer is too slow)
+    for queued in (0, 100, 140):
+        holder.queued_tokens = queued
+        d = c.schedule(r, [other, holder], decodes(), now=0.0)
+        assert d.accepted and d.prefill_id == "p0"
+        assert d.cached_blocks == 10 and d.transfer_from is None
+        assert d.predicted_ttft == pytest.approx(0.001 * queued + 0.04 + 0.016)
+    holder.queued_tokens = 170  # 0.17 + 0.056 > 0.2: the empty instance is now faster
+    d = c.schedule(r, [other, holder], decodes(), now=0.0)
+    assert d.prefill_id == "p1" and d.cached_blocks == 0 and d.transfer_from is None
+    assert d.predicted_ttft == pytest.approx(0.2)
+
+
+def test_copies_the_prefix_when_transfer_beats_recomputing():
+    c = conductor(transfer=fast_transfer)
+    holder = PrefillInstance("p0", queued_tokens=5000, cached=set(HASHES[:10]))
+    other = PrefillInstance("p1")
+    d = c.schedule(request(), [holder, other], decodes(), now=0.0)
+    assert d.prefill_id == "p1" and d.transfer_from == "p0" and d.cached_blocks == 10
+    assert d.predicted_ttft == pytest.approx(0.010 + 0.04 + 0.016)
+
+
+def test_rejects_when_decode_pool_is_full():
+    c = conductor()
+    pool = decodes(2, total_blocks=100, used_blocks=95, num_running=5)
+    d = c.schedule(request(), [PrefillInstance("p0")], pool, now=0.0)
+    assert not d.accepted and d.reason == "decode_full"
+    assert d.prefill_id is None and d.decode_id is None
+    assert d.retry_after is not None and d.retry_after > 0
+    # One instance with room is enough; it is chosen.
+    pool.append(DecodeInstance("d9", total_blocks=100, used_blocks=50, num_running=5))
+    d = c.schedule(request(), [PrefillInstance("p0")], pool, now=0.0)
+    assert d.accepted and d.decode_id == "d9"
+
+
+def test_decode_choice_is_lowest_tbt_with_room():
+    c = conductor()
+    pool = [
+        DecodeInstance("busy", num_running=50, used_blocks=100, total_blocks=1000),
+        DecodeInstance("idle_small", num_running=0, used_blocks=0, total_blocks=10),
+        DecodeInstance("light", num_running=5, used_blocks=100, total_blocks=1000),
+    ]
+    d = c.schedule(request(), [PrefillInstance("p0")], pool, now=0.0)
+    assert d.decode_id == "light"  # idle_small cannot hold 13 + 4 = 17 blocks
+    assert d.predicted_tbt == pytest.approx(decode_tbt(6, 100 + 13))
+
+
+def test_early_rejection_when_predicted_ttft_exceeds_slo():
+    c = conductor(ttft_slo=1.0, admission="early")
+    busy = [PrefillInstance("p0", queued_tokens=3000), PrefillInstance("p1", queued_tokens=2000)]
+    d = c.schedule(request(), busy, decodes(), now=5.0)
+    assert not d.accepted and d.reason == "ttft_slo"
+    assert d.predicted_ttft == pytest.approx(2.0 + 0.2)
+    assert d.retry_after == pytest.approx(1.2)  # the excess drains in that long
+    # Without admission control the same request goes through.
+    d = conductor(ttft_slo=1.0, admission="none").schedule(request(), busy, decodes(), now=5.0)
+    assert d.accepted and d.prefill_id == "p1"
+
+
+def test_early_rejection_judges_decode_load_at_arrival():
+    c = conductor(tbt_slo=0.05, admission="early")
+    pool = decodes(1, num_running=100, used_blocks=200)
+    d = c.schedule(request(), [PrefillInstance("p0")], pool, now=0.0)
+    assert not d.accepted and d.reason == "tbt_slo"
+    assert d.retry_after is not None and d.retry_after >= 1.0
+
+
+def test_predictive_accepts_what_early_refuses_when_decode_load_is_about_to_fall():
+    # The request waits ~1 s for prefill; every running decode lasts 0.5 s, so by the time
+    # it reaches decode the current batch has gone.
+    prefills = [PrefillInstance("p0", queued_tokens=800)]
+    pool = decodes(1, num_running=100, used_blocks=200)
+    kw = dict(ttft_slo=5.0, tbt_slo=0.05, decode_duration=0.5)
+    early = conductor(admission="early", **kw).schedule(request(), prefills, pool, now=0.0)
+    assert not early.accepted and early.reason == "tbt_slo"
+    pred = conductor(admission="predictive", **kw).schedule(request(), prefills, pool, now=0.0)
+    assert pred.accepted, pred
+    # At arrival it meets the 800 queued tokens' requests (about 4 of this size) plus itself.
+    assert pred.predicted_tbt < 0.05
+    # Long decodes: nothing will have finished, so prediction refuses too.
+    slow = conductor(admission="predictive", ttft_slo=5.0, tbt_slo=0.05, decode_duration=100.0)
+    assert not slow.schedule(request(), prefills, pool, now=0.0).accepted
+
+
+def test_predictive_uses_finish_times_and_counts_prefill_arrivals():
+    c = conductor(admission="predictive", ttft_slo=5.0, tbt_slo=0.05, decode_duration=100.0)
+    soon = decodes(1, num_running=100, used_blocks=200)
+    soon[0].finish_times = [0.1] * 100
+    prefills = [PrefillInstance("p0", queued_tokens=800)]
+    assert c.schedule(request(), prefills, soon, now=0.0).accepted
+    # The same, but another prefill instance will hand decode 50 requests by then.
+    flood = PrefillInstance("p1", queued_tokens=5000, queued_requests=50, queue_time=0.5)
+    d = c.schedule(request(), prefills + [flood], soon, now=0.0)
+    assert not d.accepted and d.reason == "tbt_slo"
+
+
+def test_replication_proposed_only_when_gain_passes_threshold():
+    hot = PrefillInstance("p0", queued_tokens=10_000, cached=set(HASHES[:8]))
+    cold = PrefillInstance("p1", cached=set(HASHES[:2]))
+    d = conductor(replication_threshold=2.0).schedule(request(), [hot, cold], decodes(), 0.0)
+    assert d.prefill_id == "p1" and d.transfer_from is None  # slow transfer: computes locally
+    assert d.replicate_blocks == HASHES[2:8] and d.replicate_from == "p0"
+    # 8 / 2 = 4 is not above 5: no replication.
+    d = conductor(replication_threshold=5.0).schedule(request(), [hot, cold], decodes(), 0.0)
+    assert d.prefill_id == "p1" and d.replicate_blocks == [] and d.replicate_from is None
+    # The holder itself chosen: nothing to replicate.
+    hot.queued_tokens = 0
+    d = conductor(replication_threshold=2.0).schedule(request(), [hot, cold], decodes(), 0.0)
+    assert d.prefill_id == "p0" and d.replicate_blocks == []
+    # An instance with no local prefix always gains past any finite threshold.
+    hot.queued_tokens = 10_000
+    empty = PrefillInstance("p2")
+    d = conductor(replication_threshold=100.0).schedule(request(), [hot, empty], decodes(), 0.0)
+    assert d.prefill_id == "p2" and d.replicate_blocks == HASHES[:8]
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    c = conductor()
+    r = request(n_blocks=4, tokens=4 * BS)  # exactly 4 full blocks, all cached
+    p = PrefillInstance("p0", cached=set(HASHES[:4]))
+    d = c.schedule(r, [p], decodes(), 0.0)
+    assert d.predicted_ttft == pytest.approx(prefill_time(1, 4 * BS - 1))
+
+
+def test_apply_decision_updates_the_views():
+    c = conductor()
+    prefills = [PrefillInstance("p0", queued_requests=0)]
+    pool = decodes(1, num_running=1, finish_times=[3.0])
+    r = request(n_blocks=2, tokens=40, max_tokens=24)
+    d = c.schedule(r, prefills, pool, now=1.0)
+    apply_decision(d, r, prefills, pool, now=1.0)
+    assert prefills[0].queued_tokens == 40 and prefills[0].queued_requests == 1
+    assert prefills[0].cached == set(HASHES[:2])
+    assert pool[0].num_running == 2 and pool[0].used_blocks == 4
+    assert len(pool[0].finish_times) == 2
+    assert pool[0].finish_times[1] == pytest.approx(1.0 + d.predicted_ttft + 24 * d.predicted_tbt)
+
+
+def test_rejections_always_carry_retry_after():
+    c = conductor(ttft_slo=0.01, tbt_slo=0.001)
+    for pool in (decodes(1), decodes(1, total_blocks=5)):
+        d = c.schedule(request(), [PrefillInstance("p0")], pool, 0.0)
+        assert not d.accepted and d.retry_after is not None and d.retry_after >= 1.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        conductor(admission="sometimes")
+    with pytest.raises(ValueError):
+        conductor().schedule(request(), [], decodes(), 0.0)
+
+
+def test_admission_arithmetic():
+    assert adm.running_at(10, [], 0.0, 2.5, 10.0) == pytest.approx(7.5)
+    assert adm.running_at(10, [], 0.0, 20.0, 10.0) == 0.0
+    assert adm.running_at(3, [1.0, 2.0, 5.0], 0.0, 2.0, 10.0) == 1.0
+    assert adm.prefill_done_by(10, 4.0, 1.0) == pytest.approx(2.5)
+    assert adm.prefill_done_by(10, 0.0, 1.0) == 10
+    assert adm.time_until_finished(2, 4, [], 0.0, 8.0) == pytest.approx(4.0)
+    assert adm.time_until_finished(2, 3, [9.0, 4.0, 6.0], 1.0, 8.0) == pytest.approx(5.0)
+    assert adm.finishes_needed(lambda k: k >= 7, 10) == 7
+    assert adm.finishes_needed(lambda k: False, 10) is None
+    assert adm.slo_load(2.0, 0.01, 1.0, 0.1) == pytest.approx(2.0)

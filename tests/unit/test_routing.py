@@ -1,0 +1,241 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.routing import (
+    ClusterView,
+    ConsistentHash,
+    LeastLoaded,
+    PowerOfTwoChoices,
+    PrefixAware,
+    RandomRouting,
+    ReplicaView,
+    RoundRobin,
+    RouteRequest,
+    cached_prefix_blocks,
+    replica_load,
+)
+from store.block_pool import BlockPool
+from store.hashing import chained_block_hashes
+
+
+def views(n, **kw):
+    return [ReplicaView(f"r{i}", **kw) for i in range(n)]
+
+
+def req(hashes=(), tokens=64, session=None, rid="q"):
+    return RouteRequest(rid, list(hashes), tokens, session)
+
+
+ALL_POLICIES = [
+    lambda: RandomRouting(random.Random(0)),
+    lambda: RoundRobin(),
+    lambda: LeastLoaded(),
+    lambda: PowerOfTwoChoices(random.Random(0)),
+    lambda: PrefixAware(),
+    lambda: ConsistentHash(),
+]
+
+
+@pytest.mark.parametrize("make", ALL_POLICIES)
+def test_every_policy_returns_a_full_ranking_of_distinct_ids(make):
+    policy = make()
+    rng = random.Random(1)
+    for n in (1, 2, 5, 16):
+        replicas = views(n)
+        for r in replicas:
+            r.queued_prefill_tokens = rng.randrange(1000)
+            r.num_running = rng.randrange(10)
+            r.cached = {rng.randrange(8) for _ in range(4)}
+        for k in range(20):
+            ranking = policy.rank(req(range(5), session=f"s{k}"), replicas, now=float(k))
+            assert sorted(ranking) == sorted(r.replica_id for r in replicas)
+    assert policy.rank(req(), [], 0.0) == []
+
+
+def test_cached_prefix_blocks_stops_at_first_miss():
+    assert cached_prefix_blocks([1, 2, 3, 4], {1, 2, 4}) == 2
+    assert cached_prefix_blocks([1, 2], set()) == 0
+    assert cached_prefix_blocks([], {1}) == 0
+    assert cached_prefix_blocks([1, 2], {1, 2, 3}) == 2
+
+
+def test_random_is_seeded():
+    replicas = views(8)
+    a = [RandomRouting(random.Random(7)).rank(req(), replicas, 0.0) for _ in range(3)]
+    b = [RandomRouting(random.Random(7)).rank(req(), replicas, 0.0) for _ in range(3)]
+    assert a == b
+
+
+def test_round_robin_cycles():
+    rr = RoundRobin()
+    replicas = views(3)
+    firsts = [rr.rank(req(), replicas, 0.0)[0] for _ in range(7)]
+    assert firsts == ["r0", "r1", "r2", "r0", "r1", "r2", "r0"]
+    assert rr.rank(req(), replicas, 0.0) == ["r1", "r2", "r0"]
+
+
+def test_least_loaded_picks_least_loaded():
+    replicas = views(4)
+    replicas[0].queued_prefill_tokens = 500
+    replicas[1].queued_prefill_tokens = 100
+    replicas[2].num_running = 2  # 2 x 16 = 32 token equivalents
+    replicas[3].queued_prefill_tokens = 40
+    assert LeastLoaded().rank(req(), replicas, 0.0) == ["r2", "r3", "r1", "r0"]
+    assert replica_load(replicas[2]) == 32
+    # With a heavier running weight the running replica becomes the busiest.
+    assert LeastLoaded(running_weight=1000).rank(req(), replicas, 0.0)[-1] == "r2"
+
+
+def test_power_of_two_never_picks_the_worse_of_its_samples():
+    replicas = views(6)
+    for i, r in enumerate(replicas):
+        r.queued_prefill_tokens = [50, 10, 70, 30, 60, 20][i]
+    load = {r.replica_id: r.queued_prefill_tokens for r in replicas}
+    p2c = PowerOfTwoChoices(random.Random(3))
+    seen = set()
+    for _ in range(200):
+        ranking = p2c.rank(req(), replicas, 0.0)
+        first, second = ranking[0], ranking[1]
+        assert load[first] <= load[second]
+        assert [load[x] for x in ranking[2:]] == sorted(load[x] for x in ranking[2:])
+        seen.add(first)
+    # The busiest replica can never win a pairwise comparison.
+    assert "r2" not in seen
+    assert len(seen) > 2
+
+
+def test_prefix_aware_picks_longest_cached_prefix():
+    h = [11, 12, 13, 14]
+    replicas = views(3)
+    replicas[0].cached = {11}
+    replicas[1].cached = {11, 12, 13}
+    replicas[2].cached = {12, 13, 14}  # no block 0: worth nothing
+    replicas[1].queued_prefill_tokens = 1000
+    ranking = PrefixAware(max_imbalance=4096).rank(req(h), replicas, 0.0)
+    assert ranking == ["r1", "r0", "r2"]
+
+
+def test_prefix_aware_ties_by_load():
+    replicas = views(3)
+    for r in replicas:
+        r.cached = {1, 2}
+    replicas[0].queued_prefill_tokens = 300
+    replicas[1].queued_prefill_tokens = 100
+    replicas[2].queued_prefill_tokens = 200
+    assert PrefixAware().rank(req([1, 2]), replicas, 0.0) == ["r1", "r2", "r0"]
+
+
+def test_prefix_aware_falls_back_when_best_holder_is_overloaded():
+    replicas = views(4)
+    replicas[0].cached = {1, 2, 3}
+    replicas[1].cached = {1}
+    loads = [5000, 900, 100, 300]
+    for r, q in zip(replicas, loads, strict=True):
+        r.queued_prefill_tokens = q
+    policy = PrefixAware(max_imbalance=1000)
+    # 5000 - 100 > 1000: the holder is overloaded; least loaded among the rest, holder last.
+    assert policy.rank(req([1, 2, 3]), replicas, 0.0) == ["r2", "r3", "r1", "r0"]
+    # Within the threshold the holder keeps its place.
+    replicas[0].queued_prefill_tokens = 1100
+    assert policy.rank(req([1, 2, 3]), replicas, 0.0)[0] == "r0"
+    # A ratio guard: 1100 is not above 20 x 100, so no fallback even past the gap.
+    replicas[0].queued_prefill_tokens = 1900
+    ratio = PrefixAware(max_imbalance=1000, max_imbalance_ratio=20)
+    assert ratio.rank(req([1, 2, 3]), replicas, 0.0)[0] == "r0"
+    assert policy.rank(req([1, 2, 3]), replicas, 0.0)[0] == "r2"
+
+
+def test_consistent_hash_is_stable_per_session():
+    ch = ConsistentHash()
+    replicas = views(8)
+    for k in range(50):
+        first = ch.rank(req(session=f"user{k}", rid="a"), replicas, 0.0)
+        # A different request of the same session, other prefix, later, reordered input.
+        again = ch.rank(req([k, 99], session=f"user{k}", rid="b"), replicas[::-1], 5.0)
+        assert first == again
+    # A fresh instance (another process) agrees: hashlib, not salted hash().
+    assert ConsistentHash().rank(req(session="user3"), replicas, 0.0) == ch.rank(
+        req(session="user3"), replicas, 0.0
+    )
+    # Without a session id, the first block hash is the key.
+    assert ch.rank(req([42, 1]), replicas, 0.0) == ch.rank(req([42, 2, 3]), replicas, 0.0)
+
+
+def test_consistent_hash_removal_remaps_only_the_removed_replicas_keys():
+    ch = ConsistentHash(virtual_nodes=64)
+    replicas = views(8)
+    keys = [f"s{k}" for k in range(2000)]
+    before = {k: ch.rank(req(session=k), replicas, 0.0) for k in keys}
+    owners = {ranking[0] for ranking in before.values()}
+    assert owners == {r.replica_id for r in replicas}  # every replica owns some keys
+    survivors = [r for r in replicas if r.replica_id != "r3"]
+    moved = 0
+    for k in keys:
+        after = ch.rank(req(session=k), survivors, 0.0)
+        if before[k][0] == "r3":
+            moved += 1
+            # The new owner is the old second choice: the ranking is the ring's fallback.
+            assert after[0] == before[k][1]
+        else:
+            assert after[0] == before[k][0]
+        assert after == [x for x in before[k] if x != "r3"]
+    assert 0 < moved < len(keys) // 4
+
+
+def test_cluster_view_applies_events():
+    pool = BlockPool(4, 2)
+    cv = ClusterView(block_size=2)
+    cv.add_replica("a", total_blocks=4)
+    cv.apply_events("a", [("stored", 1), ("stored", 2), ("evicted", 1), ("stored", 3)])
+    assert cv.replica("a").cached == {2, 3}
+    cv.apply_events("a", pool.drain_events())  # the pool's event format, even if empty
+    with pytest.raises(ValueError):
+        cv.apply_events("a", [("bogus", 1)])
+    cv.reset_cached("a", [7, 8])
+    assert cv.replica("a").cached == {7, 8}
+
+
+def test_cluster_view_updates_on_routing_and_keeps_it_across_stale_stats():
+    bs = 4
+    cv = ClusterView(block_size=bs)
+    for rid in ("a", "b"):
+        cv.add_replica(rid, total_blocks=100)
+    cached_set = cv.replica("a").cached
+    tokens = list(range(17))
+    hashes = chained_block_hashes(tokens, bs)
+    request = RouteRequest("q1", hashes, len(tokens))
+    cv.update_stats("a", {"queued_prefill_tokens": 10, "free_blocks": 100}, now=0.0)
+    ranking = cv.route(PrefixAware(), request, now=1.0)
+    chosen = cv.replica(ranking[0])
+    assert chosen.cached >= set(hashes)
+    assert chosen.num_waiting == 1
+    assert chosen.free_blocks == 100 - 5
+    assert cv.replica("a").cached is cached_set  # views are updated in place, never copied
+    # A follow-up with the same prefix goes where the first one went (before any stats).
+    follow = RouteRequest("q2", hashes + [123], 21)
+    assert cv.route(PrefixAware(), follow, now=1.1)[0] == chosen.replica_id
+    # Only the tail of the follow-up is uncomputed: 21 - 4 blocks x 4 = 5 tokens.
+    base = 10 if chosen.replica_id == "a" else 0
+    assert chosen.queued_prefill_tokens == base + 17 + 5
+    # A stale snapshot (taken at 0.5, before both routings) keeps them on top...
+    cv.update_stats(chosen.replica_id, {"queued_prefill_tokens": 0, "num_waiting": 0}, 1.5, 0.5)
+    assert chosen.queued_prefill_tokens == 22 and chosen.num_waiting == 2
+    # ...one taken after the first routing keeps only the second; a fresh one keeps none.
+    cv.update_stats(chosen.replica_id, {"queued_prefill_tokens": 5, "num_waiting": 1}, 1.6, 1.05)
+    assert chosen.queued_prefill_tokens == 10 and chosen.num_waiting == 2
+    fresh = {"queued_prefill_tokens": 0, "num_waiting": 0, "time": 2.0}
+    cv.update_stats(chosen.replica_id, fresh, now=2.1)
+    assert chosen.queued_prefill_tokens == 0 and chosen.num_waiting == 0
+
+
+def test_cluster_view_membership():
+    cv = ClusterView(block_size=4)
+    cv.add_replica("a")
+    cv.update_stats("b", {"num_running": 3, "region": "eu"}, now=0.0)  # unknown: added
+    assert [r.replica_id for r in cv.replicas] == ["a", "b"]
+    assert cv.replica("b").num_running == 3 and cv.replica("b").region == "eu"
+    cv.remove_replica("a")
+    assert "a" not in cv and len(cv) == 1
