@@ -66,7 +66,6 @@ def hf(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=n,
-                min_new_tokens=n,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,

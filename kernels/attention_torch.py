@@ -224,8 +224,9 @@ class Workspace:
         if (
             buf is None
             or buf.numel() < numel
-            or buf.dtype != cache.dtype
-            or (buf.device != cache.device)
+            or (buf.dtype, buf.device) != (cache.dtype, cache.device)
+            # made under inference_mode it cannot be written outside it, and vice versa
+            or buf.is_inference() != torch.is_inference_mode_enabled()
         ):
             buf = torch.empty(max(numel, 1), dtype=cache.dtype, device=cache.device)
             self._buffers[slot] = buf

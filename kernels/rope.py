@@ -79,6 +79,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Holds ``cos, sin: [max_positions, head_dim]`` float32 (non-persistent buffers)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

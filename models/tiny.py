@@ -81,6 +81,9 @@ def tiny_config(kind: str = "dense", **overrides: Any) -> dict[str, Any]:
             rope_scaling=None,
         )
     raw.update(overrides)
+    if "head_dim" not in overrides and raw.get("hidden_size") and raw.get("num_attention_heads"):
+        # follow hidden_size / heads when those are overridden
+        raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
     arch = (raw.get("architectures") or [""])[0]
     raw["model_type"] = overrides.get("model_type", _MODEL_TYPES.get(arch, "llama"))
     return raw

@@ -93,7 +93,7 @@ def cmd_report(a: argparse.Namespace) -> None:
     r_sched = results[: len(sched)]
     r_cap = results[len(sched) : len(sched) + len(cap)]
     r_over = results[len(sched) + len(cap) :]
-    notes = Path(a.notes).read_text().splitlines() if a.notes else []
+    notes = Path(a.notes).read_text().splitlines() if a.notes and Path(a.notes).exists() else []
     write_report(Path(a.out), base, r_sched, r_cap, r_over, notes)
     for r in results:
         print(

@@ -121,7 +121,7 @@ def write_report(
     if local and glob and local.summary.ttft_mean > 0:
         gain = 1 - glob.summary.ttft_mean / local.summary.ttft_mean
         lines += [
-            f"Global over local cache-aware: mean TTFT {100 * gain:+.0f}% lower here; the paper",
+            f"Global over local cache-aware: mean TTFT {100 * gain:.0f}% lower here; the paper",
             "reports 14% lower (section 4.2). The bar heights of its Figure 5 are not in the",
             "text we have, so only that ratio is compared.",
             "",
