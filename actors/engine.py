@@ -18,6 +18,7 @@ from actors.model_runner import ModelRunner
 from actors.outputs import RequestOutput, StreamDelta
 from actors.sampling import SamplingParams, sample
 from errors import ContextLengthError, InvalidRequestError
+from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_cache import allocate_kv_cache
 from models import load_model, load_tokenizer, tiny_model_dir
 from models.config import ModelConfig
@@ -55,6 +56,7 @@ class Engine:
         max_model_len: int | None = None,
         ordering: Ordering | None = None,
         chunk_rule: ChunkRule | None = None,
+        pack_weights: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -62,6 +64,8 @@ class Engine:
         self.dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
         backend = attention_backend or ("flashinfer" if on_gpu else "torch")
         self.model = load_model(self.model_dir, self.dtype, self.device, backend)
+        if pack_weights if pack_weights is not None else can_pack(self.model):
+            pack_linears(self.model)  # fp32 CPU: oneDNN-prepacked weights, same arithmetic
         self.config: ModelConfig = self.model.config
         self.tokenizer = load_tokenizer(self.model_dir)
         self.max_model_len = min(

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors import LLM, SamplingParams
+from kernels.cpu_linear import PackedLinear, can_pack, pack_linears
+from models import load_model, write_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(rows, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(PackedLinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_model_logits_match_plain(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "m", kind="dense")
+    packed = load_model(model_dir)
+    assert can_pack(packed) and pack_linears(packed) > 0
+    llm_plain = LLM(model_dir, pack_weights=False)
+    llm_packed = LLM(model_dir, pack_weights=True)
+    assert any(isinstance(m, PackedLinear) for m in llm_packed.engine.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in llm_plain.engine.model.modules())
+    prompts = [[5 + i for i in range(n)] for n in (9, 17, 30)]
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a = llm_plain.generate(prompt_token_ids=prompts, sampling_params=p)
+    b = llm_packed.generate(prompt_token_ids=prompts, sampling_params=p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
