@@ -60,6 +60,7 @@ class RooflineCostModel:
         self._dense_weight_bytes = (
             m.total_params - m.num_layers * m.num_experts * m.expert_params
         ) * m.dtype_bytes
+        self._allreduce_cache: dict[int, float] = {}
         self._expert_bytes = (
             m.num_layers * m.expert_params * m.dtype_bytes
         )  # one expert, all layers
@@ -99,12 +100,20 @@ class RooflineCostModel:
             tokens += n
             pairs += n * c + n * (n + 1) // 2
             context += n + c
+        return self.totals_time(tokens, pairs, context, len(batch))
+
+    def totals_time(self, tokens: int, pairs: int, context: int, requests: int) -> float:
+        """``batch_time`` from the batch's totals: new tokens, causal (query, key) pairs,
+        context tokens read (new + cached) and requests."""
         t_linear = max(
-            self.linear_flops(tokens, len(batch)) / self._compute,
+            self.linear_flops(tokens, requests) / self._compute,
             self.weight_read_bytes(tokens) / self._bandwidth,
         )
         t_attn = max(self._attn_coef * pairs / self._compute, self._kv * context / self._bandwidth)
-        return self.overhead_s + t_linear + t_attn + self.allreduce_time(tokens)
+        ar = self._allreduce_cache.get(tokens)
+        if ar is None:
+            ar = self._allreduce_cache[tokens] = self.allreduce_time(tokens)
+        return self.overhead_s + t_linear + t_attn + ar
 
     def prefill_time(
         self, new_tokens: int, cached_tokens: int = 0, chunk: int | None = None
@@ -148,5 +157,10 @@ def decode_time(cost: CostModel, batch_size: int, total_context: int) -> float:
     context spread evenly (every term is linear in per-request context for decode)."""
     if batch_size <= 0:
         return 0.0
+    totals = getattr(cost, "totals_time", None)
+    if totals is not None:  # the same sums in closed form: each request has n = 1
+        return float(
+            totals(batch_size, total_context + batch_size, total_context + batch_size, batch_size)
+        )
     per, extra = divmod(total_context, batch_size)
     return cost.batch_time([(1, per + 1)] * extra + [(1, per)] * (batch_size - extra))

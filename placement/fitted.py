@@ -61,3 +61,74 @@ class FittedCostModel:
 
     def describe(self) -> str:
         return ", ".join(f"{k}={w:.3g}" for k, w in zip(FEATURES, self.weights, strict=True))
+
+
+SPLIT_FEATURES = (
+    "const",
+    "prefill_tokens",
+    "prefill_attn_pairs",
+    "prefill_requests",
+    "decode_requests",
+    "decode_context",
+    "mixed",
+    "mixed_decode_requests",
+    "mixed_decode_context",
+)
+
+
+def split_features(batch: Batch) -> list[float]:
+    """Prefill entries (``n > 1``) and decode entries (``n == 1``) priced separately, and
+    decode entries priced again when the batch also holds a prompt chunk (``mixed``): an
+    engine may run a pure-decode batch through a batched path and a mixed batch through a
+    per-request one, so a decode costs differently in each."""
+    p_tokens = p_pairs = p_reqs = d_reqs = d_ctx = 0
+    for n, c in batch:
+        if n > 1:
+            p_tokens += n
+            p_pairs += n * c + n * (n + 1) // 2
+            p_reqs += 1
+        else:
+            d_reqs += 1
+            d_ctx += c
+    pure = [1.0, float(p_tokens), float(p_pairs), float(p_reqs)]
+    if p_reqs:
+        return pure + [0.0, 0.0, 1.0, float(d_reqs), float(d_ctx)]
+    return pure + [float(d_reqs), float(d_ctx), 0.0, 0.0, 0.0]
+
+
+@dataclass
+class SplitFittedCostModel:
+    """``seconds = w . split_features(batch)``, fitted like ``FittedCostModel``."""
+
+    weights: list[float] = field(default_factory=lambda: [0.0] * len(SPLIT_FEATURES))
+
+    @classmethod
+    def fit(
+        cls,
+        batches: Sequence[Batch],
+        seconds: Sequence[float],
+        trim: float = 0.1,
+        passes: int = 2,
+    ) -> SplitFittedCostModel:
+        """Least squares, then ``passes`` refits without the ``trim`` share of steps whose
+        relative residual is largest (timing outliers: GC pauses, OS noise)."""
+        if len(batches) != len(seconds) or not batches:
+            raise ValueError("need one measured time per batch, and at least one")
+        a = np.array([split_features(b) for b in batches])
+        y = np.asarray(seconds, dtype=float)
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-12)
+        keep = np.ones(len(y), dtype=bool)
+        w = nnls(a / scale, y) / scale
+        for _ in range(passes if trim > 0 else 0):
+            resid = np.abs(a @ w - y) / np.maximum(y, 1e-12)
+            keep = resid <= np.quantile(resid, 1.0 - trim)
+            w = nnls(a[keep] / scale, y[keep]) / scale
+        return cls([float(v) for v in w])
+
+    def batch_time(self, batch: Batch) -> float:
+        if not batch:
+            return 0.0
+        return float(sum(w * f for w, f in zip(self.weights, split_features(batch), strict=True)))
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={w:.3g}" for k, w in zip(SPLIT_FEATURES, self.weights, strict=True))

@@ -162,11 +162,16 @@ class Conductor:
         # Best holder: longest prefix, ties by the lighter queue (a less congested sender).
         best = min(range(len(prefills)), key=lambda i: (-local[i], prefills[i].queued_tokens))
         best_len = local[best]
-        remote_prefill = self._prefill_cost(request, best_len)
+        # Prefill time depends only on the cached blocks: compute each distinct count once.
+        costs: dict[int, float] = {}
+        for blocks in local:
+            if blocks not in costs:
+                costs[blocks] = self._prefill_cost(request, blocks)
+        remote_prefill = costs[best_len]
         choice: _PrefillChoice | None = None
         for i, p in enumerate(prefills):
             t_queue = self.queue_time(p)
-            t_exec, blocks, source = self._prefill_cost(request, local[i]), local[i], None
+            t_exec, blocks, source = costs[local[i]], local[i], None
             if best_len > local[i]:
                 t_remote = self.transfer_time(best_len - local[i]) + remote_prefill
                 if t_remote < t_exec:

@@ -134,47 +134,65 @@ class Scheduler:
     # -- one iteration ---------------------------------------------------------------------
     def schedule(self, now: float) -> ScheduledStep:
         step = ScheduledStep()
+        entries = step.entries
         budget = self.config.token_budget
-        self.running.sort(key=lambda s: self.ordering.key(s, now))
+        running = self.running
+        key = self.ordering.key
+        if len(running) > 1:
+            running.sort(key=lambda s: key(s, now))
         scheduled: set[str] = set()
 
-        # Decodes first, then running prefills; both in priority order.
-        queue = [s for s in self.running if not s.in_prefill]
-        queue += [s for s in self.running if s.in_prefill]
-        for seq in queue:
-            if budget == 0:
-                break
-            if seq.is_finished or seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = 1 if not seq.in_prefill else self.chunk_rule.chunk(seq, budget)
-            if n <= 0:
-                continue
-            if not self._grow_or_preempt(seq, n, step, scheduled):
-                continue
-            step.entries.append((seq, n))
-            scheduled.add(seq.request_id)
-            budget -= n
+        # Decodes first, then running prefills; both in priority order. (``in_prefill``
+        # inlined: more than the newest token still lacks KV.)
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for s in running:
+            if len(s.token_ids) - s.num_computed_tokens > 1:
+                prefills.append(s)
+            else:
+                decodes.append(s)
+        allocate = self.kv.allocate
+        for queue, is_prefill in ((decodes, False), (prefills, True)):
+            for seq in queue:
+                if budget == 0:
+                    break
+                if seq.status is not SeqStatus.RUNNING:
+                    continue  # preempted earlier in this loop (or finished)
+                n = self.chunk_rule.chunk(seq, budget) if is_prefill else 1
+                if n <= 0:
+                    continue
+                if not allocate(seq, seq.num_computed_tokens + n) and not self._preempt_until_fits(
+                    seq, n, step, scheduled
+                ):
+                    continue
+                entries.append((seq, n))
+                scheduled.add(seq.request_id)
+                budget -= n
 
         # Waiting requests join in priority order; strict order: the first that does not fit
         # blocks the rest, so a long request is not overtaken forever.
-        self.waiting.sort(key=lambda s: self.ordering.key(s, now))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        waiting = self.waiting
+        if not waiting:
+            return step
+        if len(waiting) > 1:
+            waiting.sort(key=lambda s: key(s, now))
+        while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            seq = waiting[0]
             if seq.num_computed_tokens == 0:
                 seq.num_cached_tokens = self.kv.match_prefix(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens
             n = self.chunk_rule.chunk(seq, budget)
-            if n <= 0 or not self.kv.allocate(seq, seq.num_computed_tokens + n):
+            if n <= 0 or not allocate(seq, seq.num_computed_tokens + n):
                 # Let go of the prefix it matched, so a waiting request pins no blocks.
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.pop(0)
+            waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-            self.running.append(seq)
-            step.entries.append((seq, n))
+            running.append(seq)
+            entries.append((seq, n))
             scheduled.add(seq.request_id)
             budget -= n
         return step
@@ -186,14 +204,23 @@ class Scheduler:
 
         Returns False if ``seq`` itself had to be preempted.
         """
-        while not self.kv.allocate(seq, seq.num_computed_tokens + n):
+        if self.kv.allocate(seq, seq.num_computed_tokens + n):
+            return True
+        return self._preempt_until_fits(seq, n, step, scheduled)
+
+    def _preempt_until_fits(
+        self, seq: Sequence, n: int, step: ScheduledStep, scheduled: set[str]
+    ) -> bool:
+        """``_grow_or_preempt`` after its first allocation attempt failed."""
+        while True:
             victims = [s for s in self.running if s.request_id not in scheduled]
             victim = victims[-1]  # ranked last; may be seq itself
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is seq:
                 return False
-        return True
+            if self.kv.allocate(seq, seq.num_computed_tokens + n):
+                return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -211,12 +238,14 @@ class Scheduler:
         Requests finished or aborted while the step ran are skipped.
         """
         finished = []
+        commit = self.kv.commit
+        running = SeqStatus.RUNNING
         for seq, n in step.entries:
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            samples = ScheduledStep.samples(seq, n)
+            samples = seq.num_computed_tokens + n == len(seq.token_ids)  # ScheduledStep.samples
             seq.num_computed_tokens += n
-            self.kv.commit(seq)
+            commit(seq)
             if not samples:
                 continue
             token = sampled[seq.request_id]
@@ -227,7 +256,7 @@ class Scheduler:
                 self._finish(seq, FinishReason.STOP, now)
             elif len(seq.output_token_ids) >= seq.max_tokens:
                 self._finish(seq, FinishReason.LENGTH, now)
-            if seq.is_finished:
+            if seq.status is SeqStatus.FINISHED:
                 finished.append(seq)
         return finished
 

@@ -47,6 +47,7 @@ class InstanceSpec:
             max_num_seqs=self.max_num_seqs,
             chunk_size=self.chunk_size,
             enable_prefix_caching=self.enable_prefix_caching,
+            loop=listener.loop,
         )
 
 

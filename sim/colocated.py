@@ -28,22 +28,28 @@ class ColocatedCluster(ClusterBase):
             ReplicaView(inst.instance_id, total_blocks=inst.pool.num_blocks, cached=inst.cached)
             for inst in self._instances
         ]
+        # Views are refreshed only for instances that changed since the last arrival.
+        self._dirty: set[int] = set(range(num_instances))
+        for k, inst in enumerate(self._instances):
+            inst.index, inst.watch = k, self._dirty
 
     def instances(self) -> list[SimInstance]:
         return self._instances
 
     def _refresh(self) -> None:
-        for inst, view in zip(self._instances, self.views, strict=True):
+        for k in self._dirty:
+            inst, view = self._instances[k], self.views[k]
             sched = inst.scheduler
             view.num_running = sched.num_running
             view.num_waiting = sched.num_waiting
             view.queued_prefill_tokens = sched.queued_prefill_tokens()
             view.free_blocks = inst.pool.num_free
+        self._dirty.clear()
 
     def dispatch(self, a: Arrival, now: float) -> list[Event]:
         self._refresh()
         route = RouteRequest(a.req.request_id, a.hashes, a.req.input_len, a.req.session_id)
         ranking = self.policy.rank(route, self.views, now)
         inst = self._by_id[ranking[0]]
-        a.stats.prefill_instance = a.stats.decode_instance = self._instances.index(inst)
+        a.stats.prefill_instance = a.stats.decode_instance = inst.index
         return inst.submit(self.new_sequence(a, a.req.output_len), now)

@@ -68,6 +68,10 @@ class DisaggregatedCluster(ClusterBase):
         decode_spec.enable_prefix_caching = False  # decode serves no prefix hits
         self.decodes = [decode_spec.build(f"d{i}", "decode", self) for i in range(num_decode)]
         self._by_id = {i.instance_id: i for i in self.prefills + self.decodes}
+        for k, inst in enumerate(self.prefills):
+            inst.index = k
+        for k, inst in enumerate(self.decodes):
+            inst.index = k
         self.pending: dict[str, _Pending] = {}
         self.reserved = {d.instance_id: 0 for d in self.decodes}
         self.assigned = {d.instance_id: 0 for d in self.decodes}
@@ -78,6 +82,17 @@ class DisaggregatedCluster(ClusterBase):
             ReplicaView(p.instance_id, total_blocks=p.pool.num_blocks, cached=p.cached)
             for p in self.prefills
         ]
+        # The views the Conductor reads are kept, not rebuilt per arrival: a prefill view is
+        # refreshed only when its instance changed since the last arrival (``_dirty``, fed by
+        # the instances' ``watch``); a decode view changes with ``reserved`` / ``assigned``.
+        # Each shares its instance's live ``cached`` set (no copies).
+        self._pviews = [PrefillInstance(p.instance_id, cached=p.cached) for p in self.prefills]
+        self._dviews = [
+            DecodeInstance(d.instance_id, total_blocks=d.pool.num_blocks) for d in self.decodes
+        ]
+        self._dirty: set[int] = set(range(num_prefill))
+        for p in self.prefills:
+            p.watch = self._dirty
 
     def instances(self) -> list[SimInstance]:
         return self.prefills + self.decodes
@@ -98,28 +113,40 @@ class DisaggregatedCluster(ClusterBase):
             t += cost.batch_time([(new, cached)])
         return t
 
+    def fresh_prefill_view(self, p: SimInstance) -> PrefillInstance:
+        """A prefill view computed from scratch (what the kept views must always equal)."""
+        return PrefillInstance(
+            p.instance_id,
+            queued_tokens=p.scheduler.queued_prefill_tokens()
+            + sum(n for n, _ in self.inbound[p.instance_id]),
+            cached=p.cached,
+            queue_time=self._queue_time(p),
+        )
+
     def _prefill_views(self) -> list[PrefillInstance]:
-        return [
-            PrefillInstance(
-                p.instance_id,
-                queued_tokens=p.scheduler.queued_prefill_tokens()
-                + sum(n for n, _ in self.inbound[p.instance_id]),
-                cached=p.cached,
-                queue_time=self._queue_time(p),
-            )
-            for p in self.prefills
-        ]
+        if self._dirty:
+            for k in self._dirty:
+                p, view = self.prefills[k], self._pviews[k]
+                fresh = self.fresh_prefill_view(p)
+                view.queued_tokens, view.queue_time = fresh.queued_tokens, fresh.queue_time
+                rv = self.views[k]
+                rv.num_running = p.scheduler.num_running
+                rv.num_waiting = p.scheduler.num_waiting
+                rv.queued_prefill_tokens = fresh.queued_tokens
+                rv.free_blocks = p.pool.num_free
+            self._dirty.clear()
+        return self._pviews
 
     def _decode_views(self) -> list[DecodeInstance]:
-        return [
-            DecodeInstance(
-                d.instance_id,
-                num_running=self.assigned[d.instance_id],
-                used_blocks=self.reserved[d.instance_id],
-                total_blocks=d.pool.num_blocks,
-            )
-            for d in self.decodes
-        ]
+        return self._dviews
+
+    def _assign(self, d: SimInstance, blocks: int, sign: int) -> None:
+        """Add (sign 1) or remove (sign -1) one request of ``blocks`` lifetime blocks on ``d``."""
+        did = d.instance_id
+        self.reserved[did] += sign * blocks
+        self.assigned[did] += sign
+        view = self._dviews[d.index]
+        view.used_blocks, view.num_running = self.reserved[did], self.assigned[did]
 
     # -- arrival ------------------------------------------------------------------------------
     def _reject(self, a: Arrival, reason: str, now: float) -> list[Event]:
@@ -155,12 +182,7 @@ class DisaggregatedCluster(ClusterBase):
     ) -> list[Event]:
         """Prefill by a routing policy (random, load-balancing ...); decode by the Conductor's
         own decode selection (lowest predicted TBT with room); no SLO admission."""
-        assert self.prefill_policy is not None
-        for view, p, pv in zip(self.views, self.prefills, prefill_views, strict=True):
-            view.num_running = p.scheduler.num_running
-            view.num_waiting = p.scheduler.num_waiting
-            view.queued_prefill_tokens = pv.queued_tokens
-            view.free_blocks = p.pool.num_free
+        assert self.prefill_policy is not None  # self.views were refreshed with prefill_views
         route = RouteRequest(a.req.request_id, a.hashes, a.req.input_len, a.req.session_id)
         p = self._by_id[self.prefill_policy.rank(route, self.views, now)[0]]
         dec = self.conductor.select_decode(req, self._decode_views(), now)
@@ -184,17 +206,18 @@ class DisaggregatedCluster(ClusterBase):
         lifetime = Conductor.decode_blocks(req)
         self.pending[a.req.request_id] = _Pending(a, d, lifetime, expected_cached)
         if d is not None:
-            self.reserved[d.instance_id] += lifetime
-            self.assigned[d.instance_id] += 1
-        a.stats.prefill_instance = self.prefills.index(p)
+            self._assign(d, lifetime, 1)
+        a.stats.prefill_instance = p.index
         seq = self.new_sequence(a, 1)  # prefill yields exactly the first token
         if delay <= 0 and copy is None:
             return p.submit(seq, now)
         inbound = (a.req.input_len - expected_cached, expected_cached)
         self.inbound[p.instance_id].append(inbound)
+        self._dirty.add(p.index)
 
         def land(t: float) -> list[Event]:
             self.inbound[p.instance_id].remove(inbound)
+            self._dirty.add(p.index)
             if copy is not None:
                 src, n = copy
                 self.blocks_copied += copy_prefix(src.pool, p.pool, a.hashes, a.tokens, n)
@@ -215,6 +238,7 @@ class DisaggregatedCluster(ClusterBase):
         def land(t: float) -> list[Event]:
             self.blocks_copied += copy_prefix(src.pool, dst.pool, a.hashes, a.tokens, upto)
             dst.sync_cache()
+            self._dirty.add(dst.index)
             return []
 
         return [Event(now + self.transfer_time(len(blocks) * self.block_size), land)]
@@ -237,10 +261,9 @@ class DisaggregatedCluster(ClusterBase):
                 del self.pending[seq.request_id]
                 return self._reject(pend.arrival, "tbt_slo_after_prefill", now)
             pend.decode = self.decodes[dec.index]
-            self.reserved[pend.decode.instance_id] += pend.lifetime_blocks
-            self.assigned[pend.decode.instance_id] += 1
+            self._assign(pend.decode, pend.lifetime_blocks, 1)
         d = pend.decode
-        st.decode_instance = self.decodes.index(d)
+        st.decode_instance = d.index
         tokens = pend.arrival.tokens + [DUMMY_TOKEN]
         dseq = Sequence(st.request_id, tokens, st.output_len - 1, arrival_time=st.arrival)
         dseq.num_computed_tokens = len(tokens) - 1  # the prompt's KV arrives from prefill
@@ -252,14 +275,12 @@ class DisaggregatedCluster(ClusterBase):
         st = pend.arrival.stats
         del self.pending[st.request_id]
         if pend.decode is not None:
-            self.reserved[pend.decode.instance_id] -= pend.lifetime_blocks
-            self.assigned[pend.decode.instance_id] -= 1
+            self._assign(pend.decode, pend.lifetime_blocks, -1)
         st.on_finish(now)
         return []
 
     def on_unservable(self, inst: SimInstance, seq: Sequence, now: float) -> None:
         pend = self.pending.pop(seq.request_id)
         if pend.decode is not None:
-            self.reserved[pend.decode.instance_id] -= pend.lifetime_blocks
-            self.assigned[pend.decode.instance_id] -= 1
+            self._assign(pend.decode, pend.lifetime_blocks, -1)
         self._reject(pend.arrival, "too_long", now)

@@ -39,6 +39,10 @@ class EventLoop:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def next_time(self) -> float:
+        """Time of the next queued event (infinity when none)."""
+        return self._heap[0][0] if self._heap else float("inf")
+
     def run(self, until: float = float("inf")) -> None:
         """Fire events in time order until the heap is empty or the next one is after ``until``."""
         heap = self._heap

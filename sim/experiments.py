@@ -38,6 +38,10 @@ class RunResult:
     rejections: dict[str, int] = field(default_factory=dict)
     blocks_copied: int = 0
     prefill_busy_s: float = 0.0
+    events: int = 0
+    decode_peak_batch: int = 0  # most requests in one decode iteration, any decode instance
+    decode_peak_kv: float = 0.0  # highest share of a decode instance's KV blocks in use
+    decode_kv_tokens: int = 0  # KV capacity of one decode instance, tokens
 
 
 def execute(spec: RunSpec) -> RunResult:
@@ -56,6 +60,7 @@ def execute(spec: RunSpec) -> RunResult:
     prefill_busy = sum(
         i.busy_time for i in cluster.instances() if i.role in ("prefill", "colocated")
     )
+    decodes = [i for i in cluster.instances() if i.role == "decode"]
     return RunResult(
         spec,
         summary,
@@ -64,6 +69,10 @@ def execute(spec: RunSpec) -> RunResult:
         rejections=rejections,
         blocks_copied=getattr(cluster, "blocks_copied", 0),
         prefill_busy_s=prefill_busy,
+        events=cluster.loop.fired,
+        decode_peak_batch=max((d.peak_batch for d in decodes), default=0),
+        decode_peak_kv=max((d.peak_blocks / d.pool.num_blocks for d in decodes), default=0.0),
+        decode_kv_tokens=decodes[0].pool.num_blocks * decodes[0].block_size if decodes else 0,
     )
 
 

@@ -6,18 +6,25 @@ it runs; at ``start + duration`` ``Scheduler.update`` advances it with a dummy s
 (0; sequences carry no stop tokens, so they run to ``max_tokens``). Invariants: at most one
 iteration is in flight per instance (``busy``); ``cached`` mirrors exactly the hashes the
 pool holds (kept in step from the pool's stored/evicted events after every change).
+
+Iterations run in place: when the next iteration of this instance would end before any
+other queued event (strictly before, so same-time events keep their scheduling order), it
+is simulated at once inside the same action instead of going through the heap; the
+scheduler still runs ``schedule``/``update`` once per iteration and the loop's clock and
+event count advance as if the event had been queued.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 from placement.cost_model import CostModel
 from policies.chunking import FixedChunk
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
-from sim.events import Event
+from sim.events import Event, EventLoop
 from store.block_pool import BlockPool
 from store.kv_manager import KVCacheManager
 
@@ -45,6 +52,7 @@ class SimInstance:
         max_num_seqs: int = 256,
         chunk_size: int | None = None,
         enable_prefix_caching: bool = True,
+        loop: EventLoop | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.role = role
@@ -62,6 +70,13 @@ class SimInstance:
         self.busy_time = 0.0
         self.iterations = 0
         self.prefill_tokens = 0  # tokens computed in prefill (not decode) steps
+        self.peak_batch = 0  # most requests in one iteration
+        self.peak_blocks = 0  # most KV blocks in use at an iteration's start
+        self.loop = loop  # when given, iterations may run in place (see the module docstring)
+        # Position in its pool, and an optional set the instance adds it to whenever its
+        # scheduler state may have changed (clusters refresh only those views).
+        self.index = 0
+        self.watch: set[int] | None = None
         self._start_action: Callable[[float], list[Event]] = self._start
 
     @property
@@ -70,6 +85,8 @@ class SimInstance:
 
     def submit(self, seq: Sequence, now: float) -> list[Event]:
         self.scheduler.add(seq)
+        if self.watch is not None:
+            self.watch.add(self.index)
         return [] if self.busy else [Event(now, self._start_action)]
 
     def sync_cache(self) -> None:
@@ -85,7 +102,17 @@ class SimInstance:
     def _start(self, now: float) -> list[Event]:
         if self.busy:
             return []
+        begun = self._begin(now)
+        if begun is None:
+            return []
+        step, dt = begun
+        return [Event(now + dt, lambda t: self._end(step, t))]
+
+    def _begin(self, now: float) -> tuple[ScheduledStep, float] | None:
+        """Schedule and cost the next iteration; None (and the cache synced) if idle."""
         sched = self.scheduler
+        if self.watch is not None:
+            self.watch.add(self.index)
         step = sched.schedule(now)
         while step.is_empty and sched.waiting and not sched.running:
             # Nothing runs and the head cannot be admitted into an empty pool: it never will.
@@ -93,30 +120,53 @@ class SimInstance:
             sched.finish(seq.request_id, FinishReason.ABORT, now)
             self.listener.on_unservable(self, seq, now)
             step = sched.schedule(now)
-        if step.is_empty:
+        if not step.entries:
             self.sync_cache()
-            return []
+            return None
         batch = [(n, seq.num_computed_tokens) for seq, n in step.entries]
         self.prefill_tokens += sum(n for n, _ in batch if n > 1)
         dt = self.cost.batch_time(batch)
+        if len(batch) > self.peak_batch:
+            self.peak_batch = len(batch)
+        used = self.pool.num_blocks - self.pool.num_free
+        if used > self.peak_blocks:
+            self.peak_blocks = used
         self.busy = True
         self.busy_time += dt
         self.iterations += 1
-        return [Event(now + dt, lambda t: self._end(step, t))]
+        return step, dt
 
     def _end(self, step: ScheduledStep, now: float) -> list[Event]:
-        # ScheduledStep.samples, inlined: the step reaches the sequence's last known token.
-        sampling = [s for s, n in step.entries if s.num_computed_tokens + n == len(s.token_ids)]
-        finished = self.scheduler.update(
-            step, dict.fromkeys((s.request_id for s in sampling), DUMMY_TOKEN), now
-        )
-        for seq in sampling:
-            self.listener.on_token(self, seq, now)
-        events: list[Event] = []
-        for seq in finished:
-            events += self.listener.on_finished(self, seq, now)
-        self.sync_cache()
-        self.busy = False
-        if self.scheduler.has_unfinished():
-            events += self._start(now)  # the next iteration starts at once
-        return events
+        loop = self.loop
+        listener = self.listener
+        sched = self.scheduler
+        while True:
+            if self.watch is not None:
+                self.watch.add(self.index)
+            # ScheduledStep.samples, inlined: the step reaches the sequence's last known token.
+            sampling = [s for s, n in step.entries if s.num_computed_tokens + n == len(s.token_ids)]
+            finished = sched.update(
+                step, dict.fromkeys((s.request_id for s in sampling), DUMMY_TOKEN), now
+            )
+            for seq in sampling:
+                listener.on_token(self, seq, now)
+            events: list[Event] = []
+            for seq in finished:
+                events += listener.on_finished(self, seq, now)
+            self.sync_cache()
+            self.busy = False
+            if not (sched.waiting or sched.running):
+                return events
+            begun = self._begin(now)  # the next iteration starts at once
+            if begun is None:
+                return events
+            step, dt = begun
+            end = now + dt
+            if loop is None:
+                return events + [Event(end, partial(self._end, step))]
+            loop.extend(events)
+            if loop.next_time() <= end:
+                return [Event(end, partial(self._end, step))]
+            # Nothing else happens before this iteration ends: run it in place.
+            now = loop.now = end
+            loop.fired += 1

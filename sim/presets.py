@@ -13,6 +13,7 @@ cluster (a cluster runs one trace once). Policy names:
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -98,9 +99,19 @@ def make_conductor(cfg: ClusterConfig, cost: CostModel, global_cache: bool) -> C
             return math.inf  # local cache-aware: never copy from another instance
 
     admission = "none" if cfg.admission == "baseline" else cfg.admission
+
+    # Pure functions of their arguments, asked for every instance at every arrival: memoised.
+    @functools.lru_cache(maxsize=1 << 16)
+    def prefill(new: int, cached: int) -> float:
+        return prefill_time(cost, new, cached, cfg.prefill_budget)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def decode_tbt(batch: int, blocks: int) -> float:
+        return decode_time(cost, batch, blocks * bs)
+
     return Conductor(
-        prefill_time=lambda new, cached: prefill_time(cost, new, cached, cfg.prefill_budget),
-        decode_tbt=lambda batch, blocks: decode_time(cost, batch, blocks * bs),
+        prefill_time=prefill,
+        decode_tbt=decode_tbt,
         transfer_time=transfer,
         ttft_slo=cfg.ttft_slo,
         tbt_slo=cfg.tbt_slo,

@@ -61,9 +61,13 @@ class KVCacheManager:
         return len(table) * bs
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        table = self.tables.setdefault(seq.request_id, [])
-        self._registered.setdefault(seq.request_id, 0)
-        need = self.blocks_needed(num_tokens) - len(table)
+        rid = seq.request_id
+        table = self.tables.get(rid)
+        if table is None:
+            table = self.tables[rid] = []
+        if rid not in self._registered:
+            self._registered[rid] = 0
+        need = -(-num_tokens // self.block_size) - len(table)  # blocks_needed, inlined
         if need <= 0:
             return True
         if need > self.pool.num_free:
