@@ -35,9 +35,9 @@ class LLM:
         """One output per prompt, in order. Greedy when ``temperature == 0``."""
         token_lists = self._token_lists(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(token_lists))
-        for i, (ids, p) in enumerate(zip(token_lists, params, strict=True)):
+        for i, (tokens, p) in enumerate(zip(token_lists, params, strict=True)):
             try:
-                self.engine.validate(ids, p)
+                self.engine.validate(tokens, p)
             except InvalidRequestError as e:
                 raise type(e)(f"prompt {i}: {e}") from None
         pairs = zip(token_lists, params, strict=True)
