@@ -245,15 +245,7 @@ class TorchAttentionBackend:
         self._plan: TorchAttentionPlan | None = None
         self._workspace = Workspace()
 
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
+    write_kv = staticmethod(write_kv)  # the paged layout is the same for every backend
 
     def attention(
         self,
