@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from actors.engine import Engine
+from actors.replica_controller import ReplicaController
 from actors.outputs import RequestOutput, StreamDelta
 from actors.sampling import SamplingParams
 from errors import InvalidRequestError
@@ -21,7 +21,7 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 
 class LLM:
     def __init__(self, model: str | Path | None = None, **engine_options) -> None:
-        self.engine = Engine(model, **engine_options)
+        self.engine = ReplicaController(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -146,7 +146,7 @@ def _sim2real_section(path: Path) -> list[str]:
     lines += [
         f"From `python -m sim sim2real --requests {d['requests']}` (`{path.name}`). "
         f"Calibration: trace requests {lo}-{hi - 1}",
-        f"replayed live on `actors.engine.Engine` ({d['calibration_steps']} iterations, each "
+        f"replayed live on `actors.replica_controller.ReplicaController` ({d['calibration_steps']} iterations, each "
         "batch read from the engine's own",
         "scheduler step), fitted by `placement.fitted.SplitFittedCostModel`. Evaluation "
         f"(held out): the first {d['requests']}",

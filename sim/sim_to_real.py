@@ -1,4 +1,4 @@
-"""Sim-to-real: replay a trace slice on the live CPU engine (``actors.engine.Engine``, the
+"""Sim-to-real: replay a trace slice on the live CPU engine (``actors.replica_controller.ReplicaController``, the
 tiny model) and in the simulator, and compare per-request TTFT and TPOT.
 
 1. Calibrate on one slice of the trace: replay it live, record each iteration's batch
@@ -93,9 +93,9 @@ class _Recorder:
 
 
 def _engine() -> Any:
-    from actors.engine import Engine
+    from actors.replica_controller import ReplicaController
 
-    return Engine(
+    return ReplicaController(
         block_size=BLOCK, num_blocks=NUM_BLOCKS, token_budget=BUDGET, max_num_seqs=MAX_SEQS
     )
 

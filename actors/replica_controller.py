@@ -1,4 +1,4 @@
-"""The single-replica engine: one model, one paged KV cache, one scheduler.
+"""The replica controller: one model replica's scheduler, block tables and requests.
 
 Each ``step`` is schedule -> run -> postprocess. The engine validates requests, owns their
 sampling state and detokenizers, and reports per-step deltas for streaming.
@@ -38,7 +38,7 @@ class _Request:
     detok: IncrementalDetokenizer
 
 
-class Engine:
+class ReplicaController:
     def __init__(
         self,
         model_dir: str | Path | None = None,
