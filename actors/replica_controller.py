@@ -1,40 +1,49 @@
 """The replica controller: one model replica's scheduler, block tables and requests.
 
-Each ``step`` is schedule -> run -> postprocess. The engine validates requests, owns their
-sampling state and detokenizers, and reports per-step deltas for streaming.
+Each ``step`` is schedule -> run -> postprocess. The controller validates requests, owns
+their sampling state and detokenizers, builds each iteration's compact plan and hands it to
+its executor: in process for a single worker, or worker actors on Ray driven through a
+compiled graph for a ``tp x spp x kvp`` layout. With pipeline stages it keeps up to ``spp``
+steps in flight. When a worker dies, it rebuilds the worker group and recomputes the KV of
+every running request from its tokens, so no request is lost and no token changes.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from actors.collectives import Layout
 from actors.detokenizer import IncrementalDetokenizer
-from actors.model_runner import ModelRunner
+from actors.executor import Executor, LocalExecutor, WorkerFailure
 from actors.outputs import RequestOutput, StreamDelta
-from actors.sampling import SamplingParams, sample
+from actors.sampling import SamplingParams
+from actors.step_plan import PlanEntry, StepPlan, StepResult
+from actors.worker import WorkerSpec
 from errors import ContextLengthError, InvalidRequestError
-from kernels.cpu_linear import can_pack, pack_linears
-from kernels.kv_cache import allocate_kv_cache
-from models import load_model, load_tokenizer, tiny_model_dir
-from models.config import ModelConfig
+from kernels.kv_cache import kv_cache_bytes_per_block
+from models import load_tokenizer, tiny_model_dir
+from models.config import ModelConfig, read_model_config
 from policies.chunking import ChunkRule, FixedChunk
 from policies.ordering import Ordering
-from policies.scheduler import Scheduler, SchedulerConfig
+from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
 from store.block_pool import BlockPool
 from store.kv_manager import KVCacheManager
+from store.kv_sharded_manager import ShardedKVManager
 
 
 @dataclass
 class _Request:
     seq: Sequence
     params: SamplingParams
-    generator: torch.Generator
+    seed: int
     detok: IncrementalDetokenizer
 
 
@@ -57,54 +66,89 @@ class ReplicaController:
         ordering: Ordering | None = None,
         chunk_rule: ChunkRule | None = None,
         pack_weights: bool | None = None,
+        tp: int = 1,
+        spp: int = 1,
+        kvp: int = 1,
+        kvp_rank_tokens: int | None = None,
+        use_compiled_graph: bool = True,
+        executor: Executor | None = None,
     ) -> None:
+        """``num_blocks`` and ``kv_cache_memory`` are per worker (per KVP rank: each holds
+        its own pool). ``kvp_rank_tokens``: most tokens of one request one KVP rank holds
+        before it spills to the next (a multiple of ``block_size``; default: what the rank's
+        pool holds, split evenly so a full-context request fits across the ranks)."""
         self.model_dir = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
+        self.layout = Layout(tp, spp, kvp)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
-        backend = attention_backend or ("flashinfer" if on_gpu else "torch")
-        self.model = load_model(self.model_dir, self.dtype, self.device, backend)
-        if pack_weights if pack_weights is not None else can_pack(self.model):
-            pack_linears(self.model)  # fp32 CPU: oneDNN-prepacked weights, same arithmetic
-        self.config: ModelConfig = self.model.config
+        self.config: ModelConfig = read_model_config(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        cfg = self.config
         self.max_model_len = min(
-            max_model_len or self.config.max_position_embeddings,
-            self.config.max_position_embeddings,
+            max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         self.block_size = block_size
-        cfg = self.config
-        bytes_per_block = (
-            2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
-        ) * torch.tensor([], dtype=self.dtype).element_size()
         if num_blocks is None:
+            per_block = kv_cache_bytes_per_block(
+                -(-cfg.num_hidden_layers // spp),
+                block_size,
+                max(cfg.num_key_value_heads // tp, 1),
+                cfg.head_dim,
+                self.dtype,
+            )
             # Enough for every running request at full context, within the memory budget.
             wanted = max_num_seqs * -(-self.max_model_len // block_size)
-            num_blocks = max(1, min(wanted, kv_cache_memory // bytes_per_block))
+            num_blocks = max(1, min(wanted, kv_cache_memory // per_block))
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(
-            cfg.num_hidden_layers,
-            num_blocks,
-            block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            self.dtype,
-            self.device,
-        )
-        self.pool = BlockPool(num_blocks, block_size)
-        self.kv = KVCacheManager(self.pool, enable_prefix_caching)
+        self.pools = [BlockPool(num_blocks, block_size) for _ in range(kvp)]
+        self.kv: KVCacheManager | ShardedKVManager
+        if kvp == 1:
+            self.kv = KVCacheManager(self.pools[0], enable_prefix_caching)
+        else:
+            if kvp_rank_tokens is None:
+                per_rank = -(-self.max_model_len // kvp)
+                kvp_rank_tokens = min(
+                    -(-per_rank // block_size) * block_size, num_blocks * block_size
+                )
+            self.kv = ShardedKVManager(self.pools, kvp_rank_tokens, enable_prefix_caching)
+        self.pool = self.pools[0]
         self.scheduler = Scheduler(
             SchedulerConfig(token_budget, max_num_seqs),
             self.kv,
             ordering=ordering,
             chunk_rule=chunk_rule or FixedChunk(chunk_size),
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, block_size, self.device)
+        backend = attention_backend or ("flashinfer" if on_gpu else "torch")
+        self.worker_spec = WorkerSpec(
+            model_dir=str(self.model_dir),
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device.type,
+            attention_backend=backend,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            layout=self.layout,
+            pack_weights=pack_weights,
+        )
+        if executor is None:
+            if self.layout.world_size == 1:
+                executor = LocalExecutor(self.worker_spec)
+            else:
+                from actors.ray_executor import RayExecutor
+
+                executor = RayExecutor(self.worker_spec, use_compiled_graph=use_compiled_graph)
+        self.executor: Executor = executor
         self.eos_token_ids = frozenset(
             t for t in (cfg.eos_token_ids or [self.tokenizer.eos_token_id]) if t is not None
         )
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._inflight: deque[tuple[ScheduledStep, object]] = deque()
+        self._seeds = random.Random()
+        self.num_recoveries = 0
+        self.step_timings: list[tuple[int, list[tuple[int, float, float]]]] = []
+        self.record_timings = False
 
     # -- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -131,10 +175,15 @@ class ReplicaController:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"of {self.max_model_len}; set max_tokens <= {self.max_model_len - n}"
             )
-        if -(-(n + params.max_tokens) // self.block_size) > self.num_blocks:
+        capacity = (
+            self.kv.max_tokens
+            if isinstance(self.kv, ShardedKVManager)
+            else self.num_blocks * self.block_size
+        )
+        if n + params.max_tokens > capacity:
             raise ContextLengthError(
-                f"prompt + max_tokens needs more KV blocks than this replica has "
-                f"({self.num_blocks} of {self.block_size} tokens); lower max_tokens"
+                f"prompt + max_tokens needs more KV than this replica holds for one request "
+                f"({capacity} tokens); lower max_tokens"
             )
 
     def add_request(
@@ -162,7 +211,8 @@ class ReplicaController:
         )
         assert isinstance(params.stop, list)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self._requests[request_id] = _Request(seq, params, params.make_generator(), detok)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        self._requests[request_id] = _Request(seq, params, seed, detok)
         self.scheduler.add(seq)
         return request_id
 
@@ -170,7 +220,7 @@ class ReplicaController:
         self.scheduler.finish(request_id, FinishReason.ABORT, time.monotonic())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._inflight)
 
     def output(self, request_id: str) -> RequestOutput:
         r = self._requests[request_id]
@@ -195,30 +245,70 @@ class ReplicaController:
             del self._requests[request_id]
         return out
 
-    # -- one iteration ----------------------------------------------------------------------
+    # -- one iteration ---------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one iteration; returns a delta for every request that produced a token."""
-        step = self.scheduler.schedule(time.monotonic())
-        if step.is_empty:
+        """Run one iteration; returns a delta for every request that produced a token.
+
+        Fills the pipeline (up to ``executor.depth`` steps in flight), then completes the
+        oldest step.
+        """
+        while len(self._inflight) < self.executor.depth:
+            scheduled = self.scheduler.schedule(time.monotonic())
+            if scheduled.is_empty:
+                break
+            handle = self.executor.submit(self._plan(scheduled))
+            self._inflight.append((scheduled, handle))
+        if not self._inflight:
             return []
-        tables = {s.request_id: self.kv.block_table(s.request_id) for s, _ in step.entries}
-        samplers, logits = self.runner.run(step, tables)
-        reqs = [self._requests[s.request_id] for s in samplers]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        scheduled, handle = self._inflight.popleft()
+        try:
+            result = self.executor.result(handle)
+        except WorkerFailure:
+            self._recover()
+            return []
+        if self.record_timings:
+            self.step_timings.append((result.step_id, result.timings))
+        return self._postprocess(scheduled, result)
+
+    def _plan(self, scheduled: ScheduledStep) -> StepPlan:
+        plan = StepPlan(next(self._step_ids))
+        bs = self.block_size
+        flags = scheduled.sample_flags()
+        for (seq, n), start, samples in zip(
+            scheduled.entries, scheduled.starts, flags, strict=True
+        ):
+            end = start + n
+            shards = [
+                (rank, first, blocks[: -(-(end - first) // bs)])
+                for rank, first, blocks in self.kv.shards(seq.request_id)
+                if first < end
+            ]
+            spec = None
+            if samples:
+                r = self._requests[seq.request_id]
+                spec = r.params.spec(r.seed, len(seq.output_token_ids))
+            plan.entries.append(
+                PlanEntry(seq.request_id, start, seq.token_ids[start:end], shards, spec)
+            )
+        return plan
+
+    def _postprocess(self, scheduled: ScheduledStep, result: StepResult) -> list[StreamDelta]:
         now = time.monotonic()
-        sampled = {s.request_id: t for s, t in zip(samplers, tokens, strict=True)}
-        self.scheduler.update(step, sampled, now)
+        self.scheduler.update(scheduled, result.tokens, now)
         deltas = []
-        for r, token in zip(reqs, tokens, strict=True):
+        for rid, token in result.tokens.items():
+            r = self._requests.get(rid)
+            if r is None:
+                continue
             text = r.detok.add([token], final=r.seq.is_finished)
             if r.detok.stopped:
                 if r.seq.is_finished:  # the stop string completed on the last allowed token
                     r.seq.finish_reason = FinishReason.STOP
                 else:
-                    self.scheduler.finish(r.seq.request_id, FinishReason.STOP, now)
+                    self.scheduler.finish(rid, FinishReason.STOP, now)
             deltas.append(
                 StreamDelta(
-                    r.seq.request_id,
+                    rid,
                     [token],
                     text,
                     r.seq.is_finished,
@@ -226,3 +316,20 @@ class ReplicaController:
                 )
             )
         return deltas
+
+    def _recover(self) -> None:
+        """A worker died: drop the steps in flight, bring up a fresh worker group, forget
+        every cached prefix (its KV is gone) and recompute the running requests."""
+        self._inflight.clear()
+        self.executor.restart()
+        self.scheduler.recompute_all()
+        for pool in self.pools:
+            pool.evict_all_cached()
+        self.num_recoveries += 1
+
+    def shutdown(self) -> None:
+        """Stop the workers; requests still running are aborted."""
+        for rid in list(self._requests):
+            self.abort(rid)
+        self._inflight.clear()
+        self.executor.shutdown()

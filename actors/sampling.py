@@ -1,7 +1,9 @@
 """Sampling parameters of one request, and the sampler that turns logits into tokens.
 
-Greedy when ``temperature == 0``. Each request owns a ``torch.Generator``: seeded requests
-draw the same tokens whatever else shares their batch (given the same logits).
+Greedy when ``temperature == 0``. Sampling is stateless: token ``index`` of a request is drawn
+with a generator seeded from ``(seed, index)``, so a seeded request draws the same tokens
+whatever shares its batch, on whichever worker samples it, and after its KV was recomputed.
+Requests without a seed get a random one when they are added.
 """
 
 from __future__ import annotations
@@ -45,37 +47,46 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self) -> torch.Generator:
-        g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return g
+    def spec(self, seed: int, index: int) -> SampleSpec:
+        """What a worker needs to draw token ``index`` of this request."""
+        return (self.temperature, self.top_k, self.top_p, seed, index)
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> list[int]:
+# (temperature, top_k, top_p, seed, index of the token in the request's output)
+SampleSpec = tuple[float, int, float, int, int]
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, index) -> distinct seeds
+
+
+def token_seed(seed: int, index: int) -> int:
+    return (seed * _SEED_MIX + index) % (1 << 63)
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
     """One token per row. logits: [N, vocab] (any float dtype, any device)."""
-    if not params:
+    if not specs:
         return []
     logits = logits.float()
     out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = _sample_row(logits[i].cpu(), p, generators[i])
+    for i, spec in enumerate(specs):
+        if spec[0] != 0.0:
+            out[i] = _sample_row(logits[i].cpu(), spec)
     return out
 
 
-def _sample_row(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
+def _sample_row(row: torch.Tensor, spec: SampleSpec) -> int:
     """row: [vocab] fp32 logits -> a token drawn from the tempered, top-k/top-p cut softmax."""
-    row = row / p.temperature
-    if p.top_k > 0 and p.top_k < row.numel():
-        kth = torch.topk(row, p.top_k).values[-1]
+    temperature, top_k, top_p, seed, index = spec
+    row = row / temperature
+    if top_k > 0 and top_k < row.numel():
+        kth = torch.topk(row, top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
+    if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=g).item())
+    generator = torch.Generator().manual_seed(token_seed(seed, index))
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -95,6 +95,11 @@ class FlashInferAttentionBackend:
         """``q: [T, Hq, D]`` -> ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``."""
         if q.device.type != "cuda":
             raise ValueError("the flashinfer backend runs on CUDA tensors only")
+        if meta.query_offsets is not None:
+            raise NotImplementedError(
+                "flashinfer's causal paged kernel assumes the queries are the newest tokens; "
+                "KV-parallel shard attention (query_offsets) runs on the torch backend"
+            )
         wrapper = self._wrapper_for(q.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]

@@ -9,6 +9,14 @@ them sits at position ``context_lens[b] - 1`` and the first at
 KV cache layout, per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
 A slot is ``block_id * block_size + offset``; ``slot_mapping[t]`` is where query token t's
 own K and V are written before attention reads the cache.
+
+KV-parallel shards generalise this: a sequence's keys may be one shard of its context
+(positions ``[a, a + context_lens[b])``) while its queries sit elsewhere. ``query_offsets[b]``
+is then the position of its first query relative to the first key (``start - a``); query
+row i sees key j iff ``j <= query_offsets[b] + i`` and ``j < context_lens[b]``. A negative
+offset means early queries precede the shard (they see nothing of it); an offset at or past
+``context_lens[b]`` means every key precedes them. ``None`` is the usual case, the queries are
+the newest tokens: ``query_offsets = context_lens - query_lens``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int
     max_context_len: int
+    query_offsets: torch.Tensor | None = None  # [B] int64; see the module docstring
 
     @property
     def num_seqs(self) -> int:
@@ -44,16 +53,25 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        query_offsets: list[int] | None = None,
+        slot_mapping: list[int] | None = None,
     ) -> AttentionMetadata:
-        """Build from plain lists: one entry per sequence, in batch order."""
+        """Build from plain lists: one entry per sequence, in batch order. With
+        ``query_offsets``, give ``slot_mapping`` too (any slots; -1 for none)."""
         if not (len(query_lens) == len(context_lens) == len(block_tables)):
             raise ValueError("query_lens, context_lens and block_tables must have one entry each")
         starts = [0]
-        slots: list[int] = []
-        for q, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+        for q in query_lens:
             starts.append(starts[-1] + q)
-            for pos in range(ctx - q, ctx):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if query_offsets is not None:
+            if slot_mapping is None or len(query_offsets) != len(query_lens):
+                raise ValueError("query_offsets needs one offset per sequence and a slot_mapping")
+            slots = slot_mapping
+        else:
+            slots = []
+            for q, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+                for pos in range(ctx - q, ctx):
+                    slots.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=1) or 1
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         return cls(
@@ -64,4 +82,7 @@ class AttentionMetadata:
             block_size=block_size,
             max_query_len=max(query_lens, default=0),
             max_context_len=max(context_lens, default=0),
+            query_offsets=None
+            if query_offsets is None
+            else torch.tensor(query_offsets, dtype=torch.int64, device=device),
         )

@@ -61,7 +61,8 @@ def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
     rows = torch.arange(max_q, device=device)  # [max_q]
     keys = torch.arange(length, device=device)  # [L]
     # Position of query row i of sequence b; rows past query_lens[b] are padding.
-    q_pos = (ctx - query_lens)[:, None] + rows[None, :]  # [B, max_q]
+    offsets = ctx - query_lens if meta.query_offsets is None else meta.query_offsets
+    q_pos = offsets[:, None] + rows[None, :]  # [B, max_q]
     blocked = (keys[None, None, :] > q_pos[:, :, None]) | (
         keys[None, None, :] >= ctx[:, None, None]
     )

@@ -6,6 +6,12 @@ prompt chunks of running and waiting requests fill what is left of the budget. W
 cache cannot grow, the request that the ordering ranks last is preempted: its blocks are
 freed and it is recomputed later from its prompt and the tokens it already produced.
 
+Steps may be pipelined: ``schedule`` can be called again before ``update`` of the previous
+steps. Scheduled tokens count as in flight (``Sequence.num_inflight_tokens``) until their
+step's ``update``; a request waiting for a sampled token is not scheduled again, and a
+request with tokens in flight is never preempted (its blocks are being written). Steps
+must be updated in the order they were scheduled.
+
 Pure: no clock, no torch, no Ray. ``now`` is an argument; KV space is asked of an injected
 ``KVManager`` so the live engine and the simulator share this exact code.
 """
@@ -59,6 +65,7 @@ class ScheduledStep:
     """
 
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first position of each entry's tokens
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -73,9 +80,12 @@ class ScheduledStep:
     def is_empty(self) -> bool:
         return not self.entries
 
-    @staticmethod
-    def samples(seq: Sequence, n: int) -> bool:
-        return seq.num_computed_tokens + n == seq.num_tokens
+    def sample_flags(self) -> list[bool]:
+        """Per entry: does its range reach the sequence's last known token (so it samples)?"""
+        return [
+            start + n == seq.num_tokens
+            for (seq, n), start in zip(self.entries, self.starts, strict=True)
+        ]
 
 
 class Scheduler:
@@ -147,11 +157,14 @@ class Scheduler:
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for s in running:
-            if len(s.token_ids) - s.num_computed_tokens > 1:
+            pending = len(s.token_ids) - s.num_computed_tokens - s.num_inflight_tokens
+            if pending > 1:
                 prefills.append(s)
-            else:
+            elif pending == 1:
                 decodes.append(s)
+            # pending == 0: its sampled token is still in flight
         allocate = self.kv.allocate
+        starts = step.starts
         for queue, is_prefill in ((decodes, False), (prefills, True)):
             for seq in queue:
                 if budget == 0:
@@ -161,11 +174,14 @@ class Scheduler:
                 n = self.chunk_rule.chunk(seq, budget) if is_prefill else 1
                 if n <= 0:
                     continue
-                if not allocate(seq, seq.num_computed_tokens + n) and not self._preempt_until_fits(
+                start = seq.num_computed_tokens + seq.num_inflight_tokens
+                if not allocate(seq, start + n) and not self._preempt_until_fits(
                     seq, n, step, scheduled
                 ):
                     continue
                 entries.append((seq, n))
+                starts.append(start)
+                seq.num_inflight_tokens += n
                 scheduled.add(seq.request_id)
                 budget -= n
 
@@ -193,33 +209,31 @@ class Scheduler:
                 seq.first_scheduled_time = now
             running.append(seq)
             entries.append((seq, n))
+            starts.append(seq.num_computed_tokens)
+            seq.num_inflight_tokens = n
             scheduled.add(seq.request_id)
             budget -= n
         return step
 
-    def _grow_or_preempt(
-        self, seq: Sequence, n: int, step: ScheduledStep, scheduled: set[str]
-    ) -> bool:
-        """Find KV space for ``n`` more tokens of ``seq``, preempting lower-ranked requests.
-
-        Returns False if ``seq`` itself had to be preempted.
-        """
-        if self.kv.allocate(seq, seq.num_computed_tokens + n):
-            return True
-        return self._preempt_until_fits(seq, n, step, scheduled)
-
     def _preempt_until_fits(
         self, seq: Sequence, n: int, step: ScheduledStep, scheduled: set[str]
     ) -> bool:
-        """``_grow_or_preempt`` after its first allocation attempt failed."""
+        """Find KV space for ``n`` more tokens of ``seq`` after a first allocation failed,
+        preempting lower-ranked requests; False if ``seq`` cannot run this step."""
         while True:
-            victims = [s for s in self.running if s.request_id not in scheduled]
+            victims = [
+                s
+                for s in self.running
+                if s.request_id not in scheduled and not s.num_inflight_tokens
+            ]
+            if not victims:
+                return False  # everything else is in flight: wait for a step to return
             victim = victims[-1]  # ranked last; may be seq itself
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is seq:
                 return False
-            if self.kv.allocate(seq, seq.num_computed_tokens + n):
+            if self.kv.allocate(seq, seq.num_computed_tokens + seq.num_inflight_tokens + n):
                 return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -229,6 +243,16 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.waiting.insert(0, seq)
+
+    def recompute_all(self) -> list[Sequence]:
+        """Every running request loses its KV (e.g. its workers died) and waits to be
+        recomputed from its tokens, ahead of new requests and in its current order. Only
+        valid when no step is in flight any more (the caller discarded them)."""
+        lost = list(self.running)
+        for seq in reversed(lost):
+            seq.num_inflight_tokens = 0
+            self._preempt(seq)
+        return lost
 
     # -- after the model ran ---------------------------------------------------------------
     def update(self, step: ScheduledStep, sampled: dict[str, int], now: float) -> list[Sequence]:
@@ -241,6 +265,7 @@ class Scheduler:
         commit = self.kv.commit
         running = SeqStatus.RUNNING
         for seq, n in step.entries:
+            seq.num_inflight_tokens -= n
             if seq.status is not running:
                 continue
             samples = seq.num_computed_tokens + n == len(seq.token_ids)  # ScheduledStep.samples

@@ -1,8 +1,10 @@
 """The scheduler's view of one request: its tokens and how far its KV has been computed.
 
-Invariant: ``0 <= num_computed_tokens <= num_tokens``. A step that brings
-``num_computed_tokens`` up to ``num_tokens`` samples one new token, so a request in decode
-has ``num_computed_tokens == num_tokens - 1`` between steps.
+Invariant: ``0 <= num_computed_tokens <= num_computed_tokens + num_inflight_tokens <=
+num_tokens``. A step that brings the computed tokens up to ``num_tokens`` samples one new
+token, so a request in decode has ``num_computed_tokens == num_tokens - 1`` between steps.
+``num_inflight_tokens`` counts tokens scheduled in steps that have not returned yet (a
+pipelined replica keeps several steps in flight; otherwise it is 0 between steps).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0  # scheduled in steps that have not returned yet
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -58,7 +61,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens neither computed nor in flight."""
+        return self.num_tokens - self.num_computed_tokens - self.num_inflight_tokens
 
     @property
     def in_prefill(self) -> bool:

@@ -30,6 +30,14 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
+    def shards(self, request_id: str) -> list[tuple[int, int, list[int]]]:
+        """(rank, first position, blocks): one shard on rank 0 (see ShardedKVManager)."""
+        return [(0, 0, self.tables.get(request_id, []))]
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        return [self.pool]
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -27,8 +27,10 @@ def test_packed_model_logits_match_plain(tmp_path):
     assert can_pack(packed) and pack_linears(packed) > 0
     llm_plain = LLM(model_dir, pack_weights=False)
     llm_packed = LLM(model_dir, pack_weights=True)
-    assert any(isinstance(m, PackedLinear) for m in llm_packed.engine.model.modules())
-    assert not any(isinstance(m, PackedLinear) for m in llm_plain.engine.model.modules())
+    packed_modules = llm_packed.engine.executor.worker.shard.modules()
+    assert any(isinstance(m, PackedLinear) for m in packed_modules)
+    plain_modules = llm_plain.engine.executor.worker.shard.modules()
+    assert not any(isinstance(m, PackedLinear) for m in plain_modules)
     prompts = [[5 + i for i in range(n)] for n in (9, 17, 30)]
     p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     a = llm_plain.generate(prompt_token_ids=prompts, sampling_params=p)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from policies.chunking import FixedChunk
-from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from policies.scheduler import Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, SeqStatus, Sequence
 from store.block_pool import BlockPool
 from store.kv_manager import KVCacheManager
@@ -22,7 +22,11 @@ def seq(rid, n, max_tokens=4, t=0.0, start=0):
 
 def run_step(sched, now=0.0, token=1):
     step = sched.schedule(now)
-    sampled = {s.request_id: token for s, n in step.entries if ScheduledStep.samples(s, n)}
+    sampled = {
+        s.request_id: token
+        for (s, _), flag in zip(step.entries, step.sample_flags(), strict=True)
+        if flag
+    }
     return step, sched.update(step, sampled, now)
 
 

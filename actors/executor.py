@@ -1,0 +1,60 @@
+"""How a replica controller reaches its workers: the executor interface, and the in-process
+executor (one worker in the controller's own process, the single-process reference).
+
+``submit(plan)`` starts a step and returns a handle; ``result(handle)`` returns the sampled
+tokens (request id -> token) of every KVP rank, in submission order. Up to ``depth`` steps
+may be in flight (pipeline stages keep several). A dead worker surfaces as
+``WorkerFailure`` from ``result``; ``restart()`` then brings up a fresh worker group with empty
+KV caches, and the controller recomputes what was lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from actors.step_plan import StepPlan, StepResult
+from actors.worker import Worker, WorkerSpec
+
+
+class WorkerFailure(RuntimeError):
+    """A worker of the replica died or stopped answering; in-flight steps are lost."""
+
+
+class Executor(Protocol):
+    depth: int
+
+    def submit(self, plan: StepPlan) -> Any: ...
+
+    def result(self, handle: Any) -> StepResult: ...
+
+    def restart(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """One worker, called directly: ``submit`` runs the step to completion."""
+
+    depth = 1
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.layout.world_size != 1:
+            raise ValueError("the in-process executor runs exactly one worker; use RayExecutor")
+        self.spec = spec
+        self.worker = Worker(spec)
+        self.worker.setup()
+
+    def submit(self, plan: StepPlan) -> StepResult:
+        out = self.worker.execute(plan)
+        assert isinstance(out, StepResult)
+        return out
+
+    def result(self, handle: StepResult) -> StepResult:
+        return handle
+
+    def restart(self) -> None:
+        self.worker = Worker(self.spec)
+        self.worker.setup()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

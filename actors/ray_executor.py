@@ -1,0 +1,193 @@
+"""A replica's worker group on Ray: worker actors in a placement group, driven once per
+iteration through a compiled graph (or plain actor calls, for comparison).
+
+Graph shape, per KVP rank k and TP rank t: ``plan -> stage 0 -> stage 1 -> ... -> last``,
+where every stage gets the plan from the input node and the previous stage's activations
+over a compiled-graph channel (shared memory on one node). All last stages are outputs;
+TP rank 0 of each KVP rank carries the sampled tokens. The graph is compiled with
+``_max_inflight_executions = spp`` so a pipeline of ``spp`` stages holds ``spp`` steps.
+
+An idle compiled-graph actor busy-polls its input channel (~one core each); ``on_idle``
+tears the graph down, and the next ``submit`` compiles it again.
+
+A dead actor makes ``result`` raise ``WorkerFailure``; ``restart`` kills what is left of
+the group and starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.executor import WorkerFailure
+from actors.step_plan import StepPlan, StepResult
+from actors.worker import Worker, WorkerSpec
+
+# Errors that mean a worker (or its node) is gone, not that the step itself was wrong.
+_DEATH = (
+    ray.exceptions.ActorDiedError,
+    ray.exceptions.RayActorError,
+    ray.exceptions.RayChannelError,
+    ray.exceptions.RayChannelTimeoutError,
+    ray.exceptions.GetTimeoutError,
+    ray.exceptions.NodeDiedError,
+)
+
+# Compiled-graph channels hold at most this per message unless every process sees a larger
+# ``RAY_CGRAPH_buffer_size_bytes`` (``_buffer_size_bytes`` alone makes teardown hang).
+CHANNEL_BYTES = 1 << 24
+
+
+class RayExecutor:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        use_compiled_graph: bool = True,
+        num_cpus_per_worker: float = 0.0,
+        step_timeout_s: float = 120.0,
+        setup_timeout_s: float = 300.0,
+    ) -> None:
+        self.spec = spec
+        self.layout = spec.layout
+        self.use_compiled_graph = use_compiled_graph
+        self.depth = spec.layout.spp
+        self.num_cpus_per_worker = num_cpus_per_worker
+        self.step_timeout_s = step_timeout_s
+        self.setup_timeout_s = setup_timeout_s
+        self.actors: list[Any] = []
+        self._graph: Any = None
+        self._pg: Any = None
+        self._env = {"RAY_CGRAPH_buffer_size_bytes": str(CHANNEL_BYTES)}
+        os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(CHANNEL_BYTES))
+        if not ray.is_initialized():
+            ray.init(runtime_env={"env_vars": self._env})
+        self._start()
+
+    # -- worker group -----------------------------------------------------------------------
+    def _start(self) -> None:
+        layout = self.layout
+        on_gpu = self.spec.device == "cuda"
+        bundle = {"CPU": self.num_cpus_per_worker} | ({"GPU": 1} if on_gpu else {})
+        bundles = [dict(bundle) for _ in range(layout.world_size)]
+        if not any(bundle.values()):
+            bundles = [{"CPU": 0.001} for _ in range(layout.world_size)]
+        self._pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=self.setup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._pg)
+            raise RuntimeError(
+                f"the cluster cannot place {layout.world_size} workers ({bundle} each) for "
+                f"layout tp={layout.tp} spp={layout.spp} kvp={layout.kvp}"
+            ) from None
+        remote = ray.remote(Worker)
+        self.actors = [
+            remote.options(
+                num_cpus=bundles[i].get("CPU", 0),
+                num_gpus=1 if on_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i),
+                runtime_env={"env_vars": self._env},
+                max_restarts=0,
+            ).remote(self.spec, coords)
+            for i, coords in enumerate(layout.coords())
+        ]
+        init_method = None
+        if layout.world_size > 1:
+            ip = ray.get(self.actors[0].node_ip.remote(), timeout=self.setup_timeout_s)
+            port = ray.get(self.actors[0].free_port.remote(), timeout=self.setup_timeout_s)
+            init_method = f"tcp://{ip}:{port}"
+        ray.get([a.setup.remote(init_method) for a in self.actors], timeout=self.setup_timeout_s)
+
+    def _actor(self, tp_rank: int, stage: int, kvp_rank: int) -> Any:
+        return self.actors[self.layout.world_rank(tp_rank, stage, kvp_rank)]
+
+    def _compile(self) -> Any:
+        from ray.dag import InputNode, MultiOutputNode
+
+        layout = self.layout
+        with InputNode() as plan:
+            outputs = []
+            for k in range(layout.kvp):
+                prev: list[Any] = []
+                for s in range(layout.spp):
+                    prev = [
+                        self._actor(t, s, k).execute.bind(plan, *([prev[t]] if s else []))
+                        for t in range(layout.tp)
+                    ]
+                outputs.extend(prev)
+            dag = MultiOutputNode(outputs)
+        return dag.experimental_compile(_max_inflight_executions=self.depth)
+
+    # -- steps ------------------------------------------------------------------------------
+    def submit(self, plan: StepPlan) -> Any:
+        try:
+            if not self.use_compiled_graph:
+                return self._submit_plain(plan)
+            if self._graph is None:
+                self._graph = self._compile()
+            return self._graph.execute(plan)
+        except _DEATH as exc:
+            return exc  # surfaced by result(), in order
+
+    def _submit_plain(self, plan: StepPlan) -> list[Any]:
+        layout = self.layout
+        outputs = []
+        for k in range(layout.kvp):
+            prev: list[Any] = []
+            for s in range(layout.spp):
+                prev = [
+                    self._actor(t, s, k).execute.remote(plan, *([prev[t]] if s else []))
+                    for t in range(layout.tp)
+                ]
+            outputs.extend(prev)
+        return outputs
+
+    def result(self, handle: Any) -> StepResult:
+        if isinstance(handle, BaseException):
+            raise WorkerFailure(f"a worker of the replica died: {handle}") from handle
+        try:
+            outs = ray.get(handle, timeout=self.step_timeout_s)
+        except _DEATH as exc:
+            raise WorkerFailure(f"a worker of the replica died: {exc}") from exc
+        tp = self.layout.tp
+        leaders = outs[::tp]  # TP rank 0 of each KVP rank's last stage
+        merged = StepResult(leaders[0].step_id, {}, list(leaders[0].timings))
+        for out in leaders:
+            merged.tokens.update(out.tokens)
+        return merged
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def on_idle(self) -> None:
+        """Tear the compiled graph down so idle actors stop polling; recompiled on demand."""
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._graph is not None:
+            graph, self._graph = self._graph, None
+            try:
+                graph.teardown(kill_actors=False)
+            except Exception:  # noqa: BLE001 - a dead actor may make teardown fail
+                pass
+
+    def restart(self) -> None:
+        self._kill()
+        self._start()
+
+    def _kill(self) -> None:
+        self._teardown()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+        time.sleep(0.1)  # let the raylet return the bundles before they are asked for again
+
+    def shutdown(self) -> None:
+        self._kill()

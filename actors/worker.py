@@ -1,0 +1,151 @@
+"""A model worker: one (TP rank, pipeline stage, KVP rank) of a replica.
+
+Owns its model shard, its layers' KV tensors and kernels; knows nothing of requests beyond
+one step's plan. ``execute(plan, incoming)`` runs the step's tokens through its layers: a
+first stage embeds the plan's token ids, later stages continue from the previous stage's
+activations; the last stage samples (TP rank 0 answers for its group). Plain class; the Ray
+executor makes it remote, the in-process executor calls it directly.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actors.collectives import Collectives, Layout
+from actors.sampling import sample
+from actors.step_plan import StepPlan, StepResult
+from actors.worker_inputs import build_worker_inputs
+from kernels.cpu_linear import can_pack, pack_linears
+from kernels.kv_cache import allocate_kv_cache
+from kernels.kv_parallel_attention import KVParallelAttention
+from models import load_model
+from models.sharding import ModelShard
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Picklable: how to build any worker of a replica."""
+
+    model_dir: str
+    dtype: str  # a torch dtype name, e.g. "float32"
+    device: str  # "cpu" or "cuda"
+    attention_backend: str
+    block_size: int
+    num_blocks: int  # per worker (each KVP rank has its own pool of this size)
+    layout: Layout = Layout()
+    pack_weights: bool | None = None
+
+
+@dataclass
+class StageOutput:
+    """Activations handed from one pipeline stage to the next (over a compiled-graph channel;
+    numpy, which is far cheaper than torch tensors on CPU channels)."""
+
+    step_id: int
+    hidden: np.ndarray  # [T, H]
+    timings: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, coords: tuple[int, int, int] = (0, 0, 0)) -> None:
+        self.spec = spec
+        self.tp_rank, self.stage, self.kvp_rank = coords
+        self.coords = coords
+        self.layout = spec.layout
+        self.device = torch.device(spec.device)
+        self.dtype = getattr(torch, spec.dtype)
+        self.collectives: Collectives | None = None
+        self.shard: ModelShard | None = None
+        self.kv_caches: list = []
+
+    # -- set-up ---------------------------------------------------------------------------
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        """A TCP port free on this node now, for the collectives' rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def setup(self, init_method: str | None = None) -> tuple[int, int, int]:
+        """Join the collectives (when the layout has more than one worker), load this
+        worker's shard and allocate its KV cache. Returns the worker's coordinates."""
+        layout = self.layout
+        if layout.world_size > 1:
+            if init_method is None:
+                raise ValueError("a multi-worker layout needs an init_method for collectives")
+            self.collectives = Collectives(layout, self.coords, init_method, self.device)
+        spec = self.spec
+        model = load_model(Path(spec.model_dir), self.dtype, self.device, spec.attention_backend)
+        reduce = self.collectives.all_reduce_tp if self.collectives else None
+        shard = ModelShard(model, self.stage, layout.spp, self.tp_rank, layout.tp, reduce)
+        del model
+        if spec.pack_weights if spec.pack_weights is not None else can_pack(shard):
+            pack_linears(shard)  # fp32 CPU: oneDNN-prepacked weights, same arithmetic
+        if layout.kvp > 1:
+            assert self.collectives is not None
+            backend = KVParallelAttention(self.collectives.all_gather_kvp)
+            for layer in shard.layers:
+                layer.self_attn.backend = backend  # type: ignore[assignment]
+        cfg = shard.config
+        self.kv_caches = allocate_kv_cache(
+            shard.num_layers,
+            spec.num_blocks,
+            spec.block_size,
+            shard.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.shard = shard
+        return self.coords
+
+    def ping(self) -> bool:
+        return True
+
+    # -- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(
+        self, plan: StepPlan, incoming: StageOutput | None = None
+    ) -> StageOutput | StepResult:
+        began = time.time()
+        shard = self.shard
+        assert shard is not None, "call setup() first"
+        timings = list(incoming.timings) if incoming is not None else []
+        inputs = build_worker_inputs(
+            plan, self.kvp_rank, self.layout.kvp, self.spec.block_size, self.device
+        )
+        exchange = getattr(inputs.meta, "exchange", None)
+        if inputs.entries or exchange is not None:
+            hidden_in = None
+            if incoming is not None:
+                hidden_in = torch.from_numpy(np.array(incoming.hidden)).to(self.device)
+            hidden = shard(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in
+            )
+        else:  # nothing of this step runs on this KVP rank
+            hidden = torch.zeros(0, shard.config.hidden_size, dtype=self.dtype)
+        timings.append((self.stage, began, time.time()))
+        if not shard.is_last:
+            return StageOutput(plan.step_id, hidden.cpu().numpy(), timings)
+        tokens: dict[str, int] = {}
+        if self.tp_rank == 0 and inputs.sample_rows:
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
+            logits = shard.compute_logits(hidden.index_select(0, rows))
+            sampled = sample(logits, inputs.sample_specs)
+            tokens = dict(zip(inputs.sample_ids, sampled, strict=True))
+        return StepResult(plan.step_id, tokens, timings)
+
+    def shutdown(self) -> None:
+        if self.collectives is not None:
+            self.collectives.close()
+            self.collectives = None

@@ -1,0 +1,159 @@
+"""Block tables for KV-cache parallelism: one block pool per KVP rank, requests spill.
+
+A request starts on one rank (the one with the longest cached prefix of it, then the most
+free blocks) and holds at most ``rank_token_limit`` tokens there; further tokens spill to the
+next rank (``(start + i) % kvp``), and so on. So short requests stay on one rank, and only
+long ones span ranks. Shards start on block boundaries (the limit is a multiple of the block
+size) and each rank holds at most one shard of a request.
+
+The first shard is an ordinary ``KVCacheManager`` table on its rank, with prefix caching;
+spilled shards are private block lists (their KV depends on the first shard's prefix, and a
+prefix hit always starts at position 0). Implements the scheduler's ``KVManager`` protocol.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from store.block_pool import BlockPool
+from store.hashing import extend_block_hashes
+from store.kv_manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from policies.sequence import Sequence
+
+Shard = tuple[int, int, list[int]]  # (rank, first position, block ids)
+
+
+class ShardedKVManager:
+    def __init__(
+        self, pools: list[BlockPool], rank_token_limit: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if not pools:
+            raise ValueError("need at least one block pool")
+        block_size = pools[0].block_size
+        if any(p.block_size != block_size for p in pools):
+            raise ValueError("every rank's pool must use the same block size")
+        if rank_token_limit <= 0 or rank_token_limit % block_size:
+            raise ValueError(
+                f"rank_token_limit ({rank_token_limit}) must be a positive multiple of the "
+                f"block size ({block_size})"
+            )
+        self.pools = pools
+        self.block_size = block_size
+        self.limit = rank_token_limit
+        self.managers = [KVCacheManager(p, enable_prefix_caching) for p in pools]
+        self.enable_prefix_caching = enable_prefix_caching
+        self._start: dict[str, int] = {}  # request id -> rank of its first shard
+        self._spilled: dict[str, list[list[int]]] = {}  # blocks on ranks start+1, start+2, ...
+
+    @property
+    def kvp(self) -> int:
+        return len(self.pools)
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest request the ranks can hold together."""
+        return self.kvp * self.limit
+
+    def _cached_blocks(self, rank: int, seq: Sequence) -> int:
+        bs = self.block_size
+        usable = min((seq.num_tokens - 1) // bs, self.limit // bs)
+        pool = self.pools[rank]
+        n = 0
+        for i, h in enumerate(seq.block_hashes[:usable]):
+            if pool.lookup(h, seq.token_ids[i * bs : (i + 1) * bs]) is None:
+                break
+            n += 1
+        return n
+
+    def _choose_start(self, seq: Sequence) -> int:
+        if self.enable_prefix_caching:
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.salt)
+            hits = [self._cached_blocks(r, seq) for r in range(self.kvp)]
+        else:
+            hits = [0] * self.kvp
+        return max(range(self.kvp), key=lambda r: (hits[r], self.pools[r].num_free, -r))
+
+    # -- KVManager protocol ----------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        rid = seq.request_id
+        if rid in self._start:
+            raise ValueError(f"request {rid!r} already holds blocks")
+        start = self._choose_start(seq)
+        self._start[rid] = start
+        self._spilled[rid] = []
+        return self.managers[start].match_prefix(seq)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        rid = seq.request_id
+        if num_tokens > self.max_tokens:
+            raise ValueError(
+                f"request {rid!r} needs {num_tokens} tokens of KV but {self.kvp} ranks of "
+                f"{self.limit} tokens hold {self.max_tokens}"
+            )
+        if rid not in self._start:  # allocation without a prefix match
+            self._start[rid] = self._choose_start(seq)
+            self._spilled[rid] = []
+        start = self._start[rid]
+        first = self.managers[start]
+        # Blocks still needed per rank, checked for every rank before any is taken.
+        needs: list[tuple[int, int]] = []
+        first_need = first.blocks_needed(min(num_tokens, self.limit)) - len(first.block_table(rid))
+        needs.append((start, max(first_need, 0)))
+        spilled = self._spilled[rid]
+        per_rank = self.limit // self.block_size
+        remaining = max(num_tokens - self.limit, 0)
+        i = 0
+        while remaining > 0:
+            rank = (start + 1 + i) % self.kvp
+            held = len(spilled[i]) if i < len(spilled) else 0
+            want = min(-(-remaining // self.block_size), per_rank)
+            needs.append((rank, max(want - held, 0)))
+            remaining -= self.limit
+            i += 1
+        if any(n > self.pools[r].num_free for r, n in needs):
+            return False
+        if not first.allocate(seq, min(num_tokens, self.limit)):
+            return False
+        for i, (rank, n) in enumerate(needs[1:]):
+            if i == len(spilled):
+                spilled.append([])
+            if n:
+                spilled[i].extend(self.pools[rank].allocate(n))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        start = self._start.get(seq.request_id)
+        if start is not None:
+            self.managers[start].commit(seq)
+
+    def free(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        start = self._start.pop(rid, None)
+        if start is None:
+            return
+        self.managers[start].free(seq)
+        for i, blocks in enumerate(self._spilled.pop(rid, [])):
+            if blocks:
+                self.pools[(start + 1 + i) % self.kvp].release(blocks[::-1])
+
+    # -- views ------------------------------------------------------------------------------
+    def shards(self, request_id: str) -> list[Shard]:
+        start = self._start.get(request_id)
+        if start is None:
+            return []
+        out: list[Shard] = [(start, 0, self.managers[start].block_table(request_id))]
+        for i, blocks in enumerate(self._spilled.get(request_id, [])):
+            if blocks:
+                out.append(((start + 1 + i) % self.kvp, (i + 1) * self.limit, blocks))
+        return out
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(p.num_free for p in self.pools)
+
+    @property
+    def hit_ratio(self) -> float:
+        queried = sum(m.queried_tokens for m in self.managers)
+        return sum(m.hit_tokens for m in self.managers) / queried if queried else 0.0
