@@ -29,6 +29,10 @@ class Executor(Protocol):
 
     def restart(self) -> None: ...
 
+    def on_idle(self) -> None:
+        """No step is coming soon: release what busy-waits (compiled-graph polling)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -55,6 +59,9 @@ class LocalExecutor:
     def restart(self) -> None:
         self.worker = Worker(self.spec)
         self.worker.setup()
+
+    def on_idle(self) -> None:
+        pass  # nothing polls in process
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -52,8 +52,12 @@ class RayExecutor:
         num_cpus_per_worker: float = 0.0,
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 300.0,
+        worker_cls: type = Worker,
     ) -> None:
+        """``worker_cls``: the worker class to make remote (anything with ``Worker``'s
+        methods; the control-plane benchmark passes one that skips the model)."""
         self.spec = spec
+        self.worker_cls = worker_cls
         self.layout = spec.layout
         self.use_compiled_graph = use_compiled_graph
         self.depth = spec.layout.spp
@@ -86,7 +90,7 @@ class RayExecutor:
                 f"the cluster cannot place {layout.world_size} workers ({bundle} each) for "
                 f"layout tp={layout.tp} spp={layout.spp} kvp={layout.kvp}"
             ) from None
-        remote = ray.remote(Worker)
+        remote = ray.remote(self.worker_cls)
         self.actors = [
             remote.options(
                 num_cpus=bundles[i].get("CPU", 0),

@@ -327,6 +327,12 @@ class ReplicaController:
             pool.evict_all_cached()
         self.num_recoveries += 1
 
+    def on_idle(self) -> None:
+        """Call when no request is left: idle compiled-graph workers stop polling (each would
+        spin a core); the graph is compiled again on the next step."""
+        if not self.has_unfinished():
+            self.executor.on_idle()
+
     def shutdown(self) -> None:
         """Stop the workers; requests still running are aborted."""
         for rid in list(self._requests):

@@ -179,3 +179,61 @@ def test_duplicate_and_empty_requests_rejected():
     with pytest.raises(ValueError):
         sched.add(Sequence("e", [], 1))
     sched.finish("a", FinishReason.ABORT, 0.0)
+
+
+# -- pipelined steps (several in flight before their updates) ------------------------------
+def test_prefill_chunks_pipeline_but_a_pending_token_is_not_rescheduled():
+    sched, kv, pool = make(budget=8, chunk=4)
+    s = seq("a", 10)
+    sched.add(s)
+    steps = [sched.schedule(0.0) for _ in range(4)]
+    assert [st.num_tokens for st in steps] == [{"a": 4}, {"a": 4}, {"a": 2}, {}]
+    assert [st.starts for st in steps[:3]] == [[0], [4], [8]]
+    assert [st.sample_flags() for st in steps[:3]] == [[False], [False], [True]]
+    assert s.num_inflight_tokens == 10 and s.num_computed_tokens == 0
+    for st in steps[:3]:
+        sched.update(st, {"a": 99} if st.sample_flags()[0] else {}, 0.0)
+    assert s.num_inflight_tokens == 0 and s.num_computed_tokens == 10
+    assert s.output_token_ids == [99]
+    assert sched.schedule(0.0).num_tokens == {"a": 1}  # decode resumes once the token is back
+
+
+def test_requests_with_tokens_in_flight_are_never_preempted():
+    sched, kv, pool = make(num_blocks=4, block_size=4, budget=16, chunk=4)
+    a, b = seq("a", 8, max_tokens=8), seq("b", 8, max_tokens=8, start=50)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule(0.0)  # a: 4 tokens, b: 4 tokens -> 2 blocks in use
+    second = sched.schedule(0.0)  # a and b's second chunks -> all 4 blocks
+    assert first.num_tokens == {"a": 4, "b": 4} and second.num_tokens == {"a": 4, "b": 4}
+    sched.update(first, {}, 0.0)
+    sched.update(second, {"a": 1, "b": 1}, 0.0)
+    third = sched.schedule(0.0)  # a decodes into a 3rd block: preempts b (nothing in flight)
+    assert third.num_tokens == {"a": 1} and third.preempted == [b]
+    # With a's decode in flight, b cannot take a's blocks: it waits instead of preempting.
+    assert sched.schedule(0.0).num_tokens == {}
+    assert a.status is SeqStatus.RUNNING and a.num_inflight_tokens == 1
+    sched.update(third, {"a": 2}, 0.0)
+    sched.finish("a", FinishReason.ABORT, 0.0)
+    sched.finish("b", FinishReason.ABORT, 0.0)
+    assert pool.num_in_use == 0
+
+
+def test_recompute_all_requeues_running_requests_in_order():
+    sched, kv, pool = make(budget=32)
+    a, b = seq("a", 6), seq("b", 6, start=50)
+    sched.add(a)
+    sched.add(b)
+    st = sched.schedule(0.0)
+    sched.update(st, {"a": 7, "b": 8}, 0.0)
+    lost = sched.recompute_all()
+    assert lost == [a, b] and sched.waiting == [a, b] and not sched.running
+    assert pool.num_in_use == 0
+    assert a.num_computed_tokens == 0 and a.token_ids == list(range(6)) + [7]
+    pool.evict_all_cached()  # their KV is gone with the workers (the controller does this)
+    again = sched.schedule(0.0)  # prompt and the sampled token are recomputed together
+    assert again.num_tokens == {"a": 7, "b": 7}
+    assert again.sample_flags() == [True, True]
+    sched.update(again, {"a": 9, "b": 9}, 0.0)
+    sched.finish("a", FinishReason.ABORT, 0.0)
+    sched.finish("b", FinishReason.ABORT, 0.0)

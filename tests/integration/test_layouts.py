@@ -1,0 +1,126 @@
+"""Every parallel layout on a local Ray cluster gives the single-process engine's tokens.
+
+Layouts are {tp 1, 2} x {spp 1, 2, 3} x {kvp 1, 2} over the tiny model (4 layers, 4 query
+and 2 KV heads) in float64, so an argmax tie cannot flip between summation orders. One
+prompt is long enough to spill across KV-parallel ranks: with 48 tokens per rank and
+20-token chunks, the shard boundary falls inside a prefill chunk (tokens 40..59).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from actors.replica_controller import ReplicaController  # noqa: E402
+from actors.sampling import SamplingParams  # noqa: E402
+from models.tiny import tiny_model_dir  # noqa: E402
+
+CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 37, 70)]
+LONG = 2  # index of the prompt that spans KV ranks
+OPTIONS = dict(dtype=torch.float64, chunk_size=20, num_blocks=64, kvp_rank_tokens=48)
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.update(CHANNEL_ENV)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    yield
+    ray.shutdown()
+
+
+def generate(controller: ReplicaController, watch=None) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    ids = [controller.add_request(p, params) for p in PROMPTS]
+    while controller.has_unfinished():
+        controller.step()
+        if watch is not None:
+            watch(controller, ids)
+    return [controller.release(rid).token_ids for rid in ids]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    controller = ReplicaController(tiny_model_dir("dense"), **OPTIONS)
+    tokens = generate(controller)
+    controller.shutdown()
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    return tokens
+
+
+LAYOUTS = [(tp, spp, kvp) for tp in (1, 2) for spp in (1, 2, 3) for kvp in (1, 2)]
+
+
+@pytest.mark.parametrize(("tp", "spp", "kvp"), LAYOUTS, ids=lambda v: str(v))
+def test_layout_matches_single_process(cluster, reference, tp, spp, kvp):
+    if (tp, spp, kvp) == (1, 1, 1):
+        pytest.skip("the single-process reference itself")
+    controller = ReplicaController(tiny_model_dir("dense"), tp=tp, spp=spp, kvp=kvp, **OPTIONS)
+    shard_starts: set[int] = set()
+
+    def watch(c, ids):
+        shards = c.kv.shards(ids[LONG])
+        shard_starts.update(first for _, first, _ in shards)
+
+    try:
+        tokens = generate(controller, watch)
+    finally:
+        controller.shutdown()
+    assert tokens == reference
+    if kvp == 2:
+        assert shard_starts == {0, 48}, "the long prompt must spill onto the second rank"
+        assert 48 % OPTIONS["chunk_size"] != 0  # so the boundary falls inside a chunk
+    for pool in controller.pools:
+        assert pool.num_in_use == 0
+        pool.check_integrity()
+
+
+def test_sequence_pipeline_overlaps_prefill_chunks(cluster):
+    """Chunk k+1 starts on stage 0 before chunk k leaves the last stage."""
+    controller = ReplicaController(
+        tiny_model_dir("dense"), spp=3, dtype=torch.float64, chunk_size=16, num_blocks=64
+    )
+    controller.record_timings = True
+    try:
+        rid = controller.add_request(list(range(3, 3 + 160)), SamplingParams(max_tokens=2))
+        while controller.has_unfinished():
+            controller.step()
+        assert len(controller.release(rid).token_ids) == 2
+    finally:
+        controller.shutdown()
+    steps = sorted(controller.step_timings)
+    chunks = steps[:10]  # 160 prompt tokens in chunks of 16
+    assert len(chunks) == 10
+    overlaps = 0
+    for (_, this), (_, nxt) in zip(chunks, chunks[1:], strict=False):
+        this_last_end = max(end for stage, _, end in this if stage == 2)
+        next_first_start = min(start for stage, start, _ in nxt if stage == 0)
+        overlaps += next_first_start < this_last_end
+    assert overlaps >= 5, f"only {overlaps} of 9 chunk pairs overlapped: {chunks}"
+
+
+def test_worker_killed_mid_generation_recovers(cluster, reference):
+    """The controller rebuilds its workers and recomputes: same tokens, nothing lost."""
+    controller = ReplicaController(tiny_model_dir("dense"), tp=2, spp=1, **OPTIONS)
+    killed = []
+
+    def kill_once(c, ids):
+        produced = sum(len(c.output(rid).token_ids) for rid in ids)
+        if not killed and produced >= 4:
+            killed.append(c.executor.actors[1])
+            ray.kill(c.executor.actors[1])
+
+    try:
+        tokens = generate(controller, kill_once)
+    finally:
+        controller.shutdown()
+    assert killed and controller.num_recoveries == 1
+    assert tokens == reference
+    for pool in controller.pools:
+        assert pool.num_in_use == 0
+        pool.check_integrity()
