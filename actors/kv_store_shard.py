@@ -1,0 +1,378 @@
+"""The KV store shard actor (one per node) and the client workers use to reach shards.
+
+``KVStoreShard`` is a plain class: a ``store.ShardStore`` whose DRAM tier lives in a shared
+memory segment, plus a ``TransferEngine`` that serves that segment (to same-node processes
+by mapping it, to other nodes over TCP). Deploy it with ``kv_store_shard_actor()`` (Ray,
+``num_cpus=0``). Only small control messages go through its methods: hashes, offsets,
+endpoints. KV bytes move through the transfer layer, one copy, never through Ray.
+
+    shard = KVStoreShard(shard_id, block_bytes, dram_bytes, ssd_bytes=0, ssd_dir=None,
+                         node_id=None, serve_tcp=True, tcp_host="127.0.0.1")
+    shard.endpoint() -> Endpoint
+    shard.begin_put(hashes, nbytes, parents=None) -> list[int | None]  # offsets to write
+    shard.commit_put(hashes) -> list[int] / shard.abort_put(hashes)
+    shard.acquire(request_id, hashes) -> list[BlockLocation]            # pinned, in DRAM
+    shard.release(request_id) -> int
+    shard.pull(source: Endpoint, blocks: list[BlockLocation]) -> list[int]  # replica copy
+    shard.match_prefix(hashes) -> int; remove(hashes) -> int; stats()
+    shard.events_since(cursor) -> (cursor, events, snapshot | None)   # directory feed
+
+``KVStoreClient`` runs where a worker or the Conductor runs. It keeps the ``BlockDirectory``
+and one handle per shard; a shard that died (its calls raise ``RayActorError``) drops out
+of the directory and its blocks read as misses, so the caller recomputes:
+
+    client = KVStoreClient(client_id, directory=None, node_id=None)
+    client.add_shard(shard_id, handle) -> Endpoint | None
+    client.put_blocks(shard_id, hashes, blocks, parents=None) -> list[int]
+    client.get_blocks(request_id, hashes, outs) -> int           # leading blocks loaded
+    client.store_from_cache(shard_id, hashes, kv_caches, block_ids, parents=None)
+    client.load_into_cache(request_id, hashes, kv_caches, block_ids) -> int
+    client.change_replica(hashes, src_shard, dst_shard, move=False) -> list[int]
+    client.refresh() (apply shard events) ; client.mark_dead(shard_id)
+Calls block on ``ray.get``; from async code run them in a thread (``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from store.block_directory import BlockDirectory
+from store.block_key import as_byte_view
+from store.kv_block_layout import KVBlockLayout, KVCaches
+from store.kv_store_errors import InvalidBlockError, StoreFullError, TransferError
+from store.shard_store import BlockLocation, ShardStore
+from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
+from store.transfer import Endpoint, TransferEngine
+
+DEAD = (RayActorError, ActorUnavailableError)
+LOG_LIMIT = 100_000  # events a shard keeps for directory readers
+
+
+def current_node_id() -> str:
+    """Ray's node id inside a Ray process, else the host name."""
+    if ray.is_initialized():
+        return str(ray.get_runtime_context().get_node_id())
+    return socket.gethostname()
+
+
+class KVStoreShard:
+    def __init__(
+        self,
+        shard_id: str,
+        block_bytes: int,
+        dram_bytes: int,
+        ssd_bytes: int = 0,
+        ssd_dir: str | None = None,
+        node_id: str | None = None,
+        serve_tcp: bool = True,
+        tcp_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+    ) -> None:
+        if block_bytes <= 0 or dram_bytes < block_bytes:
+            raise InvalidBlockError("need block_bytes > 0 and dram_bytes >= block_bytes")
+        self.shard_id = shard_id
+        self.segment = SharedSegment.create((dram_bytes // block_bytes) * block_bytes, shm_dir)
+        self.store = ShardStore(
+            block_bytes, dram_bytes, ssd_bytes, ssd_dir, dram_buffer=self.segment.array
+        )
+        self.engine = TransferEngine(
+            shard_id,
+            node_id or current_node_id(),
+            self.segment,
+            serve_tcp=serve_tcp,
+            tcp_host=tcp_host,
+            advertise_host=advertise_host,
+            shm_dir=shm_dir,
+        )
+        self._log: list[tuple[str, int]] = []  # events since _log_base, for every reader
+        self._log_base = 0
+
+    def endpoint(self) -> Endpoint:
+        return self.engine.endpoint
+
+    def ping(self) -> str:
+        return self.shard_id
+
+    # -- writes: the writer reserves, copies through the transfer layer, commits -----------
+    def begin_put(
+        self, hashes: list[int], nbytes: int | list[int], parents: list[int | None] | None = None
+    ) -> list[int | None]:
+        """Reserve invisible slots; one entry per handled hash, in order: the byte offset to
+        write to, or None when the block is already stored or in flight. Shorter than
+        ``hashes`` when the shard is full of pinned blocks."""
+        sizes = [nbytes] * len(hashes) if isinstance(nbytes, int) else list(nbytes)
+        parents = parents if parents is not None else [None, *hashes[:-1]]
+        if not len(sizes) == len(parents) == len(hashes):
+            raise InvalidBlockError("hashes, nbytes and parents must have the same length")
+        out: list[int | None] = []
+        for h, n, p in zip(hashes, sizes, parents, strict=True):
+            try:
+                view = self.store.begin_put(h, n, p)
+            except StoreFullError:
+                break
+            out.append(None if view is None else self.store.dram.location(int(h))[0])
+        return out
+
+    def commit_put(self, hashes: list[int]) -> list[int]:
+        for h in hashes:
+            self.store.commit_put(h)
+        return [int(h) for h in hashes]
+
+    def abort_put(self, hashes: list[int]) -> None:
+        for h in hashes:
+            if self.store.dram.is_pending(int(h)):
+                self.store.abort_put(h)
+
+    # -- reads: the reader acquires (pins), copies, releases --------------------------------
+    def acquire(self, request_id: str, hashes: list[int]) -> list[BlockLocation]:
+        return self.store.acquire(request_id, hashes)
+
+    def release(self, request_id: str) -> int:
+        return self.store.release(request_id)
+
+    def match_prefix(self, hashes: list[int]) -> int:
+        return self.store.match_prefix(hashes)
+
+    # -- replicas ---------------------------------------------------------------------------
+    def pull(self, source: Endpoint, blocks: list[BlockLocation]) -> list[int]:
+        """Copy blocks the source shard pinned into this shard (change_replica's target
+        side); returns the hashes now visible here because of it."""
+        reserved, ops = [], []
+        for loc in blocks:
+            try:
+                view = self.store.begin_put(loc.block_hash, loc.nbytes, loc.parent)
+            except StoreFullError:
+                break
+            if view is not None:
+                reserved.append(loc.block_hash)
+                ops.append((loc.offset, view))
+        try:
+            self.engine.read(source, ops)
+        except BaseException:
+            self.abort_put(reserved)
+            raise
+        return self.commit_put(reserved)
+
+    def remove(self, hashes: list[int]) -> int:
+        return sum(self.store.remove(h) for h in hashes if not self.store.is_pinned(int(h)))
+
+    def events_since(self, cursor: int) -> tuple[int, list[tuple[str, int]], list[int] | None]:
+        """Changes since ``cursor`` for any number of readers: ``(new cursor, events,
+        None)``, or ``(new cursor, [], every hash held)`` when ``cursor`` fell out of the
+        bounded log (the reader then replaces what it knew of this shard)."""
+        self._log.extend(self.store.drain_events())
+        if len(self._log) > LOG_LIMIT:
+            drop = len(self._log) - LOG_LIMIT
+            del self._log[:drop]
+            self._log_base += drop
+        end = self._log_base + len(self._log)
+        if cursor < self._log_base or cursor > end:
+            return end, [], sorted(self.store.held())
+        return end, self._log[cursor - self._log_base :], None
+
+    def stats(self) -> dict[str, int]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.engine.close()
+        self.segment.close()
+
+
+def kv_store_shard_actor(**options: Any) -> Any:
+    """``KVStoreShard`` as a Ray actor class (``num_cpus=0`` unless overridden)."""
+    return ray.remote(**{"num_cpus": 0, **options})(KVStoreShard)
+
+
+class KVStoreClient:
+    def __init__(
+        self,
+        client_id: str,
+        directory: BlockDirectory | None = None,
+        node_id: str | None = None,
+        prefer: Sequence[str] = (),
+    ) -> None:
+        self.directory = directory if directory is not None else BlockDirectory()
+        self.engine = TransferEngine(client_id, node_id or current_node_id(), prefer=prefer)
+        self.handles: dict[str, Any] = {}
+        self.endpoints: dict[str, Endpoint] = {}
+        self._cursors: dict[str, int] = {}
+        self._ids = itertools.count()
+
+    def add_shard(self, shard_id: str, handle: Any) -> Endpoint | None:
+        """Start using a shard; None (and nothing added) if it is already dead."""
+        try:
+            ep: Endpoint = ray.get(handle.endpoint.remote())
+        except DEAD:
+            return None
+        self.handles[shard_id] = handle
+        self.endpoints[shard_id] = ep
+        self.directory.add_shard(shard_id)
+        return ep
+
+    def mark_dead(self, shard_id: str) -> int:
+        """Drop a dead shard: out of the directory; returns how many blocks it held."""
+        ep = self.endpoints.pop(shard_id, None)
+        self.handles.pop(shard_id, None)
+        self._cursors.pop(shard_id, None)
+        if ep is not None:
+            self.engine.forget(ep)
+        return self.directory.remove_shard(shard_id)
+
+    def refresh(self) -> list[str]:
+        """Apply every live shard's events to the directory; returns shards found dead."""
+        dead = []
+        for shard_id, handle in list(self.handles.items()):
+            try:
+                cursor, events, snapshot = ray.get(
+                    handle.events_since.remote(self._cursors.get(shard_id, 0))
+                )
+            except DEAD:
+                self.mark_dead(shard_id)
+                dead.append(shard_id)
+                continue
+            self._cursors[shard_id] = cursor
+            if snapshot is not None:
+                self.directory.remove_shard(shard_id)
+                self.directory.add_shard(shard_id)
+                events = [("stored", h) for h in snapshot]
+            self.directory.apply_events(shard_id, events)
+        return dead
+
+    # -- writes ----------------------------------------------------------------------------
+    def put_blocks(
+        self,
+        shard_id: str,
+        hashes: list[int],
+        blocks: Sequence[Any],
+        parents: list[int | None] | None = None,
+    ) -> list[int]:
+        """Write blocks (contiguous buffers) to a shard; returns hashes stored by this
+        call. Blocks already there or the shard being full shorten the list."""
+        return self._put(shard_id, hashes, [[(0, b)] for b in blocks], parents)
+
+    def store_from_cache(
+        self,
+        shard_id: str,
+        hashes: list[int],
+        kv_caches: KVCaches,
+        block_ids: list[int],
+        parents: list[int | None] | None = None,
+    ) -> list[int]:
+        """Write full paged-cache blocks straight from a worker's KV cache."""
+        layout = KVBlockLayout.of(kv_caches)
+        per_block = [layout.copy_ops(kv_caches, b, 0) for b in block_ids]
+        return self._put(shard_id, hashes, per_block, parents)
+
+    def _put(
+        self,
+        shard_id: str,
+        hashes: list[int],
+        per_block: list[list[tuple[int, Any]]],
+        parents: list[int | None] | None,
+    ) -> list[int]:
+        if len(per_block) != len(hashes):
+            raise InvalidBlockError("one block per hash")
+        handle, ep = self.handles[shard_id], self.endpoints[shard_id]
+        sizes = [sum(as_byte_view(b).size for _, b in ops) for ops in per_block]
+        parents = parents if parents is not None else [None, *hashes[:-1]]
+        stored: list[int] = []
+        start = 0
+        try:
+            while start < len(hashes):  # a batch stops where the shard has no free slot
+                end = len(hashes)
+                offsets = ray.get(
+                    handle.begin_put.remote(hashes[start:end], sizes[start:end], parents[start:end])
+                )
+                if not offsets:
+                    break  # full of pinned or pending blocks: the rest is not stored
+                todo = [
+                    (hashes[start + i], off, per_block[start + i])
+                    for i, off in enumerate(offsets)
+                    if off is not None
+                ]
+                ops = [(off + rel, buf) for _, off, block_ops in todo for rel, buf in block_ops]
+                try:
+                    self.engine.write(ep, ops)
+                except TransferError:
+                    handle.abort_put.remote([h for h, _, _ in todo])
+                    raise
+                stored += ray.get(handle.commit_put.remote([h for h, _, _ in todo]))
+                start += len(offsets)
+        except DEAD:
+            self.mark_dead(shard_id)
+        for h in stored:
+            self.directory.add(h, shard_id)
+        return stored
+
+    # -- reads -----------------------------------------------------------------------------
+    def get_blocks(self, request_id: str, hashes: list[int], outs: Sequence[Any]) -> int:
+        """Load the longest stored prefix of ``hashes`` into ``outs`` (one writable buffer
+        per block, of the block's size); returns how many leading blocks were loaded. The
+        rest (a miss, a dead shard) is the caller's to recompute."""
+        return self._get(request_id, hashes, lambda i, off: [(off, outs[i])])
+
+    def load_into_cache(
+        self, request_id: str, hashes: list[int], kv_caches: KVCaches, block_ids: list[int]
+    ) -> int:
+        """Load the longest stored prefix of ``hashes`` straight into paged-cache blocks
+        ``block_ids`` (one copy from the shard's segment); returns blocks loaded."""
+        layout = KVBlockLayout.of(kv_caches)
+        return self._get(
+            request_id, hashes, lambda i, off: layout.copy_ops(kv_caches, block_ids[i], off)
+        )
+
+    def _get(self, request_id: str, hashes: list[int], ops_for: Any) -> int:
+        while True:
+            shard_id, n = self.directory.best_holder(hashes)
+            if shard_id is None or n == 0:
+                return 0
+            handle, ep = self.handles[shard_id], self.endpoints[shard_id]
+            pin_id = f"{request_id}#{next(self._ids)}"
+            try:
+                locs: list[BlockLocation] = ray.get(handle.acquire.remote(pin_id, hashes[:n]))
+                try:
+                    ops = [op for i, loc in enumerate(locs) for op in ops_for(i, loc.offset)]
+                    self.engine.read(ep, ops)
+                finally:
+                    handle.release.remote(pin_id)
+            except (*DEAD, TransferError):
+                self.mark_dead(shard_id)
+                continue  # another holder may have the prefix; else a miss
+            return len(locs)  # fewer than n: evicted since (refresh() catches up) or
+            # DRAM full of pinned blocks; either way the rest is a miss for this call
+
+    # -- replicas --------------------------------------------------------------------------
+    def change_replica(
+        self, hashes: list[int], src_shard: str, dst_shard: str, move: bool = False
+    ) -> list[int]:
+        """Copy (``move``: then drop at the source) the stored prefix of ``hashes`` from
+        one shard to another, shard to shard through the transfer layer; returns the hashes
+        the destination now holds because of it."""
+        src, dst = self.handles[src_shard], self.handles[dst_shard]
+        pin_id = f"replica-{src_shard}-{dst_shard}#{next(self._ids)}"
+        try:
+            locs = ray.get(src.acquire.remote(pin_id, hashes))
+            try:
+                copied: list[int] = ray.get(dst.pull.remote(self.endpoints[src_shard], locs))
+            finally:
+                src.release.remote(pin_id)
+        except DEAD:
+            self.refresh()
+            return []
+        for h in copied:
+            self.directory.add(h, dst_shard)
+        if move and copied:
+            ray.get(src.remove.remote(copied))
+            for h in copied:
+                self.directory.discard(h, src_shard)
+        return copied
+
+    def close(self) -> None:
+        self.engine.close()

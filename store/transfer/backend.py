@@ -1,0 +1,80 @@
+"""The transfer-backend interface and the registry that picks one by name, lazily.
+
+Every backend moves bytes between local buffers and byte ranges of a remote endpoint's
+segment (see ``endpoint.py``): ``read(remote, ops)`` and ``write(remote, ops)`` return the
+bytes moved and either finish every op or raise ``TransferError``. Backends are imported
+only when first asked for, so a GPU backend's package is needed only where it runs.
+
+    shm       same node: one memcpy between shared-memory mappings
+    tcp       across nodes: plain sockets to the remote's TcpServer
+    nccl      GPU clusters (slot)
+    mooncake  Mooncake transfer engine, RDMA (slot)
+    nixl      NVIDIA NIXL, RDMA (slot)
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from store.kv_store_errors import BackendUnavailableError
+from store.transfer.endpoint import CopyOps, Endpoint
+
+_REGISTRY: dict[str, str] = {
+    "shm": "store.transfer.shm_backend:ShmBackend",
+    "tcp": "store.transfer.tcp_backend:TcpBackend",
+    "nccl": "store.transfer.gpu_backends:NcclBackend",
+    "mooncake": "store.transfer.gpu_backends:MooncakeBackend",
+    "nixl": "store.transfer.gpu_backends:NixlBackend",
+}
+
+
+class TransferBackend(ABC):
+    name: ClassVar[str]
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this backend can run in this process (its package imports)."""
+        return True
+
+    @abstractmethod
+    def read(self, remote: Endpoint, ops: CopyOps) -> int:
+        """local buffers <- remote ranges; returns bytes moved."""
+
+    @abstractmethod
+    def write(self, remote: Endpoint, ops: CopyOps) -> int:
+        """remote ranges <- local buffers; returns bytes moved."""
+
+    def forget(self, remote: Endpoint) -> None:  # noqa: B027 - optional hook
+        """Drop cached mappings/connections to ``remote`` (it died or moved)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release every mapping and connection."""
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def register_backend(name: str, target: str) -> None:
+    """Add or replace a backend: ``target`` is ``"package.module:ClassName"``."""
+    if ":" not in target:
+        raise ValueError("target must look like 'package.module:ClassName'")
+    _REGISTRY[name] = target
+
+
+def backend_class(name: str) -> type[TransferBackend]:
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise BackendUnavailableError(
+            f"unknown transfer backend {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        )
+    module, _, cls = target.partition(":")
+    found: type[TransferBackend] = getattr(importlib.import_module(module), cls)
+    return found
+
+
+def create_backend(name: str, **kwargs: object) -> TransferBackend:
+    """An instance of backend ``name``; raises BackendUnavailableError if it cannot run."""
+    return backend_class(name)(**kwargs)

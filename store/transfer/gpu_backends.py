@@ -1,0 +1,86 @@
+"""Slots for GPU-cluster backends: NCCL, Mooncake's transfer engine, NVIDIA NIXL.
+
+Each is registered under its name so a deployment config can ask for it; constructing one
+checks its package first and raises ``BackendUnavailableError`` saying what to install, or,
+when the package is present, that the slot still has to be wired. Wiring one means
+implementing ``read``/``write`` of ``(remote offset, local buffer)`` ops against the remote
+endpoint's registered memory (Mooncake: ``TransferEngine.register_memory`` on the shard's
+segment and ``transfer_sync_read``/``transfer_sync_write``; NIXL: register the segment with
+a ``nixl_agent`` and post READ/WRITE transfers; NCCL: paired ``send``/``recv`` between
+the two processes, which needs both sides to take part). The same-node ``shm`` and
+cross-node ``tcp`` backends need nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import ClassVar
+
+from store.kv_store_errors import BackendUnavailableError
+from store.transfer.backend import TransferBackend
+from store.transfer.endpoint import CopyOps, Endpoint
+
+
+class _SlotBackend(TransferBackend):
+    package: ClassVar[str]
+    install_hint: ClassVar[str]
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            return importlib.util.find_spec(cls.package) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def __init__(self, **_: object) -> None:
+        if not self.available():
+            raise BackendUnavailableError(
+                f"transfer backend {self.name!r} needs the {self.package!r} package "
+                f"({self.install_hint}), which is not installed in this environment; use "
+                "'shm' between processes on one node or 'tcp' across nodes"
+            )
+        raise BackendUnavailableError(
+            f"transfer backend {self.name!r}: {self.package!r} is installed but this slot is "
+            "not wired yet (see store/transfer/gpu_backends.py); use 'shm' or 'tcp'"
+        )
+
+    def read(self, remote: Endpoint, ops: CopyOps) -> int:  # pragma: no cover - never built
+        raise BackendUnavailableError(f"{self.name} backend is a slot")
+
+    def write(self, remote: Endpoint, ops: CopyOps) -> int:  # pragma: no cover
+        raise BackendUnavailableError(f"{self.name} backend is a slot")
+
+
+class NcclBackend(_SlotBackend):
+    name = "nccl"
+    package = "torch"
+    install_hint = "a CUDA build of torch with NCCL, on a GPU node"
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            return False
+        return bool(torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available())
+
+    def __init__(self, **_: object) -> None:
+        if not self.available():
+            raise BackendUnavailableError(
+                "transfer backend 'nccl' needs a CUDA build of torch with NCCL and a visible "
+                "GPU; none here. Use 'shm' between processes on one node or 'tcp' across nodes"
+            )
+        super().__init__()
+
+
+class MooncakeBackend(_SlotBackend):
+    name = "mooncake"
+    package = "mooncake"
+    install_hint = "pip package mooncake-transfer-engine; needs the CUDA driver and RDMA NICs"
+
+
+class NixlBackend(_SlotBackend):
+    name = "nixl"
+    package = "nixl"
+    install_hint = "pip package nixl; needs UCX and RDMA NICs"

@@ -1,0 +1,217 @@
+"""Cross-node transfers over plain TCP: a server thread next to a segment, and a client.
+
+``TcpServer(buffer, host, port)`` serves reads and writes of byte ranges of ``buffer`` (a
+shard's DRAM segment) from a background thread per connection. ``TcpBackend`` is the client
+side of the ``TransferBackend`` interface; it keeps one connection per remote address.
+
+Wire format (little-endian), per connection:
+    client -> server: token (32 ASCII bytes) once, checked before anything else
+    request:  u8 op (1 read, 2 write) | u64 offset | u64 nbytes  [| nbytes payload if write]
+    reply:    u8 status (0 ok) [| nbytes payload if read]
+              or status 1 | u32 len | message, and the server closes the connection
+Reads are pipelined in batches (``BATCH`` headers out, then the replies), writes stream
+header+payload and collect the status bytes after each batch. Payloads go straight from the
+socket into the destination (``recv_into``) and from the source view to the socket.
+
+The server copies into and out of ranges the shard reserved or pinned; its threads touch
+only bytes, never the shard's metadata. Anyone holding the endpoint's token can read and
+write the segment: keep the port inside the cluster network.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import socket
+import struct
+import threading
+from contextlib import suppress
+
+import numpy as np
+
+from store.kv_store_errors import BackendUnavailableError, TransferError
+from store.transfer.backend import TransferBackend
+from store.transfer.endpoint import CopyOps, Endpoint, normalize_ops
+
+REQUEST = struct.Struct("<BQQ")
+READ, WRITE = 1, 2
+TOKEN_LEN = 32
+BATCH = 64
+SOCK_BUF = 4 << 20
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        view = view[n:]
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+class TcpServer:
+    """Serves ``buffer`` (flat uint8) to clients that present ``token``."""
+
+    def __init__(
+        self, buffer: np.ndarray, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+    ) -> None:
+        if buffer.dtype != np.uint8 or buffer.ndim != 1:
+            raise ValueError("TcpServer serves a flat uint8 buffer")
+        self.buffer = buffer
+        self.token = token or secrets.token_hex(TOKEN_LEN // 2)
+        if len(self.token) != TOKEN_LEN:
+            raise ValueError(f"token must be {TOKEN_LEN} characters")
+        self._listener = socket.create_server((host, port))
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            _tune(conn)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = bytearray(REQUEST.size)
+        try:
+            token = bytearray(TOKEN_LEN)
+            _recv_exact(conn, memoryview(token))
+            if not hmac.compare_digest(bytes(token), self.token.encode()):
+                self._fail(conn, "bad token")
+                return
+            while True:
+                _recv_exact(conn, memoryview(head))
+                op, offset, nbytes = REQUEST.unpack(head)
+                if op not in (READ, WRITE) or offset + nbytes > self.buffer.size:
+                    self._fail(conn, f"bad request op={op} range=[{offset}, {offset + nbytes})")
+                    return
+                view = self.buffer[offset : offset + nbytes].data
+                if op == WRITE:
+                    _recv_exact(conn, view)
+                    conn.sendall(b"\x00")
+                else:
+                    conn.sendall(b"\x00")
+                    conn.sendall(view)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    @staticmethod
+    def _fail(conn: socket.socket, message: str) -> None:
+        data = message.encode()
+        with suppress(OSError):
+            conn.sendall(b"\x01" + struct.pack("<I", len(data)) + data)
+
+    def close(self) -> None:
+        self._closed = True
+        with suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
+
+
+class TcpBackend(TransferBackend):
+    name = "tcp"
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._conns: dict[tuple[str, int], socket.socket] = {}
+        self._lock = threading.Lock()  # one op stream per connection at a time
+
+    def _connect(self, remote: Endpoint) -> socket.socket:
+        addr = remote.tcp_address
+        if addr is None:
+            raise BackendUnavailableError(
+                f"endpoint {remote.endpoint_id!r} serves no TCP address; start its engine "
+                "with serve_tcp=True"
+            )
+        sock = self._conns.get(addr)
+        if sock is None:
+            try:
+                sock = socket.create_connection(addr, timeout=self.timeout_s)
+            except OSError as e:
+                raise TransferError(f"cannot reach {remote.endpoint_id!r} at {addr}: {e}") from e
+            _tune(sock)
+            sock.sendall(remote.token.encode().ljust(TOKEN_LEN, b"\x00")[:TOKEN_LEN])
+            self._conns[addr] = sock
+        return sock
+
+    def _status(self, sock: socket.socket) -> None:
+        status = bytearray(1)
+        _recv_exact(sock, memoryview(status))
+        if status[0] != 0:
+            size = bytearray(4)
+            _recv_exact(sock, memoryview(size))
+            msg = bytearray(struct.unpack("<I", size)[0])
+            _recv_exact(sock, memoryview(msg))
+            raise TransferError(f"remote refused the transfer: {msg.decode(errors='replace')}")
+
+    def read(self, remote: Endpoint, ops: CopyOps) -> int:
+        norm = normalize_ops(ops, remote.segment_bytes, writable=True)
+        return self._run(remote, norm, READ)
+
+    def write(self, remote: Endpoint, ops: CopyOps) -> int:
+        norm = normalize_ops(ops, remote.segment_bytes, writable=False)
+        return self._run(remote, norm, WRITE)
+
+    def _run(self, remote: Endpoint, ops: list[tuple[int, np.ndarray]], op: int) -> int:
+        with self._lock:
+            sock = self._connect(remote)
+            try:
+                for start in range(0, len(ops), BATCH):
+                    batch = ops[start : start + BATCH]
+                    if op == READ:
+                        sock.sendall(b"".join(REQUEST.pack(READ, o, b.size) for o, b in batch))
+                        for _, buf in batch:
+                            self._status(sock)
+                            _recv_exact(sock, buf.data)
+                    else:
+                        for o, buf in batch:
+                            sock.sendall(REQUEST.pack(WRITE, o, buf.size))
+                            sock.sendall(buf.data)
+                        for _ in batch:
+                            self._status(sock)
+            except (OSError, ConnectionError, TransferError) as e:
+                self._drop(remote)
+                if isinstance(e, TransferError):
+                    raise
+                raise TransferError(f"transfer with {remote.endpoint_id!r} failed: {e}") from e
+        return sum(b.size for _, b in ops)
+
+    def _drop(self, remote: Endpoint) -> None:
+        addr = remote.tcp_address
+        sock = self._conns.pop(addr, None) if addr else None
+        if sock is not None:
+            sock.close()
+
+    def forget(self, remote: Endpoint) -> None:
+        with self._lock:
+            self._drop(remote)
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._conns.values():
+                sock.close()
+            self._conns.clear()
