@@ -18,7 +18,10 @@ import random
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any, Protocol
+
+from policies.prefix_index import PrefixIndex
 
 # A running request costs this many prefill-token equivalents in ``replica_load``: each
 # running request takes one slot of every iteration's token budget until it finishes, so
@@ -26,7 +29,7 @@ from typing import Any, Protocol
 DEFAULT_RUNNING_WEIGHT = 16.0
 
 
-@dataclass
+@dataclass(slots=True)
 class ReplicaView:
     """What a router knows about one replica, refreshed from its stats."""
 
@@ -54,17 +57,27 @@ class RoutingPolicy(Protocol):
         ...
 
 
+class PrefixRankingPolicy(RoutingPolicy, Protocol):
+    """A policy that can also rank from prefix lengths a caller measured (``PrefixAware``).
+    ``ClusterView.route`` uses ``rank_with_prefix`` when a policy has it, measuring the
+    lengths with its ``PrefixIndex`` instead of each view's set."""
+
+    def rank_with_prefix(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaView],
+        prefix_blocks: Sequence[int],
+        now: float,
+    ) -> list[str]: ...
+
+
 def cached_prefix_blocks(block_hashes: Sequence[int], cached: set[int] | frozenset[int]) -> int:
     """Number of leading blocks of ``block_hashes`` present in ``cached``.
 
     Hashes are chained, so block i is only useful if blocks 0..i-1 are: stop at the first miss.
+    (``takewhile`` over the set's ``__contains__`` runs the walk in C.)
     """
-    n = 0
-    for h in block_hashes:
-        if h not in cached:
-            break
-        n += 1
-    return n
+    return len(list(takewhile(cached.__contains__, block_hashes)))
 
 
 def replica_load(view: ReplicaView, running_weight: float = DEFAULT_RUNNING_WEIGHT) -> float:
@@ -145,18 +158,31 @@ class PowerOfTwoChoices:
 
 
 class PrefixAware:
-    """Longest cached prefix first, guarded against overload.
+    """Longest useful cached prefix first, guarded against overload.
 
-    Normal order: descending cached prefix blocks, ties by ascending load. The best holder
-    is the first of that order. It is *overloaded* when both
+    A replica's cached prefix *counts* when it covers at least ``min_prefix_fraction`` of
+    the request's full blocks (the default 0.1 is the match-rate threshold of Ray Serve
+    LLM's prefix-aware router): a shared system prompt alone then does not pull every new
+    conversation onto the few replicas that hold it. Normal order, by ascending key:
+
+        ``(-counted prefix, load, -prefix, cached blocks, position)``
+
+    i.e. the longest counted prefix; then the least loaded; then the longest prefix even
+    if it does not count; then the smallest cache footprint (spreads new prefixes, so no
+    replica's cache churns while others sit empty); then the given order. The first of that
+    order is the best holder. It is *overloaded* when both
 
         ``load(best) - min_load > max_imbalance``  and  ``load(best) > max_imbalance_ratio *
         min_load``
 
     (the ratio defaults to 1, i.e. only the absolute gap counts). Then the ranking falls
-    back to the other replicas by ascending load (ties by longer prefix), with the best
-    holder last. The walk over each replica's prefix stops at its first miss and reads the
-    cached sets in place, so a call costs O(replicas x matched blocks + replicas log replicas).
+    back to the other replicas by ascending load (then the same keys), with the best
+    holder last.
+
+    ``rank`` measures each replica's prefix from its view's ``cached`` set (the walk stops at
+    the first miss: O(replicas x matched blocks)); ``rank_with_prefix`` takes the lengths
+    ready-made, e.g. from a ``PrefixIndex`` (``ClusterView.route`` does this), and gives the
+    same ranking for the same lengths.
     """
 
     def __init__(
@@ -164,34 +190,62 @@ class PrefixAware:
         max_imbalance: float = 4096.0,
         max_imbalance_ratio: float = 1.0,
         running_weight: float = DEFAULT_RUNNING_WEIGHT,
+        min_prefix_fraction: float = 0.1,
     ) -> None:
         if max_imbalance < 0 or max_imbalance_ratio < 1.0:
             raise ValueError("max_imbalance must be >= 0 and max_imbalance_ratio >= 1")
+        if not 0.0 <= min_prefix_fraction <= 1.0:
+            raise ValueError("min_prefix_fraction must be in [0, 1]")
         self.max_imbalance = max_imbalance
         self.max_imbalance_ratio = max_imbalance_ratio
         self.running_weight = running_weight
+        self.min_prefix_fraction = min_prefix_fraction
 
     def rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], now: float) -> list[str]:
-        if not replicas:
+        hashes = request.block_hashes
+        prefix = [cached_prefix_blocks(hashes, r.cached) for r in replicas]
+        return self.rank_with_prefix(request, replicas, prefix, now)
+
+    def rank_with_prefix(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaView],
+        prefix_blocks: Sequence[int],
+        now: float,
+    ) -> list[str]:
+        """The ranking, given ``prefix_blocks[k]``: the cached prefix of ``replicas[k]``."""
+        n = len(replicas)
+        if n != len(prefix_blocks):
+            raise ValueError("need one prefix length per replica")
+        if not n:
             return []
         w = self.running_weight
-        hashes = request.block_hashes
-        # (-prefix blocks, load, position, id): the position keeps ties in the given order.
-        scored = [
-            (-cached_prefix_blocks(hashes, r.cached), replica_load(r, w), k, r.replica_id)
-            for k, r in enumerate(replicas)
-        ]
-        scored.sort()
-        best_load = scored[0][1]
-        min_load = min(s[1] for s in scored)
-        overloaded = (
-            best_load - min_load > self.max_imbalance
-            and best_load > self.max_imbalance_ratio * min_load
+        floor = self.min_prefix_fraction * len(request.block_hashes)
+        # One tuple per replica, built in one pass: the sort key, position last.
+        scored = sorted(
+            [
+                (
+                    -p if p >= floor else 0,
+                    r.queued_prefill_tokens + w * r.num_running,
+                    -p,
+                    len(r.cached),
+                    k,
+                )
+                for k, (r, p) in enumerate(zip(replicas, prefix_blocks, strict=True))
+            ]
         )
-        if not overloaded:
-            return [s[3] for s in scored]
-        rest = sorted(scored[1:], key=lambda s: (s[1], s[0], s[2]))
-        return [s[3] for s in rest] + [scored[0][3]]
+        best = scored[0]
+        # A best holder without a counted prefix is the least loaded: never overloaded.
+        if best[0]:
+            best_load = best[1]
+            min_load = min([s[1] for s in scored])
+            if (
+                best_load - min_load > self.max_imbalance
+                and best_load > self.max_imbalance_ratio * min_load
+            ):
+                scored = sorted(scored[1:], key=lambda s: (s[1], s[0], s[2], s[3], s[4]))
+                scored.append(best)
+        return [replicas[s[4]].replica_id for s in scored]
 
 
 def _ring_point(key: str) -> int:
@@ -267,6 +321,11 @@ class ClusterView:
     up to hashes added optimistically for requests that never stored them; those leave
     with the replica's evicted events or a full ``reset_cached``.
 
+    Every view's ``cached`` set is also indexed by a ``PrefixIndex`` (hash -> replicas), so
+    ``route`` with a prefix policy costs one walk over the request's matched blocks, not
+    one per replica. Invariant: the index agrees with the views' sets; change a view's
+    ``cached`` only through this class (``apply_events``, ``reset_cached``, ``on_routed``).
+
     ``replicas`` returns the live view objects (no copies), in insertion order.
     """
 
@@ -277,6 +336,11 @@ class ClusterView:
         self.pending_ttl = pending_ttl
         self._views: dict[str, ReplicaView] = {}
         self._list: list[ReplicaView] = []
+        self._bits: list[int] = []  # index bit of each view in ``_list``
+        self._position_of_bit: dict[int, int] = {}  # index bit -> position in ``_list``
+        self._all_bits = 0  # the OR of ``_bits``
+        self._position: dict[str, int] = {}  # replica id -> its position in ``_list``
+        self.index = PrefixIndex()
         # Per replica: (route time, uncomputed tokens, new blocks) routed since its snapshot.
         self._pending: dict[str, deque[tuple[float, int, int]]] = {}
 
@@ -291,13 +355,23 @@ class ClusterView:
         )
         self._views[replica_id] = view
         self._pending[replica_id] = deque()
-        self._list = list(self._views.values())
+        self.index.add_replica(replica_id, view.cached)
+        self._relist()
         return view
 
     def remove_replica(self, replica_id: str) -> None:
-        self._views.pop(replica_id, None)
+        if self._views.pop(replica_id, None) is None:
+            return
         self._pending.pop(replica_id, None)
+        self.index.remove_replica(replica_id)
+        self._relist()
+
+    def _relist(self) -> None:
         self._list = list(self._views.values())
+        self._bits = [self.index.bit(v.replica_id) for v in self._list]
+        self._position_of_bit = {b: k for k, b in enumerate(self._bits)}
+        self._all_bits = sum(self._bits)
+        self._position = {v.replica_id: k for k, v in enumerate(self._list)}
 
     def replica(self, replica_id: str) -> ReplicaView:
         return self._views[replica_id]
@@ -347,41 +421,69 @@ class ClusterView:
 
     def apply_events(self, replica_id: str, events: Iterable[tuple[str, int]]) -> None:
         """Apply ``("stored" | "evicted", hash)`` events (``BlockPool.drain_events``) in order."""
-        cached = (self._views.get(replica_id) or self.add_replica(replica_id)).cached
-        for kind, h in events:
-            if kind == "stored":
-                cached.add(h)
-            elif kind == "evicted":
-                cached.discard(h)
-            else:
-                raise ValueError(f"unknown cache event {kind!r}")
+        if replica_id not in self._views:
+            self.add_replica(replica_id)
+        self.index.apply_events(replica_id, events)
 
     def reset_cached(self, replica_id: str, hashes: Iterable[int]) -> None:
-        """Replace a replica's cached set wholesale (a resync after lost events or a restart)."""
-        view = self._views.get(replica_id) or self.add_replica(replica_id)
-        view.cached.clear()
-        view.cached.update(hashes)
+        """Replace a replica's cached set wholesale (a resync after lost events or a restart);
+        the view keeps the same set object."""
+        if replica_id not in self._views:
+            self.add_replica(replica_id)
+        self.index.reset(replica_id, hashes)
 
     # -- the router's own decisions --------------------------------------------------------
-    def on_routed(self, replica_id: str, request: RouteRequest, now: float) -> None:
+    def on_routed(
+        self, replica_id: str, request: RouteRequest, now: float, hit_blocks: int | None = None
+    ) -> None:
         """Account for ``request`` sent to ``replica_id`` before any stats can show it.
 
         Uncomputed tokens = prompt tokens - cached prefix blocks x block_size (at least one
         token is always computed); new blocks = prompt blocks not already cached.
+        ``hit_blocks`` is that cached prefix if the caller already measured it.
         """
         view = self._views[replica_id]
-        hit = cached_prefix_blocks(request.block_hashes, view.cached)
+        hashes = request.block_hashes
+        hit = hit_blocks if hit_blocks is not None else cached_prefix_blocks(hashes, view.cached)
         tokens = max(1, request.num_prompt_tokens - hit * self.block_size)
         new_blocks = -(-request.num_prompt_tokens // self.block_size) - hit
         view.queued_prefill_tokens += tokens
         view.num_waiting += 1
         view.free_blocks = max(0, view.free_blocks - new_blocks)
-        view.cached.update(request.block_hashes)
+        self.index.add(replica_id, hashes[hit:] if hit else hashes)
         self._pending[replica_id].append((now, tokens, new_blocks))
 
+    def prefix_blocks(self, request: RouteRequest) -> list[int]:
+        """Each replica's cached prefix of ``request``, in ``replicas`` order."""
+        runs = self.index.runs(request.block_hashes)
+        if not runs:
+            return [0] * len(self._list)
+        holders, end = runs[0]
+        if holders == self._all_bits:  # e.g. a system prompt every replica holds
+            out = [end] * len(self._bits)
+        else:
+            out = [end if holders & b else 0 for b in self._bits]
+        position = self._position_of_bit
+        for holders, end in runs[1:]:  # subsets of the first run: usually a bit or two
+            while holders:
+                low = holders & -holders
+                out[position[low]] = end
+                holders ^= low
+        return out
+
     def route(self, policy: RoutingPolicy, request: RouteRequest, now: float) -> list[str]:
-        """Rank with ``policy``, record the routing to the first choice, return the ranking."""
-        ranking = policy.rank(request, self._list, now)
+        """Rank with ``policy``, record the routing to the first choice, return the ranking.
+
+        A policy with ``rank_with_prefix`` gets the prefix lengths from the index."""
+        rank_with_prefix = getattr(policy, "rank_with_prefix", None)
+        if rank_with_prefix is None:
+            ranking = policy.rank(request, self._list, now)
+            if ranking:
+                self.on_routed(ranking[0], request, now)
+            return ranking
+        prefix = self.prefix_blocks(request)
+        ranking = rank_with_prefix(request, self._list, prefix, now)
         if ranking:
-            self.on_routed(ranking[0], request, now)
+            first = ranking[0]
+            self.on_routed(first, request, now, prefix[self._position[first]])
         return ranking

@@ -239,3 +239,56 @@ def test_cluster_view_membership():
     assert cv.replica("b").num_running == 3 and cv.replica("b").region == "eu"
     cv.remove_replica("a")
     assert "a" not in cv and len(cv) == 1
+
+
+def test_prefix_aware_ignores_a_prefix_below_the_fraction():
+    # Every prompt starts with the same block (a system prompt) that only r0 holds; 1 of 20
+    # blocks is under the 10 % floor, so a new conversation goes to the least loaded.
+    system = [1]
+    replicas = views(3)
+    replicas[0].cached = {1}
+    replicas[0].num_running = 2
+    new_conversation = req(system + list(range(100, 119)))
+    assert PrefixAware().rank(new_conversation, replicas, 0.0)[0] == "r1"
+    # Among equally loaded replicas the held prefix still breaks the tie...
+    replicas[0].num_running = 0
+    assert PrefixAware().rank(new_conversation, replicas, 0.0)[0] == "r0"
+    # ...and with no floor the system prompt alone decides.
+    replicas[0].num_running = 2
+    assert PrefixAware(min_prefix_fraction=0.0).rank(new_conversation, replicas, 0.0)[0] == "r0"
+    # Ties on prefix and load go to the smallest cache.
+    replicas[1].cached = {50, 51, 52}
+    replicas[2].cached = {60}
+    assert PrefixAware().rank(req([7, 8]), replicas, 0.0)[:2] == ["r2", "r1"]
+    with pytest.raises(ValueError):
+        PrefixAware(min_prefix_fraction=1.5)
+
+
+def test_cluster_view_index_ranks_like_the_views_sets():
+    """``ClusterView.route`` measures prefixes with its index; ranking the same views from
+    their sets must give the same answer, through random events, routing and membership."""
+    rng = random.Random(5)
+    cv = ClusterView(block_size=4)
+    for k in range(6):
+        cv.add_replica(f"r{k}", total_blocks=50)
+    policy = PrefixAware(max_imbalance=40)
+    chains = [[rng.randrange(1 << 30) for _ in range(12)] for _ in range(8)]
+    for step in range(400):
+        ids = [v.replica_id for v in cv.replicas]
+        rid = rng.choice(ids)
+        chain = rng.choice(chains)
+        if rng.random() < 0.3:
+            kind = rng.choice(("stored", "evicted"))
+            cv.apply_events(rid, [(kind, h) for h in chain[: rng.randrange(12)]])
+        if rng.random() < 0.2:
+            cv.update_stats(rid, {"queued_prefill_tokens": rng.randrange(100)}, float(step))
+        if rng.random() < 0.02:
+            cv.remove_replica(rid)
+            cv.add_replica(f"n{step}", total_blocks=50)
+        request = req(chain[: rng.randrange(1, 13)], tokens=48, rid=f"q{step}")
+        prefix = cv.prefix_blocks(request)
+        assert prefix == [cached_prefix_blocks(request.block_hashes, v.cached) for v in cv.replicas]
+        expected = policy.rank(request, cv.replicas, float(step))
+        assert cv.route(policy, request, float(step)) == expected
+        assert cv.replica(expected[0]).cached >= set(request.block_hashes)
+    cv.index.check()
