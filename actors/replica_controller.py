@@ -142,6 +142,7 @@ class ReplicaController:
             t for t in (cfg.eos_token_ids or [self.tokenizer.eos_token_id]) if t is not None
         )
         self._requests: dict[str, _Request] = {}
+        self._reserved: dict[str, _Request] = {}  # KV reserved, prompt computed elsewhere
         self._ids = itertools.count()
         self._step_ids = itertools.count()
         self._inflight: deque[tuple[ScheduledStep, object]] = deque()
@@ -215,6 +216,71 @@ class ReplicaController:
         self._requests[request_id] = _Request(seq, params, seed, detok)
         self.scheduler.add(seq)
         return request_id
+
+    # -- disaggregated decode: requests whose prompt KV is computed elsewhere ----------------
+    def reserve_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        seed: int,
+        arrival_time: float | None = None,
+        salt: str | None = None,
+    ) -> list[int] | None:
+        """Reserve KV blocks for a request's whole life (prompt + max_tokens) and return
+        their ids, or None if they are not free now. The request is not scheduled until
+        ``admit_prefilled``: a prefill replica writes its prompt KV into these blocks first.
+        Single KV-parallel rank only."""
+        if isinstance(self.kv, ShardedKVManager):
+            raise InvalidRequestError("disaggregated decode needs kvp=1")
+        self.validate(prompt_token_ids, params)
+        if request_id in self._requests or request_id in self._reserved:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params.max_tokens,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            stop_token_ids=stop_ids,
+            salt=salt,
+        )
+        if not self.kv.allocate(seq, len(prompt_token_ids) + params.max_tokens):
+            self.kv.free(seq)
+            return None
+        assert isinstance(params.stop, list)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._reserved[request_id] = _Request(seq, params, seed, detok)
+        return list(self.kv.block_table(request_id))
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        """Free a reservation whose prefill will not deliver (its prefill replica died)."""
+        r = self._reserved.pop(request_id, None)
+        if r is None:
+            return False
+        self.kv.free(r.seq)
+        return True
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def admit_prefilled(self, request_id: str, first_token: int) -> StreamDelta:
+        """Every prompt block of a reservation holds its KV and ``first_token`` was sampled
+        from the prompt's last position: the request joins the decode batch (as if this
+        replica had computed the prompt) and ``first_token`` goes through the same
+        postprocessing as a sampled token (stop tokens, stop strings, max_tokens)."""
+        r = self._reserved.pop(request_id)
+        seq = r.seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self._requests[request_id] = r
+        now = time.monotonic()
+        self.scheduler.add_running(seq, now)
+        admitted = ScheduledStep([(seq, 0)], [seq.num_computed_tokens])
+        (delta,) = self._postprocess(admitted, StepResult(-1, {request_id: first_token}))
+        return delta
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, FinishReason.ABORT, time.monotonic())
@@ -337,5 +403,7 @@ class ReplicaController:
         """Stop the workers; requests still running are aborted."""
         for rid in list(self._requests):
             self.abort(rid)
+        for rid in list(self._reserved):
+            self.cancel_reservation(rid)
         self._inflight.clear()
         self.executor.shutdown()

@@ -114,6 +114,22 @@ class Scheduler:
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
+    def add_running(self, seq: Sequence, now: float) -> None:
+        """Admit a request whose KV for ``num_computed_tokens`` tokens is already in the
+        blocks the KV manager holds for it (computed elsewhere: prefill/decode
+        disaggregation). It joins the running set directly; the caller appends the token
+        that computation sampled through ``update`` of a zero-token entry."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already scheduled")
+        if not 0 < seq.num_computed_tokens <= seq.num_tokens:
+            raise ValueError("a running request needs computed tokens within its length")
+        seq.status = SeqStatus.RUNNING
+        seq.num_inflight_tokens = 0
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        self.running.append(seq)
+        self._by_id[seq.request_id] = seq
+
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 

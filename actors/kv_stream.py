@@ -1,0 +1,263 @@
+"""Layer-by-layer KV streaming from a prefill worker into a decode replica's paged cache.
+
+The decode replica keeps its paged KV cache *in* a shared-memory segment
+(``SharedKVCache``), laid out as every layer's K then V tensor back to back:
+
+    piece (layer l, kind k in {0: K, 1: V}, block b) lies at byte
+    ((2 * l + k) * num_blocks + b) * piece_bytes                (``segment_offset``)
+
+so the prefill side writes a block's KV straight into the decode worker's cache: one copy
+through the transfer layer (shared memory on one node, TCP across nodes), no staging
+buffer, no Ray object store, nothing on the compiled-graph control path. Only a small
+``KVDestination`` (endpoint, geometry, block ids) travels on the control path.
+
+``LayerStreamer`` wraps each decoder layer of the prefill worker: as soon as layer ``l``
+has written a step's KV, the copies of layer ``l``'s pieces for the requests in that step
+start on a background thread while layer ``l + 1`` computes (Mooncake, section 3.1 step 3).
+``end_step`` waits for every copy of the step, so once a request's last prefill step
+returned, all of its KV has arrived and it may join the decode batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from actors.step_plan import StepPlan, StepResult
+from store.shared_segment import SharedSegment
+from store.transfer import Endpoint, TransferEngine
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where one request's KV goes: the decode cache segment and the request's blocks
+    there, in token order (block i holds tokens ``[i * bs, (i + 1) * bs)``)."""
+
+    endpoint: Endpoint
+    num_blocks: int  # blocks per layer tensor in the decode cache
+    piece_bytes: int  # bytes of one block of one K or V tensor
+    block_ids: tuple[int, ...]
+
+
+def segment_offset(num_blocks: int, piece_bytes: int, layer: int, kind: int, block: int) -> int:
+    """Byte offset of (layer, K=0/V=1, block) in a ``SharedKVCache`` segment."""
+    return ((2 * layer + kind) * num_blocks + block) * piece_bytes
+
+
+def blocks_to_stream(start: int, end: int, first_step: bool, block_size: int) -> range:
+    """Indices (in the request's block table) a prefill step over positions ``[start,
+    end)`` must send: the blocks it wrote, and on a request's first step also every
+    earlier block (a prefix it found cached, which no step computes). A partial last block
+    is sent now and again, whole, by the step that completes it."""
+    lo = 0 if first_step else start // block_size
+    return range(lo, -(-end // block_size))
+
+
+def piece_bytes_of(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class SharedKVCache:
+    """A paged KV cache that lives in a shared-memory segment, served by a transfer engine
+    (the decode side). ``install(worker)`` swaps it in for the worker's private cache."""
+
+    def __init__(
+        self,
+        endpoint_id: str,
+        node_id: str,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        serve_tcp: bool = False,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.piece_bytes = piece_bytes_of(block_size, num_kv_heads, head_dim, dtype)
+        self.segment = SharedSegment.create(2 * num_layers * num_blocks * self.piece_bytes)
+        self.engine = TransferEngine(endpoint_id, node_id, self.segment, serve_tcp=serve_tcp)
+        flat = torch.frombuffer(self.segment.array, dtype=dtype)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        per = num_blocks * block_size * num_kv_heads * head_dim
+        self.kv_caches: KVCaches = [
+            (
+                flat[(2 * i) * per : (2 * i + 1) * per].view(shape),
+                flat[(2 * i + 1) * per : (2 * i + 2) * per].view(shape),
+            )
+            for i in range(num_layers)
+        ]
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.engine.endpoint
+
+    def destination(self, block_ids: list[int]) -> KVDestination:
+        return KVDestination(self.endpoint, self.num_blocks, self.piece_bytes, tuple(block_ids))
+
+    def install(self, worker: Any) -> None:
+        """Make ``worker`` (an ``actors.worker.Worker`` after setup) use this cache."""
+        old = worker.kv_caches
+        if len(old) != len(self.kv_caches) or old[0][0].shape != self.kv_caches[0][0].shape:
+            raise ValueError("the shared cache does not match the worker's cache geometry")
+        worker.kv_caches = self.kv_caches
+
+    def close(self) -> None:
+        self.kv_caches = []
+        self.engine.close()
+        self.segment.close()
+
+
+class _StreamingLayer(nn.Module):
+    """A decoder layer that tells the streamer when its KV for the step is written."""
+
+    def __init__(self, inner: nn.Module, index: int, streamer: LayerStreamer) -> None:
+        super().__init__()
+        self.inner = inner
+        self.index = index
+        self.streamer = streamer
+
+    def forward(self, x: torch.Tensor, positions: Any, rope: Any, kv_cache: Any, meta: Any) -> Any:
+        out = self.inner(x, positions, rope, kv_cache, meta)
+        self.streamer.after_layer(self.index, kv_cache)
+        return out
+
+
+@dataclass
+class _Item:
+    request_id: str
+    dest: KVDestination
+    src: list[int]  # prefill-side block ids
+    dst: list[int]  # decode-side block ids, same order
+
+
+class LayerStreamer:
+    """Per-layer KV streaming of the requests registered with ``expect``."""
+
+    def __init__(self, engine: TransferEngine, block_size: int) -> None:
+        self.engine = engine
+        self.block_size = block_size
+        self.destinations: dict[str, KVDestination] = {}
+        self._started: set[str] = set()
+        self._items: list[_Item] = []
+        self._futures: list[tuple[str, Future[int]]] = []
+        self._threads = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
+        self.failed: dict[str, str] = {}  # request id -> why its stream broke
+        self.bytes_sent = 0
+        self.layers_sent = 0
+        self.crash_after_layers: int | None = None  # fault injection: exit mid-stream
+
+    def install(self, shard: Any) -> None:
+        """Wrap every layer of a ``ModelShard`` (idempotent)."""
+        for i, layer in enumerate(shard.layers):
+            if not isinstance(layer, _StreamingLayer):
+                shard.layers[i] = _StreamingLayer(layer, i, self)
+
+    def expect(self, request_id: str, dest: KVDestination) -> None:
+        self.destinations[request_id] = dest
+
+    def forget(self, request_id: str) -> None:
+        self.destinations.pop(request_id, None)
+        self._started.discard(request_id)
+        self.failed.pop(request_id, None)
+
+    def begin_step(self, plan: StepPlan) -> None:
+        bs = self.block_size
+        self._items = []
+        for e in plan.entries:
+            dest = self.destinations.get(e.request_id)
+            if dest is None or e.request_id in self.failed:
+                continue
+            first = e.request_id not in self._started
+            self._started.add(e.request_id)
+            blocks = e.shards[0][2]
+            idx = [
+                i for i in blocks_to_stream(e.start, e.end, first, bs) if i < len(dest.block_ids)
+            ]
+            self._items.append(
+                _Item(
+                    e.request_id, dest, [blocks[i] for i in idx], [dest.block_ids[i] for i in idx]
+                )
+            )
+
+    def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        for item in self._items:
+            d = item.dest
+            ops: list[tuple[int, np.ndarray]] = []
+            for kind in (0, 1):
+                cache = kv_cache[kind]
+                for s, t in zip(item.src, item.dst, strict=True):
+                    off = segment_offset(d.num_blocks, d.piece_bytes, layer, kind, t)
+                    ops.append((off, cache[s].view(torch.uint8).numpy().reshape(-1)))
+            self._futures.append((item.request_id, self._threads.submit(self._write, d, ops)))
+        if self._items:
+            self.layers_sent += 1
+            if self.crash_after_layers is not None and self.layers_sent >= self.crash_after_layers:
+                for _, f in self._futures:
+                    f.exception()  # let the copies already started land, then die mid-stream
+                os._exit(1)
+
+    def _write(self, dest: KVDestination, ops: list[tuple[int, np.ndarray]]) -> int:
+        return self.engine.write(dest.endpoint, ops)
+
+    def end_step(self) -> None:
+        """Wait for every copy of this step; a failed one marks its request ``failed``."""
+        futures, self._futures, self._items = self._futures, [], []
+        for rid, f in futures:
+            try:
+                self.bytes_sent += f.result()
+            except Exception as e:  # the decode side died or its segment is gone
+                self.failed[rid] = f"{type(e).__name__}: {e}"
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+
+
+class StreamingExecutor:
+    """Wraps a replica's in-process executor: every step streams its KV per layer, then
+    ``after_step(plan, caches)`` runs while the step's blocks are still held."""
+
+    def __init__(
+        self,
+        inner: Any,
+        streamer: LayerStreamer,
+        after_step: Callable[[StepPlan, KVCaches], None] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.streamer = streamer
+        self.after_step = after_step
+        self.depth = 1
+        streamer.install(inner.worker.shard)
+
+    def submit(self, plan: StepPlan) -> StepResult:
+        self.streamer.begin_step(plan)
+        try:
+            out: StepResult = self.inner.submit(plan)
+        finally:
+            self.streamer.end_step()
+        if self.after_step is not None:
+            self.after_step(plan, self.inner.worker.kv_caches)
+        return out
+
+    def result(self, handle: StepResult) -> StepResult:
+        return handle
+
+    def restart(self) -> None:
+        self.inner.restart()
+        self.streamer.install(self.inner.worker.shard)
+
+    def on_idle(self) -> None:
+        self.inner.on_idle()
+
+    def shutdown(self) -> None:
+        self.streamer.close()
+        self.inner.shutdown()

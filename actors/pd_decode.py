@@ -1,0 +1,117 @@
+"""A decode replica of a disaggregated deployment (plain class; ``PDCluster`` makes it a
+Ray actor).
+
+Its worker's paged KV cache lives in a shared-memory segment (``SharedKVCache``) so a
+prefill replica writes a request's KV straight into the blocks reserved for it here. A
+request goes through three states:
+
+    reserve(...) -> KVDestination | None   blocks for its whole life (prompt + max_tokens)
+    admit(request_id, first_token)         all prompt KV arrived: joins the decode batch
+    cancel(request_id)                     its prefill died: the reservation is freed
+
+Reserving the whole life up front means a decoding request is never preempted here (the
+Conductor only picks an instance with that much room).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.kv_store_shard import current_node_id
+from actors.kv_stream import KVDestination, SharedKVCache
+from actors.outputs import StreamDelta
+from actors.replica_controller import ReplicaController
+from actors.sampling import SamplingParams
+
+
+class DecodeReplica:
+    def __init__(
+        self,
+        replica_id: str,
+        model_dir: str | None = None,
+        serve_tcp: bool = False,
+        **controller_options: Any,
+    ) -> None:
+        self.replica_id = replica_id
+        self.controller = ReplicaController(model_dir, **controller_options)
+        c = self.controller
+        if c.layout.world_size != 1:
+            raise ValueError("a decode replica runs one in-process worker (tp=spp=kvp=1)")
+        worker = c.executor.worker  # type: ignore[attr-defined]
+        shard = worker.shard
+        self.cache = SharedKVCache(
+            f"decode-{replica_id}",
+            current_node_id(),
+            shard.num_layers,
+            c.num_blocks,
+            c.block_size,
+            shard.num_kv_heads,
+            shard.config.head_dim,
+            c.dtype,
+            serve_tcp=serve_tcp,
+        )
+        self.cache.install(worker)
+        self._reserved_blocks: dict[str, int] = {}
+
+    def ping(self) -> str:
+        return self.replica_id
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.controller.validate(prompt_token_ids, params)
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        salt: str | None = None,
+    ) -> KVDestination | None:
+        blocks = self.controller.reserve_prefilled(
+            prompt_token_ids, params, request_id, seed, salt=salt
+        )
+        if blocks is None:
+            return None
+        self._reserved_blocks[request_id] = len(blocks)
+        return self.cache.destination(blocks)
+
+    def cancel(self, request_id: str) -> bool:
+        self._reserved_blocks.pop(request_id, None)
+        return self.controller.cancel_reservation(request_id)
+
+    def admit(self, request_id: str, first_token: int) -> dict[str, Any]:
+        self._reserved_blocks.pop(request_id, None)
+        delta = self.controller.admit_prefilled(request_id, first_token)
+        return self._report([delta])
+
+    def step(self) -> dict[str, Any]:
+        c = self.controller
+        return self._report(c.step() if c.has_unfinished() else [])
+
+    def _report(self, deltas: list[StreamDelta]) -> dict[str, Any]:
+        finished = [self.controller.release(d.request_id) for d in deltas if d.finished]
+        return {"deltas": deltas, "finished": finished, "stats": self.stats()}
+
+    def abort(self, request_id: str) -> None:
+        if not self.cancel(request_id):
+            self.controller.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.controller
+        reserved = sum(self._reserved_blocks.values())
+        return {
+            "num_running": c.scheduler.num_running,
+            "used_blocks": c.pool.num_in_use - reserved,
+            "pending": len(self._reserved_blocks),
+            "pending_blocks": reserved,
+            "total_blocks": c.num_blocks,
+        }
+
+    def check_blocks(self) -> int:
+        """Blocks in use (0 when idle), after the pool's integrity check."""
+        self.controller.pool.check_integrity()
+        return self.controller.pool.num_in_use
+
+    def shutdown(self) -> None:
+        self.controller.shutdown()
+        self.cache.close()

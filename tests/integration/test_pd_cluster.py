@@ -1,0 +1,189 @@
+"""Prefill/decode disaggregation on a local Ray cluster: prefill actors stream each layer's
+KV into decode actors' shared-memory caches (never through Ray), the Conductor places every
+request, and the output equals a colocated replica's. Prefixes come back from the KV store
+(DRAM and SSD) with identical output; pinned store blocks survive eviction pressure; every
+block is returned after each test."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors.pd_cluster import PDCluster, RequestRejected, StoreConfig
+from actors.replica_controller import ReplicaController
+from actors.sampling import SamplingParams
+from policies.conductor import Conductor
+from policies.pd_costs import LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
+from store.hashing import chained_block_hashes
+
+REPO = Path(__file__).resolve().parents[2]
+BS = 4
+OPTS = dict(dtype=torch.float64, block_size=BS, num_blocks=64, token_budget=16, chunk_size=8)
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
+    yield
+    ray.shutdown()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def colocated(prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:
+    ref = ReplicaController(None, **OPTS)
+    ids = [ref.add_request(p, params) for p in prompts]
+    while ref.has_unfinished():
+        ref.step()
+    out = [ref.release(i).token_ids for i in ids]
+    ref.shutdown()
+    return out
+
+
+def finish(pd: PDCluster) -> None:
+    """Every block of every replica is back (integrity checked on each pool)."""
+    assert set(pd.check_blocks().values()) == {0}
+    pd.shutdown()
+
+
+def test_pd_output_equals_colocated():
+    shared = tokens(1, 12)
+    prompts = [tokens(2, 5), shared + tokens(3, 9), shared + tokens(4, 14), tokens(5, 30)]
+    pd = PDCluster(None, num_prefill=2, num_decode=2, **OPTS)
+    outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == colocated(prompts)
+    assert all(o.finish_reason == "length" for o in outs)
+    stats = pd.prefill_stats()
+    assert sum(s["layers_streamed"] for s in stats.values()) > 0
+    finish(pd)
+
+
+def test_conductor_prefers_the_prefill_instance_holding_the_prefix():
+    shared = tokens(6, 16)
+    pd = PDCluster(None, num_prefill=2, num_decode=1, **OPTS)
+    first = pd.submit(shared + tokens(7, 3), PARAMS)
+    while pd.has_unfinished():
+        pd.step()
+    holder = pd.placement(first)[0]
+    pd.release(first)
+    pd.step()  # nothing runs; the views already hold the holder's cached blocks
+    second = pd.submit(shared + tokens(8, 5), PARAMS)
+    assert pd.placement(second)[0] == holder
+    while pd.has_unfinished():
+        pd.step()
+    out = pd.release(second)
+    assert out.token_ids == colocated([shared + tokens(8, 5)])[0]
+    finish(pd)
+
+
+def test_rejects_with_retry_after_when_slos_cannot_be_met():
+    prompt = tokens(9, 20)
+    strict = Conductor(
+        prefill_time=LinearPrefillTime(base=1.0),
+        decode_tbt=LinearDecodeTBT(base=0.01),
+        transfer_time=transfer_time_fn(1024, 1e9),
+        ttft_slo=0.5,
+        tbt_slo=1.0,
+        admission="early",
+    )
+    pd = PDCluster(None, conductor=strict, **OPTS)
+    with pytest.raises(RequestRejected) as err:
+        pd.submit(prompt, PARAMS)
+    assert err.value.http_status == 429 and err.value.reason == "ttft_slo"
+    assert err.value.retry_after >= 1.0
+    assert set(pd.check_blocks().values()) == {0}  # nothing was reserved
+    pd.shutdown()
+
+    small = {**OPTS, "num_blocks": 12}  # one request of 20 + 20 tokens needs 10 blocks
+    pd = PDCluster(None, **small)
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    first = pd.submit(prompt, long)
+    with pytest.raises(RequestRejected) as err:  # the first one's reservation fills decode
+        pd.submit(tokens(10, 20), long)
+    assert err.value.reason == "decode_full"
+    outs = pd.generate(prompt_token_ids=[tokens(10, 20)], sampling_params=long)  # waits
+    assert outs[0].token_ids == colocated([tokens(10, 20)], long)[0]
+    assert pd.release(first).token_ids == colocated([prompt], long)[0]
+    finish(pd)
+
+
+def shard_stats(pd: PDCluster) -> dict:
+    return ray.get(pd.shards["s0"].stats.remote())
+
+
+def run_after_dropping_local_cache(pd: PDCluster, prompt: list[int]) -> tuple[list[int], int]:
+    """Run one prompt on a prefill replica that forgot its own cache; returns its tokens
+    and how many blocks it loaded from the store for it."""
+    ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
+    before = sum(s["loaded_blocks"] for s in pd.prefill_stats().values())
+    (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+    after = sum(s["loaded_blocks"] for s in pd.prefill_stats().values())
+    return out.token_ids, after - before
+
+
+def ssd_files(folder: Path, hashes: list[int]) -> list[bool]:
+    """Which blocks lie on the SSD tier (a file named by the block's hash)."""
+    return [any(folder.rglob(f"{h:016x}.kv")) for h in hashes]
+
+
+def test_prefix_from_dram_and_from_ssd_equals_recomputed(tmp_path):
+    prompt = tokens(11, 24) + tokens(12, 6)  # 7 full blocks
+    hashes = chained_block_hashes(prompt, BS)
+    want = colocated([prompt])[0]
+    probe = PDCluster(None, **OPTS)
+    block_bytes = probe.block_bytes
+    probe.shutdown()
+    store = StoreConfig(8 * block_bytes, ssd_bytes=64 * block_bytes, ssd_dir=str(tmp_path))
+    pd = PDCluster(None, store=store, **OPTS)
+    (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+    assert out.token_ids == want  # computed, and its 7 full blocks written to the store
+    assert shard_stats(pd)["dram_blocks"] == 7 and not any(ssd_files(tmp_path, hashes))
+
+    got, loaded = run_after_dropping_local_cache(pd, prompt)
+    assert loaded == 7 and got == want  # from DRAM
+
+    # other prompts push the prefix out of DRAM onto SSD files
+    for seed in range(20, 23):
+        pd.generate(prompt_token_ids=[tokens(seed, 20)], sampling_params=PARAMS)
+    assert all(ssd_files(tmp_path, hashes))
+    got, loaded = run_after_dropping_local_cache(pd, prompt)
+    assert loaded == 7 and got == want  # from SSD, promoted back to DRAM
+    assert not any(ssd_files(tmp_path, hashes))
+    stats = shard_stats(pd)
+    assert stats["pinned_blocks"] == 0 and stats["pending_writes"] == 0
+    finish(pd)
+
+
+def test_pinned_blocks_survive_eviction_pressure():
+    prompt = tokens(30, 18)  # 4 full blocks
+    want = colocated([prompt])[0]
+    probe = PDCluster(None, **OPTS)
+    block_bytes = probe.block_bytes
+    probe.shutdown()
+    pd = PDCluster(None, store=StoreConfig(dram_bytes=8 * block_bytes), **OPTS)  # no SSD
+    pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+    hashes = chained_block_hashes(prompt, BS)
+    shard = pd.shards["s0"]
+    assert len(ray.get(shard.acquire.remote("pin-test", hashes))) == 4  # an in-flight read
+    filler = [tokens(seed, 16) for seed in range(40, 44)]  # 16 blocks through 8 slots
+    pd.generate(prompt_token_ids=filler, sampling_params=PARAMS)
+    assert ray.get(shard.match_prefix.remote(hashes)) == 4  # pinned: never evicted
+    first_filler = chained_block_hashes(filler[0], BS)
+    assert ray.get(shard.match_prefix.remote(first_filler)) == 0  # unpinned: evicted
+    assert ray.get(shard.release.remote("pin-test")) == 4
+    got, loaded = run_after_dropping_local_cache(pd, prompt)
+    assert loaded == 4 and got == want
+    finish(pd)

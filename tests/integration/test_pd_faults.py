@@ -1,0 +1,103 @@
+"""Faults of a disaggregated deployment on a local Ray cluster: a KV store shard that dies
+drops out of the map and the requests that needed its blocks recompute them; a prefill
+replica that dies mid-stream frees the decode side's reservation and its requests complete
+on a fresh replica. Every request completes with the colocated tokens; no block leaks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors.pd_cluster import PDCluster, StoreConfig
+from actors.replica_controller import ReplicaController
+from actors.sampling import SamplingParams
+from store.shared_segment import remove_stale_segments
+
+REPO = Path(__file__).resolve().parents[2]
+OPTS = dict(dtype=torch.float64, block_size=4, num_blocks=64, token_budget=16, chunk_size=8)
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
+    yield
+    ray.shutdown()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def colocated(prompts: list[list[int]]) -> list[list[int]]:
+    ref = ReplicaController(None, **OPTS)
+    ids = [ref.add_request(p, PARAMS) for p in prompts]
+    while ref.has_unfinished():
+        ref.step()
+    out = [ref.release(i).token_ids for i in ids]
+    ref.shutdown()
+    return out
+
+
+def wait_until_dead(handle) -> None:
+    while True:
+        try:
+            ray.get(handle.ping.remote())
+        except ray.exceptions.RayActorError:
+            return
+
+
+def test_dead_store_shard_drops_out_and_requests_recompute():
+    prompt = tokens(1, 26)
+    want = colocated([prompt])[0]
+    pd = PDCluster(None, store=StoreConfig(dram_bytes=1 << 20), **OPTS)
+    assert pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)[0].token_ids == want
+    ray.kill(pd.shards["s0"])
+    wait_until_dead(pd.shards["s0"])
+    ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
+    outs = pd.generate(prompt_token_ids=[prompt, tokens(2, 13)], sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == [want, colocated([tokens(2, 13)])[0]]
+    stats = pd.prefill_stats()["p0"]
+    assert stats["loaded_blocks"] == 0  # nothing came from the dead shard: recomputed
+    assert pd.store_client is not None and "s0" not in pd.store_client.directory.shards
+    assert set(pd.check_blocks().values()) == {0}
+    pd.shutdown()
+    remove_stale_segments()
+
+
+def test_prefill_dying_mid_stream_frees_the_reservation_and_requests_complete():
+    prompts = [tokens(3, 30), tokens(4, 9), tokens(5, 17)]
+    want = colocated(prompts)
+    pd = PDCluster(None, num_prefill=1, num_decode=1, **OPTS)
+    # 4 layers per step: the replica exits after streaming 2 layers of its first step
+    ray.get(pd.prefills["p0"].crash_after_layers.remote(2))
+    victim = pd.prefills["p0"]
+    ids = [pd.submit(p, PARAMS) for p in prompts]
+    reserved = ray.get(pd.decodes["d0"].stats.remote())
+    assert reserved["pending"] == 3  # lifetime KV reserved on decode
+    deltas = pd.step()  # the prefill replica dies here; its requests are placed again
+    assert not deltas and pd.num_prefill_restarts == 1
+    again = ray.get(pd.decodes["d0"].stats.remote())
+    # the dead stream's reservations were freed: only the new ones hold blocks
+    assert again["pending_blocks"] == reserved["pending_blocks"]
+    assert ray.get(pd.decodes["d0"].check_blocks.remote()) == reserved["pending_blocks"]
+    wait_until_dead(victim)
+    while pd.has_unfinished():
+        pd.step()
+    outs = [pd.release(rid) for rid in ids]
+    assert [o.token_ids for o in outs] == want
+    stats = ray.get(pd.decodes["d0"].stats.remote())
+    assert stats["pending"] == 0 and stats["pending_blocks"] == 0
+    assert set(pd.check_blocks().values()) == {0}
+    pd.shutdown()
+    remove_stale_segments()

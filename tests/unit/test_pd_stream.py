@@ -1,0 +1,117 @@
+"""Prefill/decode disaggregation in one process (no Ray): a prefill replica streams each
+layer's KV into a decode replica's shared-memory cache; decoding continues from it with
+exactly the colocated replica's tokens, and every block is returned."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from actors.kv_stream import blocks_to_stream, segment_offset
+from actors.pd_decode import DecodeReplica
+from actors.pd_prefill import PrefillReplica
+from actors.replica_controller import ReplicaController
+from actors.sampling import SamplingParams
+from store.hashing import chained_block_hashes
+
+OPTS = dict(dtype=torch.float64, block_size=4, num_blocks=48, token_budget=16, chunk_size=8)
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_segment_offsets_follow_the_cache_layout():
+    # layer-major, K before V, then block: consecutive blocks are consecutive pieces
+    assert segment_offset(10, 64, 0, 0, 0) == 0
+    assert segment_offset(10, 64, 0, 0, 3) == 3 * 64
+    assert segment_offset(10, 64, 0, 1, 0) == 10 * 64
+    assert segment_offset(10, 64, 2, 1, 5) == (5 * 10 + 5) * 64
+
+
+def test_blocks_to_stream_covers_prefix_once_and_each_chunk():
+    assert list(blocks_to_stream(8, 13, True, 4)) == [0, 1, 2, 3]  # cached prefix + chunk
+    assert list(blocks_to_stream(8, 13, False, 4)) == [2, 3]
+    assert list(blocks_to_stream(13, 16, False, 4)) == [3]  # completes the partial block
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(12)]
+    return [
+        [rng.randrange(3, 500) for _ in range(5)],
+        shared + [rng.randrange(3, 500) for _ in range(11)],
+        shared + [rng.randrange(3, 500) for _ in range(7)],  # local prefix hit on prefill
+        [rng.randrange(3, 500) for _ in range(30)],  # four prefill chunks
+    ]
+
+
+@pytest.fixture(scope="module")
+def colocated(prompts):
+    ref = ReplicaController(None, **OPTS)
+    ids = [ref.add_request(p, PARAMS) for p in prompts]
+    while ref.has_unfinished():
+        ref.step()
+    return [ref.release(i).token_ids for i in ids]
+
+
+def run_pd(prefill, decode, prompts, params=PARAMS):
+    got = {}
+    for i, p in enumerate(prompts):
+        dest = decode.reserve(f"r{i}", p, params, seed=1)
+        assert dest is not None
+        prefill.prefill(f"r{i}", p, params, 1, dest)
+        while prefill.controller.has_unfinished():  # one at a time: the third hits the cache
+            report = prefill.step()
+            assert not report["failed"]
+            for rid, token, _cached in report["done"]:
+                for out in decode.admit(rid, token)["finished"]:
+                    got[out.request_id] = out
+    while decode.controller.has_unfinished():
+        for out in decode.step()["finished"]:
+            got[out.request_id] = out
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_pd_in_process_equals_colocated(prompts, colocated):
+    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    outs = run_pd(prefill, decode, prompts)
+    assert [o.token_ids for o in outs] == colocated
+    assert prefill.streamer.layers_sent > 0 and prefill.streamer.bytes_sent > 0
+    assert prefill.check_blocks() == 0 and decode.check_blocks() == 0
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_streamed_blocks_equal_the_prefill_cache(prompts):
+    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    prompt = prompts[3]
+    dest = decode.reserve("r", prompt, PARAMS, seed=1)
+    prefill.prefill("r", prompt, PARAMS, 1, dest)
+    while prefill.controller.has_unfinished():
+        prefill.step()
+    full = len(prompt) // 4
+    hashes = chained_block_hashes(prompt, 4)
+    pool = prefill.controller.pool  # the finished prompt's blocks stay cached there
+    src_blocks = [pool.lookup(h, prompt[i * 4 : (i + 1) * 4]) for i, h in enumerate(hashes)]
+    assert None not in src_blocks and len(src_blocks) == full
+    src = prefill.kv_caches
+    dst = decode.cache.kv_caches
+    for layer in range(len(src)):
+        for kind in (0, 1):
+            for s, d in zip(src_blocks[:full], dest.block_ids[:full], strict=True):
+                assert torch.equal(src[layer][kind][s], dst[layer][kind][d])
+    assert decode.cancel("r")
+    assert decode.check_blocks() == 0
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_first_token_may_finish_at_admission(prompts):
+    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    outs = run_pd(prefill, decode, prompts[:1], one)
+    assert len(outs[0].token_ids) == 1 and outs[0].finish_reason == "length"
+    assert decode.check_blocks() == 0
+    prefill.shutdown()
+    decode.shutdown()
