@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 serve: $(STAMP)
-	$(PY) -m actors.demo
+	$(VENV)/bin/serve run serve_app:app
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

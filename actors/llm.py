@@ -1,16 +1,24 @@
 """The Python API: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
 
-Runs the engine in this process. Every prompt of a call is validated before any starts, so a
-bad prompt fails the call cleanly and leaves nothing running.
+Three ways to run, one ``generate``:
+
+- ``LLM(model)``: the engine in this process (``stream`` and ``chat`` too);
+- ``LLM(model, num_replicas=k)``: k replica actors on the Ray cluster (``ray.init`` of the
+  current job, or a local one), each prompt routed by the cache-aware router;
+- ``LLM.attach("app-name" | "http://host:port")``: a running Serve app.
+
+Every prompt of a call is validated before any starts, so a bad prompt fails the call
+cleanly and leaves nothing running.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from actors.replica_controller import ReplicaController
 from actors.outputs import RequestOutput, StreamDelta
+from actors.replica_controller import ReplicaController
 from actors.sampling import SamplingParams
 from errors import InvalidRequestError
 
@@ -20,9 +28,62 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, **engine_options) -> None:
-        self.engine = ReplicaController(model, **engine_options)
-        self.tokenizer = self.engine.tokenizer
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        num_replicas: int | None = None,
+        *,
+        routing: str = "prefix_aware",
+        num_cpus: float = 0.0,
+        max_in_flight: int = 64,
+        **engine_options: Any,
+    ) -> None:
+        """``num_replicas=None``: in this process. Otherwise replica actors with
+        ``num_cpus`` each, routed by the ``routing`` policy (see actors/router_state.py),
+        at most ``max_in_flight`` requests submitted at once."""
+        self.remote: Any = None
+        if num_replicas is None:
+            self.engine = ReplicaController(model, **engine_options)
+            self.tokenizer = self.engine.tokenizer
+            return
+        from actors.serve_client import ReplicaPool
+
+        self.remote = ReplicaPool(
+            None if model is None else str(model),
+            num_replicas,
+            routing,
+            num_cpus,
+            engine_options,
+            max_in_flight,
+        )
+        self.tokenizer = _load_tokenizer(model)
+
+    @classmethod
+    def attach(
+        cls,
+        target: str,
+        *,
+        api_key: str | None = None,
+        model: str | Path | None = None,
+        model_name: str | None = None,
+    ) -> LLM:
+        """Attach to a running Serve app: by app name (this process must be connected to its
+        Ray cluster) or by URL. ``model`` is the folder whose tokenizer encodes prompts here
+        (default: the built-in tiny model); ``api_key`` selects the tenant."""
+        from actors.serve_client import HttpClient, ServeAppClient
+
+        self = cls.__new__(cls)
+        if target.startswith(("http://", "https://")):
+            self.remote = HttpClient(target, model_name, api_key)
+        else:
+            self.remote = ServeAppClient(target, api_key)
+        self.tokenizer = _load_tokenizer(model)
+        return self
+
+    def close(self) -> None:
+        """Stop the replica actors this LLM started (no-op in process or attached)."""
+        if self.remote is not None and hasattr(self.remote, "shutdown"):
+            self.remote.shutdown()
 
     def generate(
         self,
@@ -35,6 +96,11 @@ class LLM:
         """One output per prompt, in order. Greedy when ``temperature == 0``."""
         token_lists = self._token_lists(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(token_lists))
+        if self.remote is not None:
+            outs: list[Any] = [None] * len(token_lists)
+            for i, out in self.remote.run(token_lists, params, salt):
+                outs[i] = out
+            return outs
         for i, (tokens, p) in enumerate(zip(token_lists, params, strict=True)):
             try:
                 self.engine.validate(tokens, p)
@@ -51,6 +117,24 @@ class LLM:
             raise
         return [self.engine.release(rid) for rid in ids]
 
+    def generate_unordered(
+        self,
+        prompts: Prompts = None,
+        sampling_params: Params = None,
+        *,
+        prompt_token_ids: TokenPrompts = None,
+        salt: str | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """``(index, output)`` pairs as requests finish (each index once): rollouts write
+        results as they come. In process, the whole batch runs first."""
+        token_lists = self._token_lists(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(token_lists))
+        if self.remote is not None:
+            yield from self.remote.run(token_lists, params, salt)
+            return
+        outs = self.generate(prompt_token_ids=token_lists, sampling_params=params, salt=salt)
+        yield from enumerate(outs)
+
     def stream(
         self,
         prompt: str | None = None,
@@ -63,6 +147,10 @@ class LLM:
 
         Closing the iterator early aborts the request and frees its blocks.
         """
+        if self.remote is not None:
+            raise InvalidRequestError(
+                "stream runs in process only; stream from a Serve app over HTTP (stream=true)"
+            )
         if prompt is not None and prompt_token_ids is not None:
             raise InvalidRequestError("give either prompt or prompt_token_ids, not both")
         (ids,) = self._token_lists(prompt, [prompt_token_ids] if prompt_token_ids else None)
@@ -133,3 +221,9 @@ class LLM:
         if len(params) != n:
             raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts")
         return params
+
+
+def _load_tokenizer(model: str | Path | None) -> Any:
+    from models import load_tokenizer, tiny_model_dir
+
+    return load_tokenizer(Path(model) if model is not None else tiny_model_dir("dense"))

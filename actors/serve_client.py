@@ -1,0 +1,203 @@
+"""Remote backends of the Python API (``actors.LLM``).
+
+- ``ReplicaPool``: ``LLM(model, num_replicas=k)`` starts k ``ReplicaActor``s on the Ray
+  cluster and routes each prompt itself with a ``RouterState`` (the same policies as the
+  Serve app), fed by the replicas' block events and stats pulled before each submission
+  window and updated by its own decisions.
+- ``ServeAppClient``: ``LLM.attach("app-name")`` calls a running Serve app's ingress
+  through a ``DeploymentHandle`` (same routing, tenants and limits as HTTP).
+- ``HttpClient``: ``LLM.attach("http://host:8000")`` talks to any running server over its
+  OpenAI API (``prompt`` as token ids, ``return_token_ids``).
+
+Every backend offers ``run(token_lists, params, salt)``: an iterator of ``(index,
+RequestOutput)`` in completion order, each index exactly once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from typing import Any
+
+from actors.outputs import RequestOutput
+from actors.sampling import SamplingParams
+from actors.serve_router import make_router_state
+from errors import InvalidRequestError, MeridianError
+from policies.routing import RouteRequest
+from store.hashing import chained_block_hashes
+
+Results = Iterator[tuple[int, RequestOutput]]
+
+
+def _raise_cause(e: Exception) -> None:
+    """Re-raise a remote MeridianError as itself (Ray wraps it in RayTaskError)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, MeridianError):
+        raise cause from None
+    raise e
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        model: str | None,
+        num_replicas: int,
+        routing: str = "prefix_aware",
+        num_cpus: float = 0.0,
+        engine_options: dict[str, Any] | None = None,
+        max_in_flight: int = 64,
+    ) -> None:
+        import ray
+
+        from actors.serve_replica import ReplicaActor
+
+        if num_replicas < 1:
+            raise InvalidRequestError(f"num_replicas must be at least 1, got {num_replicas}")
+        if not ray.is_initialized():
+            ray.init()  # the cluster of RAY_ADDRESS / the job, else a local one
+        actor = ray.remote(ReplicaActor).options(num_cpus=num_cpus)
+        self.actors = [actor.remote(model, engine_options or {}) for _ in range(num_replicas)]
+        infos = ray.get([a.ready.remote() for a in self.actors])
+        self.block_size = infos[0]["block_size"]
+        self.ids = [f"replica-{i}" for i in range(num_replicas)]
+        self.state = make_router_state(routing, self.block_size, {})
+        for rid, info in zip(self.ids, infos, strict=True):
+            self.state.add_replica(rid, total_blocks=info["total_blocks"])
+        self.max_in_flight = max_in_flight
+        self._seq = 0
+
+    def refresh(self) -> None:
+        """Pull every replica's events and stats into the routing view."""
+        import ray
+
+        reports = ray.get([a.report.remote() for a in self.actors])
+        for rid, (stats, events, resync) in zip(self.ids, reports, strict=True):
+            if resync is not None:
+                self.state.resync(rid, resync)
+            self.state.on_events(rid, events)
+            self.state.on_stats(rid, stats)
+
+    def run(
+        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None
+    ) -> Results:
+        import ray
+
+        try:
+            ray.get(self.actors[0].validate.remote(token_lists, params))
+        except ray.exceptions.RayTaskError as e:
+            _raise_cause(e)
+        pending: dict[Any, int] = {}
+        todo = iter(range(len(token_lists)))
+        try:
+            while True:
+                if len(pending) < self.max_in_flight:
+                    self.refresh()
+                    for i in todo:
+                        pending[self._submit(token_lists[i], params[i], salt)] = i
+                        if len(pending) >= self.max_in_flight:
+                            break
+                if not pending:
+                    return
+                done, _ = ray.wait(list(pending), num_returns=1)
+                i = pending.pop(done[0])
+                try:
+                    (out,) = ray.get(done[0])
+                except ray.exceptions.RayTaskError as e:
+                    _raise_cause(e)
+                yield i, out
+        finally:
+            for ref in pending:
+                ray.cancel(ref)  # cancelling the actor task aborts its request
+
+    def _submit(self, tokens: list[int], p: SamplingParams, salt: str | None) -> Any:
+        self._seq += 1
+        hashes = chained_block_hashes(tokens, self.block_size, salt)
+        ranking = self.state.route(RouteRequest(f"llm-{self._seq}", hashes, len(tokens)))
+        actor = self.actors[self.ids.index(ranking[0])]
+        return actor.generate.remote(tokens, [p], salt)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+
+def _param_dict(p: SamplingParams) -> dict[str, Any]:
+    if p.stop_token_ids:
+        raise InvalidRequestError("stop_token_ids cannot be sent to a Serve app; use stop")
+    fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+    return {f: getattr(p, f) for f in fields}
+
+
+class ServeAppClient:
+    def __init__(self, app_name: str, api_key: str | None = None) -> None:
+        from ray import serve
+
+        self.handle = serve.get_app_handle(app_name)
+        self.api_key = api_key
+
+    def run(
+        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None
+    ) -> Results:
+        if salt is not None:
+            raise InvalidRequestError("an attached app salts by API key; pass api_key instead")
+        dicts = [_param_dict(p) for p in params]
+        response = self.handle.generate_tokens.remote(token_lists, dicts, self.api_key)
+        try:
+            outs = response.result()
+        except Exception as e:
+            _raise_cause(e)
+        yield from enumerate(outs)
+
+
+class HttpClient:
+    def __init__(
+        self, url: str, model_name: str | None, api_key: str | None, concurrency: int = 8
+    ) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=600)
+        if model_name is None:
+            model_name = self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        self.model_name = model_name
+        self.concurrency = concurrency
+
+    def _one(self, i: int, tokens: list[int], p: SamplingParams) -> RequestOutput:
+        body = {"model": self.model_name, "prompt": tokens, "return_token_ids": True}
+        body.update(_param_dict(p))
+        r = self.http.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:
+                msg = r.text
+            raise InvalidRequestError(f"prompt {i}: HTTP {r.status_code}: {msg}")
+        data = r.json()
+        c = data["choices"][0]
+        cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        return RequestOutput(
+            data["id"], tokens, c["token_ids"], c["text"], True, c["finish_reason"], cached
+        )
+
+    def run(
+        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None
+    ) -> Results:
+        if salt is not None:
+            raise InvalidRequestError("an attached server salts by API key; pass api_key")
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            futures = {
+                pool.submit(self._one, i, t, p): i
+                for i, (t, p) in enumerate(zip(token_lists, params, strict=True))
+            }
+            for f in concurrent.futures.as_completed(futures):
+                yield futures[f], f.result()
+
+
+def ordered(results: Results, n: int) -> list[RequestOutput]:
+    outs: list[Any] = [None] * n
+    for i, out in results:
+        outs[i] = out
+    return outs

@@ -1,0 +1,119 @@
+"""The one deployment config of the serving app: model, replica groups, routing, keys, limits.
+
+A plain pydantic model: it never touches the filesystem except in ``from_yaml``, so the
+same object travels as Serve application ``args`` (``serve run`` / ``serve deploy`` config
+files), as a YAML file of its own, or built in Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RoutingPolicyName = Literal[
+    "round_robin", "least_loaded", "power_of_two", "prefix_aware", "consistent_hash"
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a typo in a config key is an error, not a no-op
+
+
+class ReplicaGroupConfig(_Strict):
+    """``num_replicas`` replicas that share one layout and engine options.
+
+    ``tp`` / ``spp`` / ``kvp`` are the tensor, sequence-pipeline and KV parallel degrees of
+    each replica; degrees of 1 are not passed to the engine (the single-process layout).
+    ``engine`` holds any other ``ReplicaController`` keyword (block_size, num_blocks,
+    kv_cache_memory, token_budget, max_num_seqs, chunk_size, max_model_len, ...).
+    """
+
+    name: str = "default"
+    num_replicas: int = Field(2, ge=1)
+    tp: int = Field(1, ge=1)
+    spp: int = Field(1, ge=1)
+    kvp: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)  # Ray CPUs reserved per replica actor
+    max_ongoing_requests: int = Field(256, ge=1)  # Serve's per-replica concurrency cap
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+    def engine_options(self) -> dict[str, Any]:
+        opts = dict(self.engine)
+        for name in ("tp", "spp", "kvp"):
+            if getattr(self, name) != 1:
+                opts[name] = getattr(self, name)
+        return opts
+
+
+class ApiKeyConfig(_Strict):
+    """One API key. Requests with it run as ``tenant``: its prefix cache is salted with the
+    tenant name, so no other tenant's prompts can hit it."""
+
+    key: str = Field(min_length=8)
+    tenant: str = Field(min_length=1)
+    max_concurrent_requests: int | None = Field(None, ge=1)  # in flight at once; else 429
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(1 << 20, ge=1024)  # larger bodies get 413
+    max_tokens: int = Field(1024, ge=1)  # upper bound a request may ask for
+    default_max_tokens: int = Field(16, ge=1)
+    max_n: int = Field(8, ge=1)  # choices per request
+    max_pending_requests: int = Field(512, ge=1)  # in flight per ingress replica; else 429
+    max_waiting_per_replica: int = Field(256, ge=1)  # a replica's queue; else 429
+    retry_after_s: int = Field(1, ge=1)  # the Retry-After header of a 429
+
+
+class ServeConfig(_Strict):
+    model: str | None = None  # a Hugging Face model folder; None: the built-in tiny model
+    model_name: str = "meridian-tiny"  # the id clients send as ``model``
+    groups: list[ReplicaGroupConfig] = Field(default_factory=lambda: [ReplicaGroupConfig()])
+    routing: RoutingPolicyName = "prefix_aware"
+    routing_options: dict[str, Any] = Field(default_factory=dict)  # passed to the policy
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)  # empty: no auth
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    report_interval_s: float = Field(0.1, gt=0)  # replica -> router event/stat pushes
+    ingress_replicas: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        names = [g.name for g in self.groups]
+        if not names or len(set(names)) != len(names):
+            raise ValueError("groups must be non-empty with distinct names")
+        keys = [k.key for k in self.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("api_keys must be distinct")
+        if len({g.engine.get("block_size", 16) for g in self.groups}) != 1:
+            raise ValueError("every group needs the same engine.block_size (one hash chain)")
+        if self.limits.default_max_tokens > self.limits.max_tokens:
+            raise ValueError("limits.default_max_tokens must be <= limits.max_tokens")
+        return self
+
+    @property
+    def block_size(self) -> int:
+        return int(self.groups[0].engine.get("block_size", 16))
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(g.num_replicas for g in self.groups)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+        return cls.model_validate(raw)
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> ServeConfig:
+        """Serve application args: either the fields themselves or ``{"config": path}``."""
+        args = dict(args or {})
+        path = args.pop("config", None)
+        if path is None:
+            return cls.model_validate(args)
+        base = cls.from_yaml(path).model_dump()
+        base.update(args)  # fields given next to ``config`` override the file's
+        return cls.model_validate(base)

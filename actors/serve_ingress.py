@@ -1,0 +1,434 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI inside a Serve deployment).
+
+Per request: authenticate (optional Bearer keys -> tenant), read and check the raw body
+(size, UTF-8, JSON, fields), tokenize (chat template for chat), check the context, compute
+the tenant-salted chained block hashes once, ask the router for a ranking, then stream from
+the chosen replica. Every failure becomes an OpenAI-shaped JSON error; nothing a client
+sends can take the ingress down. Invariant: ``pending`` (and each key's count) is
+incremented once per accepted request and decremented once when its response ends.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from actors import openai_protocol as oai
+from actors.outputs import RequestOutput
+from actors.serve_config import ApiKeyConfig, ServeConfig
+from actors.serve_metrics import render
+from errors import InvalidRequestError
+from models import load_tokenizer, read_model_config, tiny_model_dir
+from store.hashing import chained_block_hashes
+
+log = logging.getLogger(__name__)
+app = FastAPI(title="Meridian", docs_url=None, redoc_url=None)
+
+
+class _Prepared:
+    """One validated request: token lists (one per prompt) and per-choice params."""
+
+    def __init__(self, req: oai._Sampling, prompts: list[list[int]], max_tokens: int) -> None:
+        self.req = req
+        self.prompts = prompts
+        self.params = [_param_dict(req.sampling_params(max_tokens, i)) for i in range(req.n)]
+
+
+def _param_dict(p: Any) -> dict[str, Any]:
+    fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+    return {f: getattr(p, f) for f in fields}
+
+
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, config: dict[str, Any], router: Any, replicas: dict[str, Any]) -> None:
+        self.cfg = ServeConfig.model_validate(config)
+        model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
+        self.tokenizer = load_tokenizer(model_dir)
+        mcfg = read_model_config(model_dir)
+        lens = [
+            g.engine.get("max_model_len") or mcfg.max_position_embeddings for g in self.cfg.groups
+        ]
+        self.max_model_len = min(min(lens), mcfg.max_position_embeddings)
+        self.router = router
+        self.replicas = replicas
+        self.keys: dict[str, ApiKeyConfig] = {k.key: k for k in self.cfg.api_keys}
+        self.pending = 0
+        self.per_key: Counter[str] = Counter()
+        self.http_counts: Counter[tuple[str, int]] = Counter()
+
+    # -- routes -----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            snap = await self.router.snapshot.remote()
+        except Exception as e:
+            return self._error("/health", oai.APIError(503, f"router unavailable: {e}"))
+        status = 200 if snap else 503
+        return JSONResponse({"status": "ok" if snap else "starting", "replicas": len(snap)}, status)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._tenant(request)
+        except oai.APIError as e:
+            return self._error("/v1/models", e)
+        card = {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "meridian"}
+        card["max_model_len"] = self.max_model_len
+        return self._ok("/v1/models", {"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        snap = await self.router.snapshot.remote()
+        text = render(snap, {"http_requests": dict(self.http_counts), "pending": self.pending})
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve("/v1/completions", request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve("/v1/chat/completions", request, chat=True)
+
+    # -- the Python actor API's entry (LLM.attach(app_name)) --------------------------------
+    async def generate_tokens(
+        self,
+        token_lists: list[list[int]],
+        params: list[dict[str, Any]],
+        api_key: str | None = None,
+    ) -> list[RequestOutput]:
+        tenant = self._check_key(api_key)
+        salt = tenant.tenant if tenant else None
+
+        async def one(tokens: list[int], p: dict[str, Any]) -> RequestOutput:
+            outs: list[Any] = [None]
+            async for item in self._start(tokens, [p], salt, None):
+                if item[0] == "done":
+                    outs[0] = item[2]
+                elif item[0] == "error":
+                    raise InvalidRequestError(str(item[2]))
+            return outs[0]
+
+        try:
+            return list(
+                await asyncio.gather(*(one(t, p) for t, p in zip(token_lists, params, strict=True)))
+            )
+        except oai.APIError as e:
+            raise InvalidRequestError(e.message) from None
+
+    # -- the request path --------------------------------------------------------------------
+    async def _serve(self, route: str, request: Request, chat: bool) -> Response:
+        key = None
+        try:
+            tenant = self._tenant(request)
+            key = tenant.key if tenant else None
+            self._admit(tenant)
+        except oai.APIError as e:
+            return self._error(route, e)
+        handed_off = False  # once a stream owns the admission, it releases it
+        streams: list[AsyncIterator[tuple]] = []
+        try:
+            prep = await self._prepare(request, chat)
+            salt = tenant.tenant if tenant else None
+            session = prep.req.session_id or prep.req.user
+            streams = [self._start(t, prep.params, salt, session) for t in prep.prompts]
+            # Route and queue every prompt before answering: refusals keep their status.
+            firsts = [await s.__anext__() for s in streams]
+            assert all(f[0] == "accepted" for f in firsts)
+            if prep.req.stream:
+                body = self._sse(prep, streams, chat, key)
+                handed_off = True
+                self.http_counts[(route, 200)] += 1
+                return StreamingResponse(body, media_type="text/event-stream")
+            return self._ok(route, await self._collect(prep, streams, chat))
+        except oai.APIError as e:
+            return self._error(route, e)
+        except Exception as e:  # a replica died mid-request, or a bug: 503, never a crash
+            log.exception("request failed")
+            return self._error(route, oai.APIError(503, f"request failed: {e}; retry it"))
+        finally:
+            if not handed_off:
+                self._release(key)
+                for s in streams:
+                    with contextlib.suppress(Exception):
+                        await s.aclose()  # type: ignore[attr-defined]
+
+    async def _prepare(self, request: Request, chat: bool) -> _Prepared:
+        raw = await self._body(request)
+        model_cls = oai.ChatCompletionRequest if chat else oai.CompletionRequest
+        try:
+            req = model_cls.model_validate(raw)
+        except ValidationError as e:
+            raise oai.validation_error(e) from None
+        if req.model != self.cfg.model_name:
+            raise oai.APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        limits = self.cfg.limits
+        if req.n > limits.max_n:
+            raise oai.APIError(400, f"n must be at most {limits.max_n}, got {req.n}", "n")
+        stop = req.stop_list()
+        if len(stop) > oai.MAX_STOP_SEQUENCES or any(not s for s in stop):
+            raise oai.APIError(400, "stop takes at most 4 non-empty strings", "stop")
+        if chat:
+            assert isinstance(req, oai.ChatCompletionRequest)
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+            except InvalidRequestError as e:
+                raise oai.APIError(400, str(e), "messages") from None
+            prompts = [self.tokenizer.encode(text, add_special_tokens=False)]
+            max_tokens, field, prompt_field = (
+                req.max_completion_tokens or req.max_tokens,
+                "max_tokens",
+                "messages",
+            )
+        else:
+            assert isinstance(req, oai.CompletionRequest)
+            prompts = self._completion_prompts(req.prompt)
+            max_tokens, field, prompt_field = req.max_tokens, "max_tokens", "prompt"
+        if max_tokens is not None and max_tokens > limits.max_tokens:
+            raise oai.APIError(
+                400, f"max_tokens must be at most {limits.max_tokens}, got {max_tokens}", field
+            )
+        longest = max(len(p) for p in prompts)
+        room = self.max_model_len - longest
+        if room < 1:
+            raise oai.APIError(
+                400,
+                f"{prompt_field} has {longest} tokens but the context is {self.max_model_len}; "
+                "shorten it",
+                prompt_field,
+                "context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = min(limits.default_max_tokens, room)
+        elif max_tokens > room:
+            raise oai.APIError(
+                400,
+                f"{prompt_field} ({longest} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context of {self.max_model_len}; set max_tokens <= {room}",
+                field,
+                "context_length_exceeded",
+            )
+        return _Prepared(req, prompts, max_tokens)
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise oai.APIError(400, "prompt is empty; send text or token ids", "prompt")
+        if all(isinstance(t, int) for t in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        vocab = self.tokenizer.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise oai.APIError(400, f"prompt {i} is empty", "prompt")
+            if any(not 0 <= t < vocab for t in p):
+                raise oai.APIError(400, f"prompt {i}: token ids must be in [0, {vocab})", "prompt")
+        return prompts
+
+    async def _body(self, request: Request) -> Any:
+        limit = self.cfg.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise oai.APIError(413, f"the body has {declared} bytes; the limit is {limit}", "body")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise oai.APIError(413, f"the body is over the limit of {limit} bytes", "body")
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise oai.APIError(
+                400, f"the body is not valid UTF-8 (byte {e.start})", "body"
+            ) from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise oai.APIError(400, f"the body is not valid JSON: {e}", "body") from None
+        if not isinstance(raw, dict):
+            raise oai.APIError(422, "the body must be a JSON object", "body")
+        return raw
+
+    async def _start(
+        self,
+        tokens: list[int],
+        params: list[dict[str, Any]],
+        salt: str | None,
+        session: str | None,
+    ) -> AsyncIterator[tuple]:
+        """Route one prompt and relay its replica stream; the first item is ("accepted", ...).
+
+        Raises APIError (before the first yield) when the replica refuses it."""
+        hashes = chained_block_hashes(tokens, self.cfg.block_size, salt)
+        route_req = {
+            "request_id": oai.new_id("route"),
+            "block_hashes": hashes,
+            "num_prompt_tokens": len(tokens),
+            "session_id": session,
+        }
+        pairs = await self.router.route.remote(route_req)
+        group = pairs[0][1] if pairs else self.cfg.groups[0].name
+        ranking = [rid for rid, g in pairs if g == group]
+        payload = {"prompt_token_ids": tokens, "params": params, "salt": salt, "ranking": ranking}
+        gen = self.replicas[group].options(stream=True).generate.remote(payload)
+        try:
+            first = await gen.__anext__()
+            if first[0] == "refused":
+                headers = {"Retry-After": str(self.cfg.limits.retry_after_s)}
+                param = "prompt" if first[1] == 400 else None
+                raise oai.APIError(
+                    first[1], first[2], param, headers=headers if first[1] == 429 else None
+                )
+            yield first
+            async for item in gen:
+                yield item
+        finally:
+            gen.cancel()  # no-op when finished; aborts the replica's request otherwise
+
+    async def _collect(
+        self, prep: _Prepared, streams: list[AsyncIterator[tuple]], chat: bool
+    ) -> dict[str, Any]:
+        async def drain(s: AsyncIterator[tuple]) -> list[RequestOutput]:
+            outs: list[Any] = [None] * len(prep.params)
+            async for item in s:
+                if item[0] == "done":
+                    outs[item[1]] = item[2]
+                elif item[0] == "error":
+                    raise oai.APIError(503, f"generation failed: {item[2]}")
+            return outs
+
+        results = await asyncio.gather(*(drain(s) for s in streams))
+        n, want_ids = len(prep.params), prep.req.return_token_ids
+        choices, completion, cached = [], 0, 0
+        for pi, outs in enumerate(results):
+            cached += outs[0].num_cached_tokens
+            for j, out in enumerate(outs):
+                completion += len(out.token_ids)
+                ids = out.token_ids if want_ids else None
+                reason = oai.finish_reason(out.finish_reason)
+                choices.append(oai.choice(pi * n + j, out.text, reason, chat, ids))
+        prompt_tokens = sum(len(p) for p in prep.prompts)
+        rid = oai.new_id("chatcmpl" if chat else "cmpl")
+        use = oai.usage(prompt_tokens, completion, cached)
+        return oai.completion_body(rid, prep.req.model, choices, use, chat)
+
+    async def _sse(
+        self, prep: _Prepared, streams: list[AsyncIterator[tuple]], chat: bool, key: str | None
+    ) -> AsyncIterator[str]:
+        rid = oai.new_id("chatcmpl" if chat else "cmpl")
+        n, want_ids, model = len(prep.params), prep.req.return_token_ids, prep.req.model
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        q: asyncio.Queue[tuple] = asyncio.Queue()
+
+        async def pump(pi: int, s: AsyncIterator[tuple]) -> None:
+            try:
+                async for item in s:
+                    await q.put((pi, item))
+            except Exception as e:
+                await q.put((pi, ("error", -1, str(e))))
+            finally:
+                await q.put((pi, ("eof",)))
+
+        def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> str:
+            body: dict[str, Any] = {"id": rid, "object": obj, "created": 0, "model": model}
+            body["choices"] = choices
+            if use is not None:
+                body["usage"] = use
+            return f"data: {json.dumps(body)}\n\n"
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        started: set[int] = set()
+        completion, cached, live = 0, 0, len(streams)
+        try:
+            while live:
+                pi, item = await q.get()
+                if item[0] == "eof":
+                    live -= 1
+                elif item[0] == "delta":
+                    idx, d = pi * n + item[1], item[2]
+                    first = idx not in started
+                    if not (first or d.text or d.finished or want_ids):
+                        continue  # a token that completes no character yet: nothing to send
+                    started.add(idx)
+                    reason = oai.finish_reason(d.finish_reason) if d.finished else None
+                    ids = d.token_ids if want_ids else None
+                    yield chunk([oai.chunk_choice(idx, d.text, reason, chat, ids, first)])
+                elif item[0] == "done":
+                    out = item[2]
+                    completion += len(out.token_ids)
+                    cached += out.num_cached_tokens if item[1] == 0 else 0
+                elif item[0] == "error":
+                    err = oai.APIError(503, f"generation failed: {item[2]}; retry the request")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+            opts = prep.req.stream_options
+            if opts is not None and opts.include_usage:
+                prompt_tokens = sum(len(p) for p in prep.prompts)
+                yield chunk([], oai.usage(prompt_tokens, completion, cached))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._release(key)
+            for t in tasks:
+                t.cancel()  # a client gone mid-stream: stop relaying, abort on the replicas
+            await asyncio.gather(*tasks, return_exceptions=True)  # before closing streams
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    await s.aclose()  # type: ignore[attr-defined]
+
+    # -- auth, admission, responses ----------------------------------------------------------
+    def _tenant(self, request: Request) -> ApiKeyConfig | None:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        return self._check_key(key)
+
+    def _check_key(self, key: str | None) -> ApiKeyConfig | None:
+        if not self.keys:
+            return None  # no keys configured: open, one shared (unsalted) cache
+        if key is None:
+            raise oai.APIError(401, "missing API key: send 'Authorization: Bearer <key>'")
+        tenant = self.keys.get(key)
+        if tenant is None:
+            raise oai.APIError(401, "invalid API key", code="invalid_api_key")
+        return tenant
+
+    def _admit(self, tenant: ApiKeyConfig | None) -> None:
+        retry = {"Retry-After": str(self.cfg.limits.retry_after_s)}
+        if self.pending >= self.cfg.limits.max_pending_requests:
+            raise oai.APIError(429, "the server is overloaded; retry later", headers=retry)
+        if tenant is not None and tenant.max_concurrent_requests is not None:
+            if self.per_key[tenant.key] >= tenant.max_concurrent_requests:
+                msg = f"this key allows {tenant.max_concurrent_requests} requests at once"
+                raise oai.APIError(429, msg, headers=retry)
+        self.pending += 1
+        if tenant is not None:
+            self.per_key[tenant.key] += 1
+
+    def _release(self, key: str | None) -> None:
+        self.pending -= 1
+        if key is not None:
+            self.per_key[key] -= 1
+
+    def _ok(self, route: str, body: dict[str, Any]) -> Response:
+        self.http_counts[(route, 200)] += 1
+        return JSONResponse(body)
+
+    def _error(self, route: str, e: oai.APIError) -> Response:
+        self.http_counts[(route, e.status)] += 1
+        return JSONResponse(e.body(), e.status, headers=e.headers)

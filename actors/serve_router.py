@@ -1,0 +1,133 @@
+"""The global router of the Serve app: a router deployment plus a pinning RequestRouter.
+
+Why a router deployment (holding ``RouterState``) and not the decision inside a Ray Serve
+custom ``RequestRouter``:
+
+- A ``RequestRouter`` lives inside every ``DeploymentHandle``: each ingress replica (and
+  every other caller) would hold its own diverging view, and each would need every
+  replica's block events. One router deployment holds the one view.
+- Serve feeds a ``RequestRouter`` only ``record_routing_stats`` snapshots polled by the
+  controller (latest wins, 0.5-1.5 s stale). Block stored/evicted events are deltas: a
+  snapshot channel would drop some. Replicas instead push their events to the router in
+  order (each push awaited before the next), so its cached sets stay exact.
+- The router applies its own decision at once (``RouterState.route`` records the routed
+  request's blocks and queued tokens on the chosen replica), so back-to-back requests with
+  one prefix go to one replica before any event arrives.
+
+The ingress asks ``RouterDeployment.route`` for a ranking of replica ids (one actor call,
+~ms), then calls the replica deployment with that ranking in the payload; the replica
+deployment's ``RankedRequestRouter`` (the custom Serve ``RequestRouter``) only pins the
+request to the ranking's first replica that has capacity, falling back down the ranking and
+then to any replica. All router methods are ``async`` without ``await``: each runs whole
+on the router's event loop, so ``RouterState`` is never touched by two calls at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from actors.router_state import RouterState
+from policies.routing import RouteRequest
+
+REPLICA_TIMEOUT_S = 30.0  # a replica silent this long is dropped from the view
+
+
+def make_router_state(policy: str, block_size: int, options: dict[str, Any]) -> RouterState:
+    return RouterState(policy, block_size=block_size, **options)
+
+
+class RouterDeployment:
+    """State: the routing view (``RouterState``) and each replica's latest stats/metrics."""
+
+    def __init__(self, policy: str, block_size: int, options: dict[str, Any] | None = None):
+        self.state = make_router_state(policy, block_size, options or {})
+        self.block_size = block_size
+        self.groups: dict[str, str] = {}  # replica id -> group name
+        self.last_seen: dict[str, float] = {}
+        self.snapshots: dict[str, dict[str, Any]] = {}  # replica id -> {"stats", "metrics"}
+
+    async def route(self, request: dict[str, Any]) -> list[tuple[str, str]]:
+        """(replica id, group) pairs, best first. Records the decision in the view."""
+        self._expire(time.time())
+        rr = RouteRequest(
+            request["request_id"],
+            request["block_hashes"],
+            request["num_prompt_tokens"],
+            request.get("session_id"),
+        )
+        ranking = self.state.route(rr) if self.groups else []
+        return [(rid, self.groups[rid]) for rid in ranking if rid in self.groups]
+
+    async def report(
+        self,
+        replica_id: str,
+        group: str,
+        stats: dict[str, Any],
+        metrics: dict[str, Any],
+        events: list[tuple[str, int]],
+        resync: list[int] | None,
+        first: bool,
+    ) -> bool:
+        """Apply one replica push. Returns True when the router needs the replica's whole
+        cached set (it does not know this replica's history: a router restart)."""
+        known = replica_id in self.groups
+        if not known:
+            self.state.add_replica(replica_id, total_blocks=int(stats.get("total_blocks", 1)))
+            self.groups[replica_id] = group
+        self.last_seen[replica_id] = time.time()
+        if resync is not None:
+            self.state.resync(replica_id, resync)  # the whole set; ``events`` come after it
+        self.state.on_events(replica_id, events)
+        self.state.on_stats(replica_id, stats)
+        self.snapshots[replica_id] = {"stats": stats, "metrics": metrics, "group": group}
+        return not known and not first and resync is None
+
+    async def deregister(self, replica_id: str) -> None:
+        self._drop(replica_id)
+
+    async def snapshot(self) -> dict[str, dict[str, Any]]:
+        self._expire(time.time())
+        return dict(self.snapshots)
+
+    def _expire(self, now: float) -> None:
+        for rid, seen in list(self.last_seen.items()):
+            if now - seen > REPLICA_TIMEOUT_S:
+                self._drop(rid)
+
+    def _drop(self, replica_id: str) -> None:
+        if replica_id in self.groups:
+            self.state.remove_replica(replica_id)
+        self.groups.pop(replica_id, None)
+        self.last_seen.pop(replica_id, None)
+        self.snapshots.pop(replica_id, None)
+
+
+class RankedRequestRouter(RequestRouter):
+    """Serve ``RequestRouter`` of the replica deployments: follows the global router's
+    ranking carried in the request payload (``payload["ranking"]``: replica ids).
+
+    Each ranked replica is its own tier, so Serve takes the first one below its
+    ``max_ongoing_requests`` and falls back down the list; replicas missing from the
+    ranking (new, or unknown to the router) form a last tier, so a request is never stuck
+    on a stale ranking."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        ranking: list[str] = []
+        if pending_request is not None and pending_request.args:
+            payload = pending_request.args[0]
+            if isinstance(payload, dict):
+                ranking = list(payload.get("ranking") or [])
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        tiers = [[by_id[rid]] for rid in dict.fromkeys(ranking) if rid in by_id]
+        ranked = set(ranking)
+        rest = [r for r in candidate_replicas if r.replica_id.unique_id not in ranked]
+        if rest:
+            tiers.append(rest)
+        return tiers

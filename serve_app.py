@@ -1,0 +1,63 @@
+"""The Ray Serve application: ``serve run serve_app:app`` starts the demo on localhost:8000.
+
+Three deployments, built from one ``ServeConfig`` (actors/serve_config.py):
+
+- ``Ingress``: the OpenAI-compatible FastAPI app (actors/serve_ingress.py);
+- ``Router``: the global cache-aware router holding ``RouterState`` (actors/serve_router.py);
+- ``Replica-<group>``: one deployment per replica group, each replica a ``ReplicaController``
+  in an engine thread (actors/serve_replica.py), routed by ``RankedRequestRouter``.
+
+``app`` is the demo (the built-in tiny model, defaults). For anything else use the builder:
+``serve run serve_app:build_app config=my.yaml`` or a Serve config file whose application
+has ``import_path: serve_app:build_app`` and our fields under ``args`` (serve_config.yaml).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
+
+from actors.serve_config import ServeConfig
+from actors.serve_ingress import Ingress
+from actors.serve_replica import ReplicaServer
+from actors.serve_router import RankedRequestRouter, RouterDeployment
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """A Serve application from ``ServeConfig`` fields, or ``{"config": "file.yaml"}``."""
+    cfg = ServeConfig.from_args(args)
+    raw = cfg.model_dump()
+    router = serve.deployment(
+        RouterDeployment,
+        name="Router",
+        num_replicas=1,
+        max_ongoing_requests=100_000,  # each call is microseconds of pure Python
+        ray_actor_options={"num_cpus": 0},
+        logging_config=LoggingConfig(enable_access_log=False),  # replicas report ~10/s
+    ).bind(cfg.routing, cfg.block_size, cfg.routing_options)
+    replicas = {
+        g.name: serve.deployment(
+            ReplicaServer,
+            name=f"Replica-{g.name}",
+            num_replicas=g.num_replicas,
+            max_ongoing_requests=g.max_ongoing_requests,
+            ray_actor_options={"num_cpus": g.num_cpus},
+            health_check_period_s=5,
+            request_router_config=RequestRouterConfig(request_router_class=RankedRequestRouter),
+        ).bind(raw, g.name, router)
+        for g in cfg.groups
+    }
+    ingress = serve.deployment(
+        Ingress,
+        name="Ingress",
+        num_replicas=cfg.ingress_replicas,
+        max_ongoing_requests=cfg.limits.max_pending_requests + 64,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(raw, router, replicas)
+
+
+app = build_app({})

@@ -1,0 +1,146 @@
+"""Shared helpers of the integration tests: a private local Ray cluster per test module.
+
+``LocalRayCluster`` starts ``ray start --head --block`` in its own process group on free
+ports and a fresh temp dir, so it never collides with another cluster on the machine, and
+``stop`` kills exactly that process group (never ``ray stop``, which would stop every
+cluster of the user).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # the venv's bin: ray, serve, python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 20) -> None:
+    """Signal ``proc``'s whole process group, then SIGKILL whatever is left after grace."""
+    try:
+        os.killpg(proc.pid, first)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+class LocalRayCluster:
+    BIN = BIN
+    REPO = REPO
+    free_port = staticmethod(free_port)
+    kill_group = staticmethod(kill_group)
+
+    def __init__(self, dashboard: bool = False, num_cpus: int = 4) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="mer-ray-"))
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port()
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = dict(os.environ)
+        self.env["PATH"] = f"{BIN}{os.pathsep}{self.env.get('PATH', '')}"
+        self.env["RAY_ADDRESS"] = self.address
+        self.env["PYTHONPATH"] = str(REPO)
+        self.env["RAY_AUTH_MODE"] = "disabled"  # a private 127.0.0.1 cluster: no tokens
+        cmd = [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={self.gcs_port}",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            f"--temp-dir={self.tmp}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--include-dashboard={'true' if dashboard else 'false'}",
+            f"--dashboard-port={self.dashboard_port}",
+            "--disable-usage-stats",
+        ]
+        self.log = open(self.tmp / "head.log", "wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready(dashboard)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, dashboard: bool, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        url = self.dashboard_url + "/api/version" if dashboard else None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited: {(self.tmp / 'head.log').read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.gcs_port), timeout=1):
+                    pass
+                if url is None:
+                    return
+                import httpx
+
+                if httpx.get(url, timeout=2).status_code < 500:  # 401: token auth is on
+                    return
+            except Exception:  # not listening yet
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the local Ray head did not come up")
+
+    def popen(self, cmd: list[str], log_name: str) -> subprocess.Popen:
+        """A process in its own group, with this cluster's environment."""
+        log = open(self.tmp / log_name, "wb")
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def connect(self) -> None:
+        """``ray.init`` this process as a driver of the cluster."""
+        import ray
+
+        os.environ["RAY_AUTH_MODE"] = self.env["RAY_AUTH_MODE"]
+        ray.init(address=self.address, log_to_driver=False)
+
+    def stop(self) -> None:
+        kill_group(self.proc)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def local_ray_cluster():
+    """The ``LocalRayCluster`` class (each module starts and stops its own)."""
+    return LocalRayCluster

@@ -1,0 +1,399 @@
+"""The Serve app end to end: ``serve run`` of a Serve config file on a private local Ray
+cluster, real HTTP, the real ``openai`` client.
+
+One server per module (two replicas, prefix-aware routing, three API keys). Greedy outputs
+are compared with the in-process engine on the same weights, so every layer in between
+(tokenizing, routing, the engine thread, streaming) must be exact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from actors import LLM, SamplingParams
+
+MODEL = "meridian-tiny"
+KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
+MAX_TOKENS_LIMIT = 1800
+BODY_LIMIT = 256 * 1024
+
+pytestmark = pytest.mark.timeout(900)
+
+
+class Server:
+    def __init__(self, url: str, cluster) -> None:
+        self.url = url
+        self.cluster = cluster
+        self.http = httpx.Client(base_url=url, timeout=120)
+
+    def client(self, key: str = KEY_A) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def post(self, path: str, body: bytes | dict, key: str | None = KEY_A) -> httpx.Response:
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self.http.post(path, content=data, headers=headers)
+
+
+@pytest.fixture(scope="module")
+def server(local_ray_cluster, tmp_path_factory):
+    cluster = local_ray_cluster(dashboard=False)
+    port = cluster.free_port()
+    app_args = {
+        "model_name": MODEL,
+        "groups": [{"name": "main", "num_replicas": 2, "engine": {"kv_cache_memory": 1 << 25}}],
+        "routing": "prefix_aware",
+        "api_keys": [
+            {"key": KEY_A, "tenant": "tenant-a"},
+            {"key": KEY_B, "tenant": "tenant-b"},
+            {"key": KEY_LIMITED, "tenant": "limited", "max_concurrent_requests": 1},
+        ],
+        "limits": {"max_tokens": MAX_TOKENS_LIMIT, "max_body_bytes": BODY_LIMIT},
+    }
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "meridian",
+                "route_prefix": "/",
+                "import_path": "serve_app:build_app",
+                "args": app_args,
+            }
+        ],
+    }
+    path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = cluster.popen(
+        [str(cluster.BIN / "serve"), "run", f"--address={cluster.address}", str(path)], "serve.log"
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (cluster.tmp / "serve.log").read_text()[-5000:]
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield Server(url, cluster)
+    finally:
+        cluster.kill_group(proc, signal.SIGINT, grace=30)  # serve run shuts the app down on SIGINT
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process engine on the same (built-in tiny) weights."""
+    return LLM()
+
+
+def greedy_ref(reference: LLM, prompt: str, n: int) -> str:
+    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return reference.generate([prompt], p)[0].text
+
+
+def unique_prompt(words: int = 12) -> str:
+    return f"[{uuid.uuid4().hex}] " + " ".join(f"word{i}" for i in range(words))
+
+
+# -- the happy paths ------------------------------------------------------------------------
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = server.http.get("/health").json()
+    assert health["status"] == "ok" and health["replicas"] == 2
+
+
+def test_completion_matches_in_process_engine(server, reference):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = server.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].text == greedy_ref(reference, prompt, 12)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_chat_completion(server, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    ref = reference.chat(messages, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 8
+
+
+def test_streaming_equals_non_streaming(server):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9, seed=11)
+    whole = server.client().completions.create(**kw)
+    chunks = list(
+        server.client().completions.create(
+            **kw, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == [whole.choices[0].finish_reason]
+
+
+def test_chat_stream_ends_with_done(server):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 6,
+        "stream": True,
+    }
+    with server.http.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_seeds_and_n_choices(server):
+    kw = dict(model=MODEL, prompt="Seeded sampling", max_tokens=10, temperature=1.0, seed=5, n=3)
+    a = server.client().completions.create(**kw)
+    b = server.post("/v1/completions", dict(kw, return_token_ids=True)).json()
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    # The same seed reproduces every choice; usage counts every choice's tokens.
+    assert [c.text for c in a.choices] == [c["text"] for c in b["choices"]]
+    assert b["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in b["choices"])
+    assert a.usage.completion_tokens == b["usage"]["completion_tokens"]
+
+
+def test_stop_sequence(server, reference):
+    prompt = "Once upon a time"
+    base = greedy_ref(reference, prompt, 24)
+    # A stop string from the middle of the greedy text: generation ends right before it.
+    stop = next(c for c in base[1:] if c != "\ufffd")
+    r = server.client().completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == base[: base.index(stop)]
+    assert r.usage.completion_tokens < 24
+
+
+# -- bad input ------------------------------------------------------------------------------
+GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD = [
+    ("malformed json", "/v1/completions", b'{"model": "meridian-tiny", ', 400, "body"),
+    ("not an object", "/v1/completions", b"[1, 2]", 422, "body"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 422, "prompt"),
+    ("missing model", "/v1/completions", {"prompt": "x"}, 422, "model"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, 422, "messages"),
+    ("mistyped max_tokens", "/v1/completions", dict(GOOD, max_tokens="5"), 422, "max_tokens"),
+    ("mistyped temperature", "/v1/completions", dict(GOOD, temperature="hot"), 422, "temperature"),
+    ("mistyped prompt", "/v1/completions", dict(GOOD, prompt={"a": 1}), 422, "prompt"),
+    (
+        "mistyped role",
+        "/v1/chat/completions",
+        dict(CHAT, messages=[{"role": "robot", "content": "x"}]),
+        422,
+        "messages.0.role",
+    ),
+    ("messages not a list", "/v1/chat/completions", dict(CHAT, messages="hi"), 422, "messages"),
+    ("empty messages", "/v1/chat/completions", dict(CHAT, messages=[]), 400, "messages"),
+    ("unknown model", "/v1/completions", dict(GOOD, model="gpt-9"), 404, "model"),
+    ("prompt over context", "/v1/completions", dict(GOOD, prompt="a" * 3000), 400, "prompt"),
+    (
+        "prompt + max_tokens over context",
+        "/v1/completions",
+        dict(GOOD, prompt="a" * 1500, max_tokens=1000),
+        400,
+        "max_tokens",
+    ),
+    ("max_tokens zero", "/v1/completions", dict(GOOD, max_tokens=0), 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", dict(GOOD, max_tokens=-5), 400, "max_tokens"),
+    (
+        "max_tokens above limit",
+        "/v1/completions",
+        dict(GOOD, max_tokens=MAX_TOKENS_LIMIT + 1),
+        400,
+        "max_tokens",
+    ),
+    ("too many choices", "/v1/completions", dict(GOOD, n=1000), 400, "n"),
+    (
+        "temperature out of range",
+        "/v1/completions",
+        dict(GOOD, temperature=9.0),
+        400,
+        "temperature",
+    ),
+    ("too many stops", "/v1/completions", dict(GOOD, stop=list("abcde")), 400, "stop"),
+    ("token id out of range", "/v1/completions", dict(GOOD, prompt=[1, 10**9]), 400, "prompt"),
+    (
+        "invalid utf-8",
+        "/v1/completions",
+        b'{"model": "meridian-tiny", "prompt": "\xff\xfe"}',
+        400,
+        "body",
+    ),
+    ("oversized body", "/v1/completions", dict(GOOD, prompt="x" * (BODY_LIMIT + 1)), 413, "body"),
+]
+
+
+def test_bad_input_table_while_serving(server, reference):
+    """Every bad request gets its 4xx naming the field, while a good request runs
+    alongside; afterwards the server is healthy and still exact."""
+    prompt = unique_prompt()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    good = pool.submit(
+        server.client().completions.create,
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=64,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    failures = []
+    for name, path, body, status, param in BAD:
+        r = server.post(path, body)
+        try:
+            err = r.json()["error"]
+        except Exception:
+            failures.append(f"{name}: {r.status_code} {r.text[:200]}")
+            continue
+        if r.status_code != status or err.get("param") != param or param not in err["message"]:
+            failures.append(f"{name}: {r.status_code} {err}")
+        if not isinstance(err.get("type"), str):
+            failures.append(f"{name}: no error type in {err}")
+    assert not failures, "\n".join(failures)
+    assert good.result().choices[0].text == greedy_ref(reference, prompt, 64)
+    assert server.http.get("/health").status_code == 200
+    r = server.post("/v1/completions", GOOD)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_api_keys(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client("sk-not-a-key-000").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    r = server.post("/v1/completions", GOOD, key=None)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_overload_gets_429_with_retry_after(server):
+    """The limited key allows one request at once: a second one, while the first streams,
+    is refused with 429 and Retry-After; once the first ends, the key serves again."""
+    body = dict(GOOD, max_tokens=MAX_TOKENS_LIMIT, stream=True, ignore_eos=True)
+    headers = {"Authorization": f"Bearer {KEY_LIMITED}"}
+    with server.http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept alive: dropping the iterator closes the connection
+        assert next(lines).startswith("data: {")  # the first is accepted and streaming
+        second = server.post("/v1/completions", GOOD, key=KEY_LIMITED)
+        assert second.status_code == 429
+        assert int(second.headers["retry-after"]) >= 1
+        assert second.json()["error"]["type"] == "rate_limit_error"
+    # Closing the stream aborts the first request and frees the slot.
+    deadline = time.monotonic() + 120
+    while (r := server.post("/v1/completions", GOOD, key=KEY_LIMITED)).status_code == 429:
+        assert time.monotonic() < deadline, "the aborted stream never released its slot"
+        time.sleep(0.5)
+    assert r.status_code == 200
+
+
+# -- tenants --------------------------------------------------------------------------------
+def test_tenants_share_no_cache_hits(server):
+    prompt = unique_prompt(words=20)  # > 4 blocks of 16 tokens
+
+    def cached(key: str) -> int:
+        r = server.client(key).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(KEY_A) == 0
+    assert cached(KEY_A) >= 64  # the same tenant hits its own prefix
+    assert cached(KEY_B) == 0  # another tenant never does, whatever replica it lands on
+    assert cached(KEY_B) >= 64
+
+
+# -- metrics ---------------------------------------------------------------------------------
+def test_metrics_exposed_per_replica(server):
+    server.client().completions.create(model=MODEL, prompt="metrics please", max_tokens=4)
+    names = [
+        "meridian_time_to_first_token_seconds_count",
+        "meridian_time_per_output_token_seconds_count",
+        "meridian_num_requests_waiting",
+        "meridian_kv_cache_usage_ratio",
+        "meridian_prefix_cache_hit_ratio",
+    ]
+    deadline = time.monotonic() + 60
+    while True:  # replicas push metrics every report interval
+        text = server.http.get("/metrics").text
+        samples = [line for line in text.splitlines() if not line.startswith("#")]
+        replicas = {
+            line.split('replica="')[1].split('"')[0] for line in samples if 'replica="' in line
+        }
+        ttft = sum(
+            float(line.split()[-1])
+            for line in samples
+            if line.startswith("meridian_time_to_first_token_seconds_count")
+        )
+        if ttft > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert ttft > 0
+    assert len(replicas) == 2
+    for name in names:
+        assert sum(line.startswith(name + "{") for line in samples) == 2, name
+    assert 'meridian_http_requests_total{route="/v1/completions",status="200"}' in text
+
+
+# -- the Python API attached to the running app ----------------------------------------------
+def test_llm_attach_over_http_equals_in_process(server, reference):
+    llm = LLM.attach(server.url, api_key=KEY_A)
+    prompts = ["Attach one", "Attach two, a little longer"]
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, p)
+    refs = reference.generate(prompts, p)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert [o.text for o in outs] == [r.text for r in refs]
+
+
+def test_llm_attach_by_app_name_equals_in_process(server, reference):
+    import ray
+
+    server.cluster.connect()
+    try:
+        llm = LLM.attach("meridian", api_key=KEY_B)
+        p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(["By name", "By app name"], p)
+        refs = reference.generate(["By name", "By app name"], p)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    finally:
+        ray.shutdown()
