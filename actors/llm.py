@@ -5,6 +5,8 @@ Three ways to run, one ``generate``:
 - ``LLM(model)``: the engine in this process (``stream`` and ``chat`` too);
 - ``LLM(model, num_replicas=k)``: k replica actors on the Ray cluster (``ray.init`` of the
   current job, or a local one), each prompt routed by the cache-aware router;
+- ``LLM(model, num_prefill=p, num_decode=d)``: prefill and decode replica actors with KV
+  streamed between them (``actors/pd_cluster.py``);
 - ``LLM.attach("app-name" | "http://host:port")``: a running Serve app.
 
 Every prompt of a call is validated before any starts, so a bad prompt fails the call
@@ -36,12 +38,25 @@ class LLM:
         routing: str = "prefix_aware",
         num_cpus: float = 0.0,
         max_in_flight: int = 64,
+        num_prefill: int | None = None,
+        num_decode: int | None = None,
         **engine_options: Any,
     ) -> None:
         """``num_replicas=None``: in this process. Otherwise replica actors with
         ``num_cpus`` each, routed by the ``routing`` policy (see actors/router_state.py),
-        at most ``max_in_flight`` requests submitted at once."""
+        at most ``max_in_flight`` requests submitted at once. ``num_prefill`` /
+        ``num_decode``: a disaggregated deployment instead (Conductor placement)."""
         self.remote: Any = None
+        if num_prefill is not None or num_decode is not None:
+            if num_replicas is not None:
+                raise InvalidRequestError("give num_replicas or num_prefill/num_decode, not both")
+            from actors.pd_cluster import PDCluster
+
+            self.remote = _Disaggregated(
+                PDCluster(model, num_prefill or 1, num_decode or 1, **engine_options)
+            )
+            self.tokenizer = self.remote.cluster.tokenizer
+            return
         if num_replicas is None:
             self.engine = ReplicaController(model, **engine_options)
             self.tokenizer = self.engine.tokenizer
@@ -227,3 +242,21 @@ def _load_tokenizer(model: str | Path | None) -> Any:
     from models import load_tokenizer, tiny_model_dir
 
     return load_tokenizer(Path(model) if model is not None else tiny_model_dir("dense"))
+
+
+class _Disaggregated:
+    """``LLM``'s remote backend over a ``PDCluster``."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+
+    def run(
+        self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        outs = self.cluster.generate(
+            prompt_token_ids=token_lists, sampling_params=list(params), salt=salt
+        )
+        yield from enumerate(outs)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()

@@ -380,24 +380,30 @@ class PDCluster:
     def generate(
         self,
         prompts: str | list[str] | None = None,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | None = None,
         salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. Requests the Conductor
-        turns away now are held back and placed as running ones finish."""
-        params = sampling_params or SamplingParams()
+        turns away now are held back and placed as running ones finish. ``sampling_params``:
+        one for all prompts, or one per prompt."""
         if prompt_token_ids is None:
             if prompts is None:
                 raise ValueError("give prompts or prompt_token_ids")
             texts = [prompts] if isinstance(prompts, str) else list(prompts)
             prompt_token_ids = [self.tokenizer.encode(t) for t in texts]
-        backlog = deque(list(p) for p in prompt_token_ids)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompt_token_ids):
+                raise ValueError("give one sampling params per prompt")
+            per_prompt = sampling_params
+        else:
+            per_prompt = [sampling_params or SamplingParams()] * len(prompt_token_ids)
+        backlog = deque(zip((list(p) for p in prompt_token_ids), per_prompt, strict=True))
         ids: list[str] = []
         while backlog or self.has_unfinished():
             while backlog:
                 try:
-                    ids.append(self.submit(backlog[0], params, salt=salt))
+                    ids.append(self.submit(backlog[0][0], backlog[0][1], salt=salt))
                 except RequestRejected:
                     if not self.has_unfinished():
                         raise

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 Sink = Callable[[tuple], None]
 MAX_BUFFERED_EVENTS = 1 << 20  # beyond this, drop the deltas and resync the whole set
+IDLE_RELEASE_S = 2.0  # idle this long: let the workers stop polling
 
 
 class OverloadedError(MeridianError):
@@ -45,24 +46,29 @@ class OverloadedError(MeridianError):
 
 # -- small accessors into the controller (read on the engine thread only) --------------------
 def replica_stats(engine: ReplicaController) -> dict[str, Any]:
-    """The counters a router needs, plus KV usage and the prefix cache hit ratio."""
-    pool = engine.pool
+    """The counters a router needs, plus KV usage and the prefix cache hit ratio (summed
+    over the KV-parallel ranks' pools)."""
+    pools = engine.pools
+    total = sum(p.num_blocks for p in pools)
     return {
         "num_running": engine.scheduler.num_running,
         "num_waiting": engine.scheduler.num_waiting,
         "queued_prefill_tokens": engine.scheduler.queued_prefill_tokens(),
-        "free_blocks": pool.num_free,
-        "total_blocks": pool.num_blocks,
-        "kv_usage": pool.usage,
+        "free_blocks": sum(p.num_free for p in pools),
+        "total_blocks": total,
+        "kv_usage": sum(p.num_in_use for p in pools) / total,
         "cache_hit_ratio": engine.kv.hit_ratio,
         "time": time.time(),
     }
 
 
 def cached_block_hashes(engine: ReplicaController) -> list[int]:
-    """Every block hash the pool can serve a hit from (for a full resync)."""
-    by_hash = getattr(engine.pool, "_by_hash", {})
-    return list(by_hash)
+    """Every block hash the pools can serve a hit from (for a full resync)."""
+    return sorted({h for pool in engine.pools for h in pool.cached_hashes()})
+
+
+def drain_cache_events(engine: ReplicaController) -> list[tuple[str, int]]:
+    return [e for pool in engine.pools for e in pool.drain_events()]
 
 
 class EngineLoop:
@@ -181,13 +187,19 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
+        idle_since: float | None = None
         while not self._stop:
             self._wake.clear()
             self._apply_commands()
             if not self.engine.has_unfinished():
                 self._publish(force=True)
+                if idle_since is None:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > IDLE_RELEASE_S:
+                    self.engine.on_idle()  # compiled-graph workers stop spinning a core
                 self._wake.wait(0.5)
                 continue
+            idle_since = None
             try:
                 deltas = self.engine.step()
             except Exception as e:  # a bug or a dead worker: fail what runs, keep serving
@@ -234,7 +246,7 @@ class EngineLoop:
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
-        events = self.engine.pool.drain_events()
+        events = drain_cache_events(self.engine)
         if not force and not events and now - self._last_publish < 0.05:
             return
         self._last_publish = now

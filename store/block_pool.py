@@ -65,6 +65,10 @@ class BlockPool:
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._by_hash
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash a prefix hit can be served from (for a router's full resync)."""
+        return list(self._by_hash)
+
     def register(self, block: int, block_hash: int, tokens: Sequence[int]) -> None:
         """Mark an in-use, fully written block as reusable under ``block_hash``.
 

@@ -71,6 +71,18 @@ def test_pd_output_equals_colocated():
     finish(pd)
 
 
+def test_llm_with_prefill_and_decode_pools_equals_colocated():
+    from actors.llm import LLM
+
+    prompts = [tokens(8, 7), tokens(9, 21)]
+    llm = LLM(None, num_prefill=1, num_decode=1, **OPTS)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == colocated(prompts)
+
+
 def test_conductor_prefers_the_prefill_instance_holding_the_prefix():
     shared = tokens(6, 16)
     pd = PDCluster(None, num_prefill=2, num_decode=1, **OPTS)
