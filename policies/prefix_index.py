@@ -1,79 +1,133 @@
 """Which replicas hold which cached blocks, indexed for the router's prefix lookup.
 
 One dict maps each block hash to a bitmask of the replicas holding it (bit ``slot`` set for
-the replica in that slot); next to it, each replica keeps its own set of hashes (the set a
-``ReplicaView`` exposes as ``cached``, adopted, never copied). Invariants, after every
-public method:
+the replica in that slot). It is the only copy: a replica's set of hashes is a read-only
+view over it (``cached``), and next to it the index keeps how many hashes each slot holds.
+Invariants, after every public method:
 
-- for every registered replica ``r`` and every hash ``h``:
-  ``h in sets[r]``  iff  bit ``slot(r)`` of ``masks.get(h, 0)`` is set;
-- no mask is 0 (a hash no replica holds has no entry), and no mask has the bit of a free slot.
+- no mask is 0 (a hash no replica holds has no entry), and no mask has the bit of a free
+  slot;
+- for every registered replica, its count equals the number of masks with its bit set.
 
 A prefix lookup walks the request's chained hashes once, AND-ing the masks as it goes, and
 stops at the first block that no replica holds through all earlier blocks. The walk runs in
 C (``accumulate`` over ``map`` under ``takewhile``), so it costs tens of nanoseconds per
 matched block whatever the number of replicas; it comes back as runs (one per distinct
-mask, at most replicas + 1, usually two or three). Updates cost one set operation and one
-dict read and write per hash, also in C.
+mask, at most replicas + 1, usually two or three). An update costs one dict read and (for
+a hash the replica did not hold) one dict write per hash. Removing a replica or replacing
+its hashes wholesale scans the whole dict (rare: membership changes and resyncs).
+
+With a warm interpreter the router's cost is mostly memory reads of this dict (a prompt's
+older blocks were last touched many decisions ago), so it is kept small: each hash is stored
+once (not also in a set per replica), and a mask with a single bit, what most hashes have,
+is one shared int object per slot instead of an int allocated per hash.
 
 Pure: stdlib only, no clock, deterministic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Set
 from itertools import accumulate, repeat, takewhile
-from operator import and_, or_
+from operator import and_
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+
+class CachedBlocks(Set[int]):
+    """The live, read-only set of hashes one replica holds in a ``PrefixIndex``
+    (``h in s``, ``len(s)``, iteration, and the comparisons of ``collections.abc.Set``,
+    e.g. ``s == {1, 2}`` or ``s >= set(hashes)``). Iterating scans the index."""
+
+    __slots__ = ("_bit", "_counts", "_masks", "_slot")
+
+    def __init__(self, masks: dict[int, int], counts: list[int], slot: int) -> None:
+        self._masks = masks
+        self._counts = counts
+        self._slot = slot
+        self._bit = 1 << slot
+
+    def __contains__(self, block_hash: object) -> bool:
+        return bool(self._masks.get(block_hash, 0) & self._bit)  # type: ignore[call-overload]
+
+    def __len__(self) -> int:
+        return self._counts[self._slot]
+
+    def __iter__(self) -> Iterator[int]:
+        bit = self._bit
+        return iter([h for h, m in self._masks.items() if m & bit])
+
+    def __repr__(self) -> str:
+        return f"CachedBlocks({set(self)!r})"
+
+    def _detach(self) -> None:
+        """Read as empty from now on (its replica left the index)."""
+        self._masks = {}
+        self._counts = [0] * (self._slot + 1)
+
+    @classmethod
+    def _from_iterable(cls, it: Iterable[_T]) -> Set[_T]:
+        """What ``&``, ``|``, ``-`` and ``^`` return: a plain, detached ``set``."""
+        return set(it)
 
 
 class PrefixIndex:
     def __init__(self) -> None:
         self._masks: dict[int, int] = {}  # hash -> bitmask of the slots holding it
         self._slot: dict[str, int] = {}  # replica id -> its bit position
-        self._sets: dict[str, set[int]] = {}  # replica id -> hashes it holds
+        self._counts: list[int] = []  # slot -> hashes it holds (0 for a free slot)
+        # slot -> ``1 << slot``, one object per slot: a hash only one replica holds (most of
+        # them) maps to this shared object, not to an int allocated per hash, so reading
+        # its mask touches memory that is already in cache.
+        self._bits: list[int] = []
+        self._views: dict[str, CachedBlocks] = {}  # replica id -> its read-only set
         self._free: list[int] = []  # released slots, reused smallest first
-        self._num_slots = 0  # slots ever handed out (free ones included)
 
     # -- membership ------------------------------------------------------------------------
-    def add_replica(self, replica_id: str, cached: set[int] | None = None) -> int:
-        """Register a replica and return its slot. ``cached`` (default: a new empty set) is
-        adopted as the replica's set: later updates through this index mutate it in place,
-        and the hashes already in it are indexed now. Registering twice is a no-op."""
+    def add_replica(self, replica_id: str, cached: Iterable[int] = ()) -> int:
+        """Register a replica holding ``cached`` (default: nothing) and return its slot.
+        Registering twice is a no-op."""
         if replica_id in self._slot:
             return self._slot[replica_id]
         if self._free:
             self._free.sort()
             slot = self._free.pop(0)
         else:
-            slot = self._num_slots
-            self._num_slots += 1
+            slot = len(self._counts)
+            self._counts.append(0)
+            self._bits.append(1 << slot)
         self._slot[replica_id] = slot
-        s = cached if cached is not None else set()
-        self._sets[replica_id] = s
-        bit = 1 << slot
-        masks = self._masks
-        get = masks.get
-        for h in s:
-            masks[h] = get(h, 0) | bit
+        self._views[replica_id] = CachedBlocks(self._masks, self._counts, slot)
+        self.add(replica_id, list(cached))
         return slot
 
     def remove_replica(self, replica_id: str) -> None:
-        """Forget a replica: its bit leaves every mask and its slot becomes free. Its set
-        object is left as it was (whoever else holds it keeps a consistent copy)."""
+        """Forget a replica: its bit leaves every mask and its slot becomes free. Its
+        ``CachedBlocks`` view reads as empty from then on."""
         slot = self._slot.pop(replica_id, None)
         if slot is None:
             return
-        self._clear_bits(self._sets.pop(replica_id), ~(1 << slot))
+        self._views.pop(replica_id)._detach()
+        self._clear_slot(slot)
         self._free.append(slot)
 
-    def _clear_bits(self, hashes: Iterable[int], keep: int) -> None:
+    def _clear_slot(self, slot: int) -> None:
+        bit = 1 << slot
         masks = self._masks
-        for h in hashes:
-            m = masks[h] & keep
+        for h in [h for h, m in masks.items() if m & bit]:
+            m = masks[h] ^ bit
             if m:
-                masks[h] = m
+                masks[h] = self._shared(m)
             else:
                 del masks[h]
+        self._counts[slot] = 0
+
+    def _shared(self, mask: int) -> int:
+        """``mask``, as the shared object of its slot when it has a single bit."""
+        if mask & (mask - 1):
+            return mask
+        return self._bits[mask.bit_length() - 1]
 
     def slot(self, replica_id: str) -> int:
         return self._slot[replica_id]
@@ -82,9 +136,15 @@ class PrefixIndex:
         """``1 << slot``: the replica's bit in every mask."""
         return 1 << self._slot[replica_id]
 
-    def cached(self, replica_id: str) -> set[int]:
-        """The replica's set (live; mutate it only through this index)."""
-        return self._sets[replica_id]
+    def cached(self, replica_id: str) -> CachedBlocks:
+        """The replica's hashes: a live read-only view (the same object every call)."""
+        return self._views[replica_id]
+
+    @property
+    def counts(self) -> list[int]:
+        """Hashes held, by slot (live; read it, never write it): ``counts[slot(r)] ==
+        len(cached(r))``."""
+        return self._counts
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._slot
@@ -92,66 +152,76 @@ class PrefixIndex:
     @property
     def num_slots(self) -> int:
         """One more than the highest slot ever handed out: the length of ``lengths_by_slot``."""
-        return self._num_slots
+        return len(self._counts)
 
     # -- updates ---------------------------------------------------------------------------
-    def add(self, replica_id: str, hashes: Sequence[int]) -> None:
-        """The replica now holds ``hashes``. Idempotent per hash (a set add and an OR of the
-        replica's bit), so hashes it already holds need no check first."""
-        if not hashes:
-            return
-        self._sets[replica_id].update(hashes)
+    def add(self, replica_id: str, hashes: Iterable[int]) -> None:
+        """The replica now holds ``hashes`` (idempotent per hash)."""
+        slot = self._slot[replica_id]
+        bit = self._bits[slot]
         masks = self._masks
-        bit = 1 << self._slot[replica_id]
-        # masks[h] |= bit for every h, as one C-level pass.
-        masks.update(
-            zip(hashes, map(or_, map(masks.get, hashes, repeat(0)), repeat(bit)), strict=True)
-        )
+        get = masks.get
+        new = 0
+        for h in hashes:
+            m = get(h, 0)
+            if not m & bit:
+                masks[h] = m | bit if m else bit
+                new += 1
+        self._counts[slot] += new
 
     def discard(self, replica_id: str, hashes: Iterable[int]) -> None:
         """The replica no longer holds ``hashes`` (unknown ones are no-ops)."""
-        s = self._sets[replica_id]
-        keep = ~(1 << self._slot[replica_id])
+        slot = self._slot[replica_id]
+        bit = 1 << slot
         masks = self._masks
+        get = masks.get
+        shared = self._shared
+        gone = 0
         for h in hashes:
-            if h in s:
-                s.discard(h)
-                m = masks[h] & keep
-                if m:
-                    masks[h] = m
-                else:
+            m = get(h, 0)
+            if m & bit:
+                gone += 1
+                if m == bit:
                     del masks[h]
+                else:
+                    masks[h] = shared(m ^ bit)
+        self._counts[slot] -= gone
 
     def apply_events(self, replica_id: str, events: Iterable[tuple[str, int]]) -> None:
         """Apply ``("stored" | "evicted", hash)`` events in order. An unknown kind raises
         ``ValueError``; the events before it stay applied."""
-        s = self._sets[replica_id]
         slot = self._slot[replica_id]
-        bit, keep = 1 << slot, ~(1 << slot)
+        bit = self._bits[slot]
         masks = self._masks
         get = masks.get
-        for kind, h in events:
-            if kind == "stored":
-                if h not in s:
-                    s.add(h)
-                    masks[h] = get(h, 0) | bit
-            elif kind == "evicted":
-                if h in s:
-                    s.discard(h)
-                    m = masks[h] & keep
-                    if m:
-                        masks[h] = m
-                    else:
-                        del masks[h]
-            else:
-                raise ValueError(f"unknown cache event {kind!r}; expected 'stored' or 'evicted'")
+        shared = self._shared
+        count = self._counts[slot]
+        try:
+            for kind, h in events:
+                m = get(h, 0)
+                if kind == "stored":
+                    if not m & bit:
+                        masks[h] = m | bit if m else bit
+                        count += 1
+                elif kind == "evicted":
+                    if m & bit:
+                        count -= 1
+                        if m == bit:
+                            del masks[h]
+                        else:
+                            masks[h] = shared(m ^ bit)
+                else:
+                    raise ValueError(
+                        f"unknown cache event {kind!r}; expected 'stored' or 'evicted'"
+                    )
+        finally:
+            self._counts[slot] = count
 
     def reset(self, replica_id: str, hashes: Iterable[int]) -> None:
-        """Replace the replica's hashes wholesale; its set object stays the same object."""
-        s = self._sets[replica_id]
-        self._clear_bits(s, ~(1 << self._slot[replica_id]))
-        s.clear()
-        self.add(replica_id, list(hashes))
+        """Replace the replica's hashes wholesale (its ``cached`` view stays the same
+        object)."""
+        self._clear_slot(self._slot[replica_id])
+        self.add(replica_id, hashes)
 
     # -- lookups ---------------------------------------------------------------------------
     def holders(self, block_hash: int) -> int:
@@ -185,7 +255,7 @@ class PrefixIndex:
     def lengths_by_slot(self, block_hashes: Sequence[int]) -> list[int]:
         """For every slot, the number of leading blocks of ``block_hashes`` that replica
         holds, stopping at its first miss. Free slots read 0."""
-        out = [0] * self._num_slots
+        out = [0] * len(self._counts)
         for holders, end in self.runs(block_hashes):
             # Later runs are subsets of earlier ones and overwrite them with longer ends.
             while holders:
@@ -196,17 +266,25 @@ class PrefixIndex:
 
     def prefix_length(self, replica_id: str, block_hashes: Sequence[int]) -> int:
         """Leading blocks of ``block_hashes`` the replica holds (stops at the first miss)."""
-        return len(list(takewhile(self._sets[replica_id].__contains__, block_hashes)))
+        return len(list(takewhile(self._views[replica_id].__contains__, block_hashes)))
 
     # -- checking --------------------------------------------------------------------------
     def check(self) -> None:
         """Raise ``AssertionError`` unless the invariants in the module docstring hold."""
-        rebuilt: dict[int, int] = {}
-        for rid, s in self._sets.items():
-            bit = 1 << self._slot[rid]
-            for h in s:
-                rebuilt[h] = rebuilt.get(h, 0) | bit
-        if rebuilt != self._masks:
-            raise AssertionError("prefix index masks disagree with the replicas' sets")
+        used = 0
+        for slot in self._slot.values():
+            used |= 1 << slot
+        counts = [0] * len(self._counts)
+        for m in self._masks.values():
+            if not m:
+                raise AssertionError("a hash no replica holds is still indexed")
+            if m & ~used:
+                raise AssertionError("a mask has the bit of a free slot")
+            while m:
+                low = m & -m
+                counts[low.bit_length() - 1] += 1
+                m ^= low
+        if counts != self._counts:
+            raise AssertionError("prefix index counts disagree with its masks")
         if set(self._free) & set(self._slot.values()):
             raise AssertionError("a slot is both free and in use")

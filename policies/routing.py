@@ -16,9 +16,10 @@ import bisect
 import hashlib
 import random
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import takewhile
+from operator import itemgetter
 from typing import Any, Protocol
 
 from policies.prefix_index import PrefixIndex
@@ -39,7 +40,9 @@ class ReplicaView:
     queued_prefill_tokens: int = 0
     free_blocks: int = 0
     total_blocks: int = 1
-    cached: set[int] = field(default_factory=set)  # block hashes the replica holds
+    # Block hashes the replica holds. A ``ClusterView`` gives its views a read-only live
+    # view of its index (``CachedBlocks``); change those only through the ClusterView.
+    cached: Set[int] = field(default_factory=set)
     region: str = "default"
 
 
@@ -68,10 +71,16 @@ class PrefixRankingPolicy(RoutingPolicy, Protocol):
         replicas: Sequence[ReplicaView],
         prefix_blocks: Sequence[int],
         now: float,
+        cached_blocks: Sequence[int] | None = None,
     ) -> list[str]: ...
 
 
-def cached_prefix_blocks(block_hashes: Sequence[int], cached: set[int] | frozenset[int]) -> int:
+# Fields of ``PrefixAware``'s sort key ``(-counted prefix, load, -prefix, cached, position)``.
+_load_of = itemgetter(1)
+_fallback_key = itemgetter(1, 0, 2, 3, 4)  # load first: the order after an overload
+
+
+def cached_prefix_blocks(block_hashes: Sequence[int], cached: Set[int]) -> int:
     """Number of leading blocks of ``block_hashes`` present in ``cached``.
 
     Hashes are chained, so block i is only useful if blocks 0..i-1 are: stop at the first miss.
@@ -181,8 +190,8 @@ class PrefixAware:
 
     ``rank`` measures each replica's prefix from its view's ``cached`` set (the walk stops at
     the first miss: O(replicas x matched blocks)); ``rank_with_prefix`` takes the lengths
-    ready-made, e.g. from a ``PrefixIndex`` (``ClusterView.route`` does this), and gives the
-    same ranking for the same lengths.
+    ready-made, e.g. from a ``PrefixIndex`` (``ClusterView.route`` does this), and
+    optionally the cache sizes too, and gives the same ranking for the same inputs.
     """
 
     def __init__(
@@ -212,38 +221,40 @@ class PrefixAware:
         replicas: Sequence[ReplicaView],
         prefix_blocks: Sequence[int],
         now: float,
+        cached_blocks: Sequence[int] | None = None,
     ) -> list[str]:
-        """The ranking, given ``prefix_blocks[k]``: the cached prefix of ``replicas[k]``."""
+        """The ranking, given ``prefix_blocks[k]``: the cached prefix of ``replicas[k]``,
+        and optionally ``cached_blocks[k]``: ``len(replicas[k].cached)``, when the caller
+        keeps those counts anyway (a ``ClusterView`` does)."""
         n = len(replicas)
         if n != len(prefix_blocks):
             raise ValueError("need one prefix length per replica")
         if not n:
             return []
+        if cached_blocks is None:
+            cached_blocks = [len(r.cached) for r in replicas]
+        elif len(cached_blocks) != n:
+            raise ValueError("need one cache size per replica")
         w = self.running_weight
         floor = self.min_prefix_fraction * len(request.block_hashes)
-        # One tuple per replica, built in one pass: the sort key, position last.
+        # One tuple per replica, built in one pass: the sort key, position last. (The
+        # lengths are checked above; ``zip`` without ``strict`` saves a check per step.)
         scored = sorted(
             [
-                (
-                    -p if p >= floor else 0,
-                    r.queued_prefill_tokens + w * r.num_running,
-                    -p,
-                    len(r.cached),
-                    k,
-                )
-                for k, (r, p) in enumerate(zip(replicas, prefix_blocks, strict=True))
+                (-p if p >= floor else 0, r.queued_prefill_tokens + w * r.num_running, -p, c, k)
+                for k, r, p, c in zip(range(n), replicas, prefix_blocks, cached_blocks)  # noqa: B905
             ]
         )
         best = scored[0]
         # A best holder without a counted prefix is the least loaded: never overloaded.
         if best[0]:
             best_load = best[1]
-            min_load = min([s[1] for s in scored])
+            min_load = min(map(_load_of, scored))
             if (
                 best_load - min_load > self.max_imbalance
                 and best_load > self.max_imbalance_ratio * min_load
             ):
-                scored = sorted(scored[1:], key=lambda s: (s[1], s[0], s[2], s[3], s[4]))
+                scored = sorted(scored[1:], key=_fallback_key)
                 scored.append(best)
         return [replicas[s[4]].replica_id for s in scored]
 
@@ -321,10 +332,12 @@ class ClusterView:
     up to hashes added optimistically for requests that never stored them; those leave
     with the replica's evicted events or a full ``reset_cached``.
 
-    Every view's ``cached`` set is also indexed by a ``PrefixIndex`` (hash -> replicas), so
+    The cached hashes live once, in a ``PrefixIndex`` (hash -> replicas): each view's
+    ``cached`` is that index's read-only live view of the replica (``CachedBlocks``), so
     ``route`` with a prefix policy costs one walk over the request's matched blocks, not
-    one per replica. Invariant: the index agrees with the views' sets; change a view's
-    ``cached`` only through this class (``apply_events``, ``reset_cached``, ``on_routed``).
+    one per replica, and recording a routed request writes each new hash once. Change a
+    replica's hashes only through this class (``apply_events``, ``reset_cached``,
+    ``on_routed``); never assign another set to a view's ``cached``.
 
     ``replicas`` returns the live view objects (no copies), in insertion order.
     """
@@ -338,6 +351,8 @@ class ClusterView:
         self._list: list[ReplicaView] = []
         self._bits: list[int] = []  # index bit of each view in ``_list``
         self._position_of_bit: dict[int, int] = {}  # index bit -> position in ``_list``
+        self._slots: list[int] = []  # index slot of each view in ``_list``
+        self._slots_in_order = True  # ``_slots == [0, 1, ..., n - 1]``
         self._all_bits = 0  # the OR of ``_bits``
         self._position: dict[str, int] = {}  # replica id -> its position in ``_list``
         self.index = PrefixIndex()
@@ -350,12 +365,16 @@ class ClusterView:
     ) -> ReplicaView:
         if replica_id in self._views:
             return self._views[replica_id]
+        self.index.add_replica(replica_id)
         view = ReplicaView(
-            replica_id, free_blocks=total_blocks, total_blocks=total_blocks, region=region
+            replica_id,
+            free_blocks=total_blocks,
+            total_blocks=total_blocks,
+            cached=self.index.cached(replica_id),
+            region=region,
         )
         self._views[replica_id] = view
         self._pending[replica_id] = deque()
-        self.index.add_replica(replica_id, view.cached)
         self._relist()
         return view
 
@@ -368,7 +387,9 @@ class ClusterView:
 
     def _relist(self) -> None:
         self._list = list(self._views.values())
-        self._bits = [self.index.bit(v.replica_id) for v in self._list]
+        self._slots = [self.index.slot(v.replica_id) for v in self._list]
+        self._bits = [1 << slot for slot in self._slots]
+        self._slots_in_order = self._slots == list(range(self.index.num_slots))
         self._position_of_bit = {b: k for k, b in enumerate(self._bits)}
         self._all_bits = sum(self._bits)
         self._position = {v.replica_id: k for k, v in enumerate(self._list)}
@@ -427,7 +448,7 @@ class ClusterView:
 
     def reset_cached(self, replica_id: str, hashes: Iterable[int]) -> None:
         """Replace a replica's cached set wholesale (a resync after lost events or a restart);
-        the view keeps the same set object."""
+        the view keeps the same ``cached`` object."""
         if replica_id not in self._views:
             self.add_replica(replica_id)
         self.index.reset(replica_id, hashes)
@@ -444,7 +465,7 @@ class ClusterView:
         """
         view = self._views[replica_id]
         hashes = request.block_hashes
-        hit = hit_blocks if hit_blocks is not None else cached_prefix_blocks(hashes, view.cached)
+        hit = hit_blocks if hit_blocks is not None else self.index.prefix_length(replica_id, hashes)
         tokens = max(1, request.num_prompt_tokens - hit * self.block_size)
         new_blocks = -(-request.num_prompt_tokens // self.block_size) - hit
         view.queued_prefill_tokens += tokens
@@ -474,7 +495,8 @@ class ClusterView:
     def route(self, policy: RoutingPolicy, request: RouteRequest, now: float) -> list[str]:
         """Rank with ``policy``, record the routing to the first choice, return the ranking.
 
-        A policy with ``rank_with_prefix`` gets the prefix lengths from the index."""
+        A policy with ``rank_with_prefix`` gets the prefix lengths from the index, and the
+        cache sizes from the index's counts."""
         rank_with_prefix = getattr(policy, "rank_with_prefix", None)
         if rank_with_prefix is None:
             ranking = policy.rank(request, self._list, now)
@@ -482,7 +504,11 @@ class ClusterView:
                 self.on_routed(ranking[0], request, now)
             return ranking
         prefix = self.prefix_blocks(request)
-        ranking = rank_with_prefix(request, self._list, prefix, now)
+        counts = self.index.counts
+        # In slot order (no replica removed yet) the counts are already by position; the
+        # policy only reads them during the call.
+        sizes = counts if self._slots_in_order else list(map(counts.__getitem__, self._slots))
+        ranking = rank_with_prefix(request, self._list, prefix, now, cached_blocks=sizes)
         if ranking:
             first = ranking[0]
             self.on_routed(first, request, now, prefix[self._position[first]])
