@@ -111,21 +111,27 @@ class RayExecutor:
     def _actor(self, tp_rank: int, stage: int, kvp_rank: int) -> Any:
         return self.actors[self.layout.world_rank(tp_rank, stage, kvp_rank)]
 
+    def _wire(self, call: Any, plan: Any) -> list[Any]:
+        """Per KVP rank and TP rank, stage 0 gets the plan and stage s > 0 also stage s - 1's
+        output: ``call(actor, plan, *previous)``. Returns the last stages' outputs, KVP rank
+        major (so TP rank 0 of KVP rank k is at ``k * tp``)."""
+        layout = self.layout
+        outputs = []
+        for k in range(layout.kvp):
+            prev: list[Any] = []
+            for s in range(layout.spp):
+                prev = [
+                    call(self._actor(t, s, k), plan, *([prev[t]] if s else []))
+                    for t in range(layout.tp)
+                ]
+            outputs.extend(prev)
+        return outputs
+
     def _compile(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
 
-        layout = self.layout
         with InputNode() as plan:
-            outputs = []
-            for k in range(layout.kvp):
-                prev: list[Any] = []
-                for s in range(layout.spp):
-                    prev = [
-                        self._actor(t, s, k).execute.bind(plan, *([prev[t]] if s else []))
-                        for t in range(layout.tp)
-                    ]
-                outputs.extend(prev)
-            dag = MultiOutputNode(outputs)
+            dag = MultiOutputNode(self._wire(lambda a, *args: a.execute.bind(*args), plan))
         return dag.experimental_compile(_max_inflight_executions=self.depth)
 
     # -- steps ------------------------------------------------------------------------------
@@ -140,17 +146,7 @@ class RayExecutor:
             return exc  # surfaced by result(), in order
 
     def _submit_plain(self, plan: StepPlan) -> list[Any]:
-        layout = self.layout
-        outputs = []
-        for k in range(layout.kvp):
-            prev: list[Any] = []
-            for s in range(layout.spp):
-                prev = [
-                    self._actor(t, s, k).execute.remote(plan, *([prev[t]] if s else []))
-                    for t in range(layout.tp)
-                ]
-            outputs.extend(prev)
-        return outputs
+        return self._wire(lambda a, *args: a.execute.remote(*args), plan)
 
     def result(self, handle: Any) -> StepResult:
         if isinstance(handle, BaseException):

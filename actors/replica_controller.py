@@ -195,9 +195,25 @@ class ReplicaController:
         arrival_time: float | None = None,
         salt: str | None = None,
     ) -> str:
-        self.validate(prompt_token_ids, params)
         request_id = request_id or self.new_request_id()
-        if request_id in self._requests:
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        r = self._new_request(prompt_token_ids, params, request_id, seed, arrival_time, salt)
+        self._requests[request_id] = r
+        self.scheduler.add(r.seq)
+        return request_id
+
+    def _new_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        seed: int,
+        arrival_time: float | None,
+        salt: str | None,
+    ) -> _Request:
+        """A validated request with its sequence and detokenizer; not yet scheduled."""
+        self.validate(prompt_token_ids, params)
+        if request_id in self._requests or request_id in self._reserved:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -211,11 +227,7 @@ class ReplicaController:
             salt=salt,
         )
         assert isinstance(params.stop, list)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        self._requests[request_id] = _Request(seq, params, seed, detok)
-        self.scheduler.add(seq)
-        return request_id
+        return _Request(seq, params, seed, IncrementalDetokenizer(self.tokenizer, params.stop))
 
     # -- disaggregated decode: requests whose prompt KV is computed elsewhere ----------------
     def reserve_prefilled(
@@ -233,26 +245,11 @@ class ReplicaController:
         Single KV-parallel rank only."""
         if isinstance(self.kv, ShardedKVManager):
             raise InvalidRequestError("disaggregated decode needs kvp=1")
-        self.validate(prompt_token_ids, params)
-        if request_id in self._requests or request_id in self._reserved:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        stop_ids = frozenset(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            params.max_tokens,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            stop_token_ids=stop_ids,
-            salt=salt,
-        )
-        if not self.kv.allocate(seq, len(prompt_token_ids) + params.max_tokens):
-            self.kv.free(seq)
+        r = self._new_request(prompt_token_ids, params, request_id, seed, arrival_time, salt)
+        if not self.kv.allocate(r.seq, len(prompt_token_ids) + params.max_tokens):
+            self.kv.free(r.seq)
             return None
-        assert isinstance(params.stop, list)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self._reserved[request_id] = _Request(seq, params, seed, detok)
+        self._reserved[request_id] = r
         return list(self.kv.block_table(request_id))
 
     def cancel_reservation(self, request_id: str) -> bool:

@@ -1,0 +1,46 @@
+"""What the disaggregation tests share: one local Ray cluster per module, prompts, and the
+colocated reference they are compared against."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors.replica_controller import ReplicaController
+from actors.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+BS = 4
+OPTS = dict(dtype=torch.float64, block_size=BS, num_blocks=64, token_budget=16, chunk_size=8)
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
+    yield
+    ray.shutdown()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def colocated(prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:
+    ref = ReplicaController(None, **OPTS)
+    ids = [ref.add_request(p, params) for p in prompts]
+    while ref.has_unfinished():
+        ref.step()
+    out = [ref.release(i).token_ids for i in ids]
+    ref.shutdown()
+    return out
