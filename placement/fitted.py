@@ -40,6 +40,26 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
+def trimmed_fit(
+    rows: Sequence[Sequence[float]], seconds: Sequence[float], trim: float, passes: int
+) -> list[float]:
+    """Non-negative least squares of ``seconds ~ rows @ w``, then ``passes`` refits without
+    the ``trim`` share of rows whose relative residual is largest (timing outliers: GC
+    pauses, OS noise, a co-tenant on the core)."""
+    if len(rows) != len(seconds) or not rows:
+        raise ValueError("need one measured time per batch, and at least one")
+    a = np.array(rows, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    # Scale columns so the solver sees comparable magnitudes; undo after.
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-12)
+    w = nnls(a / scale, y) / scale
+    for _ in range(passes if trim > 0 else 0):
+        resid = np.abs(a @ w - y) / np.maximum(y, 1e-12)
+        keep = resid <= np.quantile(resid, 1.0 - trim)
+        w = nnls(a[keep] / scale, y[keep]) / scale
+    return [float(v) for v in w]
+
+
 @dataclass
 class FittedCostModel:
     weights: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
@@ -112,18 +132,7 @@ class SplitFittedCostModel:
     ) -> SplitFittedCostModel:
         """Least squares, then ``passes`` refits without the ``trim`` share of steps whose
         relative residual is largest (timing outliers: GC pauses, OS noise)."""
-        if len(batches) != len(seconds) or not batches:
-            raise ValueError("need one measured time per batch, and at least one")
-        a = np.array([split_features(b) for b in batches])
-        y = np.asarray(seconds, dtype=float)
-        scale = np.maximum(np.abs(a).max(axis=0), 1e-12)
-        keep = np.ones(len(y), dtype=bool)
-        w = nnls(a / scale, y) / scale
-        for _ in range(passes if trim > 0 else 0):
-            resid = np.abs(a @ w - y) / np.maximum(y, 1e-12)
-            keep = resid <= np.quantile(resid, 1.0 - trim)
-            w = nnls(a[keep] / scale, y[keep]) / scale
-        return cls([float(v) for v in w])
+        return cls(trimmed_fit([split_features(b) for b in batches], seconds, trim, passes))
 
     def batch_time(self, batch: Batch) -> float:
         if not batch:
@@ -132,3 +141,53 @@ class SplitFittedCostModel:
 
     def describe(self) -> str:
         return ", ".join(f"{k}={w:.3g}" for k, w in zip(SPLIT_FEATURES, self.weights, strict=True))
+
+
+PADDED_FEATURES = ("const", "tokens", "attn_padded", "kv_padded", "requests")
+
+
+def padded_features(batch: Batch, block_size: int) -> list[float]:
+    """Terms of an engine that pads the batch, like the torch reference attention backend:
+    every sequence's KV is gathered into ``[B, L, ...]`` with ``L`` the longest context
+    rounded up to whole blocks, and queries into ``[B, max_q, ...]``, so one step costs
+
+        const + a * tokens (linear layers) + b * B * max_q * L (masked attention and its
+        mask) + c * B * L (the KV gather) + d * B (per-request work: metadata, sampling,
+        detokenizing)
+
+    A short decode riding with a long prompt chunk pays the chunk's ``max_q``: that is the
+    batch-composition cost a pairs-only model misses."""
+    num = len(batch)
+    max_q = max(n for n, _ in batch)
+    length = -(-max(n + c for n, c in batch) // block_size) * block_size
+    tokens = sum(n for n, _ in batch)
+    return [1.0, float(tokens), float(num * max_q * length), float(num * length), float(num)]
+
+
+@dataclass
+class PaddedFittedCostModel:
+    """``seconds = w . padded_features(batch, block_size)``, fitted like the split model."""
+
+    block_size: int
+    weights: list[float] = field(default_factory=lambda: [0.0] * len(PADDED_FEATURES))
+
+    @classmethod
+    def fit(
+        cls,
+        block_size: int,
+        batches: Sequence[Batch],
+        seconds: Sequence[float],
+        trim: float = 0.1,
+        passes: int = 2,
+    ) -> PaddedFittedCostModel:
+        rows = [padded_features(b, block_size) for b in batches]
+        return cls(block_size, trimmed_fit(rows, seconds, trim, passes))
+
+    def batch_time(self, batch: Batch) -> float:
+        if not batch:
+            return 0.0
+        f = padded_features(batch, self.block_size)
+        return float(sum(w * x for w, x in zip(self.weights, f, strict=True)))
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={w:.3g}" for k, w in zip(PADDED_FEATURES, self.weights, strict=True))

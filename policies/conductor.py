@@ -17,12 +17,17 @@ replication_threshold`` (``l_p = 0`` counts as infinite), blocks ``K[l_p:best_le
 reported for copying from b onto p, whether or not this request waits for them.
 
 Decode. The request's KV needs ``ceil((prompt + max_tokens) / block_size)`` blocks for its
-whole life; an instance has room if ``used_blocks + need <= total_blocks`` now (KV streams
-into decode while prefill runs, so the space must be free now). Among those with room:
+whole life; an instance has room if ``used_blocks + pending_blocks + need <= total_blocks``
+now (KV streams into decode while prefill runs, so the space must be free now; requests
+still in prefill already hold their reservation, ``pending_blocks``). Among those with room:
 
     TBT(d) = decode_tbt(running(d) + 1, context_blocks(d) + ceil(prompt / block_size))
 
-the lowest wins (ties: more free blocks, then given order). No room anywhere: reject
+with ``running`` and ``context_blocks`` the decodes running there now (``num_running``,
+``used_blocks``): requests assigned but still in prefill (``pending``) are not decode load
+yet, and this TBT is what admission judges. The instance is the one whose *committed* load
+(running plus pending, ``pending_blocks``) gives the lowest TBT (ties: more free blocks,
+then given order), so a burst of arrivals spreads. No room anywhere: reject
 ``decode_full``.
 
 Admission (``admission``):
@@ -31,7 +36,8 @@ Admission (``admission``):
     of prefill and decode load), so no prefill is spent on a request decode would refuse.
   - ``"predictive"``: judge decode at ``at = now + TTFT``, when the request would reach it
     (see ``policies.admission``): running(d) and context_blocks(d) shrink by the decodes
-    that end by ``at`` and grow by an even share of the requests prefill finishes by ``at``.
+    that end by ``at`` and grow by the requests prefill finishes by ``at``: the same share
+    of each instance's ``pending`` requests (an even split when no view reports pending).
 
 Pure: no clock, no Ray; the runtime injects fitted regressions, the simulator its cost model.
 """
@@ -68,6 +74,10 @@ class DecodeInstance:
     # Optional predicted finish times of the running requests (for the prediction variant);
     # when given, one per running request.
     finish_times: list[float] = field(default_factory=list)
+    # Requests assigned here whose prefill (or KV transfer) is not done, and the lifetime
+    # blocks reserved for them: room is taken now, decode load comes later.
+    pending: int = 0
+    pending_blocks: int = 0
 
 
 @dataclass
@@ -200,36 +210,45 @@ class Conductor:
         decodes: Sequence[DecodeInstance],
         now: float,
         arrive_at: float | None = None,
-        incoming: float = 0.0,
-        incoming_blocks: float = 0.0,
+        incoming: Sequence[tuple[float, float]] | None = None,
     ) -> _DecodeChoice | None:
-        """Lowest predicted TBT among instances with room now; None if none has room.
+        """The instance with room now and the lowest load; None if none has room.
 
-        Without ``arrive_at`` the TBT is judged on the current load. With it, on the load
-        expected then: ``running_at`` of the current decodes, their blocks scaled by the
-        same surviving fraction, plus ``incoming`` requests (``incoming_blocks`` blocks)
-        that prefill delivers to this instance by then.
+        Without ``arrive_at``: the returned TBT is judged on the decodes running now, and
+        instances are ranked by the TBT of their committed load (running plus pending).
+        With it, both are the load expected then: ``running_at`` of the current decodes,
+        their blocks scaled by the same surviving fraction, plus ``incoming[i] =
+        (requests, blocks)`` that prefill delivers to instance i by then.
         """
         need = self.decode_blocks(request)
         prompt_blocks = -(-request.num_prompt_tokens // request.block_size)
         best: _DecodeChoice | None = None
-        best_free = -1
+        best_key, best_free = math.inf, -1
         for i, d in enumerate(decodes):
-            free = d.total_blocks - d.used_blocks
+            free = d.total_blocks - d.used_blocks - d.pending_blocks
             if need > free:
                 continue
-            running, context = float(d.num_running), float(d.used_blocks)
-            if arrive_at is not None:
+            if arrive_at is None:
+                # Judged on the decodes running now; ranked by the committed load (those
+                # plus the pending ones), so a burst does not all pick the same instance.
+                tbt = self.decode_tbt(d.num_running + 1, d.used_blocks + prompt_blocks)
+                key = self.decode_tbt(
+                    d.num_running + d.pending + 1, d.used_blocks + d.pending_blocks + prompt_blocks
+                )
+            else:
                 running = adm.running_at(
                     d.num_running, d.finish_times, now, arrive_at, self.decode_duration
                 )
+                context = float(d.used_blocks)
                 if d.num_running > 0:
                     context = d.used_blocks * running / d.num_running
-                running += incoming
-                context += incoming_blocks
-            tbt = self.decode_tbt(math.ceil(running) + 1, math.ceil(context) + prompt_blocks)
-            if best is None or tbt < best.tbt or (tbt == best.tbt and free > best_free):
-                best, best_free = _DecodeChoice(i, tbt), free
+                if incoming is not None:
+                    running += incoming[i][0]
+                    context += incoming[i][1]
+                tbt = self.decode_tbt(math.ceil(running) + 1, math.ceil(context) + prompt_blocks)
+                key = tbt
+            if best is None or key < best_key or (key == best_key and free > best_free):
+                best, best_key, best_free = _DecodeChoice(i, tbt), key, free
         return best
 
     def _incoming_per_decode(
@@ -238,16 +257,19 @@ class Conductor:
         prefills: Sequence[PrefillInstance],
         chosen: int,
         dt: float,
-        num_decodes: int,
-    ) -> tuple[float, float]:
+        decodes: Sequence[DecodeInstance],
+    ) -> list[tuple[float, float]]:
         """(requests, blocks) each decode instance receives from prefill within ``dt``.
 
-        Everything queued on the chosen instance finishes before this request (FIFO); on the
-        others ``prefill_done_by``. A queue of unknown request count is taken to hold
-        requests as long as this one; each brings its queued tokens' share of blocks. The
-        total is spread evenly, as decode selection balances.
+        Pool-wide: everything queued on the chosen prefill instance finishes before this
+        request (FIFO); on the others ``prefill_done_by``. A queue of unknown request count
+        is taken to hold requests as long as this one; each brings its queued tokens' share
+        of blocks. Per decode instance: when the views report ``pending`` requests, each
+        instance gets the pool-wide done share of its own pending requests and blocks (the
+        queues hold exactly those); otherwise an even split, as decode selection balances.
         """
         requests = blocks = 0.0
+        queued = 0.0
         for i, p in enumerate(prefills):
             if p.queued_tokens <= 0 and not p.queued_requests:
                 continue
@@ -257,9 +279,15 @@ class Conductor:
             done = (
                 float(count) if i == chosen else adm.prefill_done_by(count, self.queue_time(p), dt)
             )
+            queued += count
             requests += done
             blocks += done * p.queued_tokens / max(1, count) / request.block_size
-        return requests / num_decodes, blocks / num_decodes
+        pending = sum(d.pending for d in decodes)
+        if pending > 0:
+            share = min(1.0, requests / queued) if queued > 0 else 1.0
+            return [(d.pending * share, d.pending_blocks * share) for d in decodes]
+        n = len(decodes)
+        return [(requests / n, blocks / n)] * n
 
     # -- Retry-After -------------------------------------------------------------------------
     def _tbt_retry_after(
@@ -277,7 +305,7 @@ class Conductor:
             def fits(k: int, d: DecodeInstance = d, per: int = per) -> bool:
                 used = max(0, d.used_blocks - k * per)
                 tbt = self.decode_tbt(d.num_running - k + 1, used + prompt_blocks)
-                return used + need <= d.total_blocks and tbt <= self.tbt_slo
+                return used + d.pending_blocks + need <= d.total_blocks and tbt <= self.tbt_slo
 
             k = adm.finishes_needed(fits, d.num_running)
             if k is not None:
@@ -299,13 +327,11 @@ class Conductor:
             raise ValueError("the Conductor needs at least one prefill and one decode instance")
         pre = self.select_prefill(request, prefills)
         arrive_at: float | None = None
-        incoming = incoming_blocks = 0.0
+        incoming: list[tuple[float, float]] | None = None
         if self.admission == "predictive":
             arrive_at = now + pre.ttft
-            incoming, incoming_blocks = self._incoming_per_decode(
-                request, prefills, pre.index, pre.ttft, len(decodes)
-            )
-        dec = self.select_decode(request, decodes, now, arrive_at, incoming, incoming_blocks)
+            incoming = self._incoming_per_decode(request, prefills, pre.index, pre.ttft, decodes)
+        dec = self.select_decode(request, decodes, now, arrive_at, incoming)
 
         ttft, tbt = pre.ttft, (dec.tbt if dec is not None else math.inf)
         reason, retry = "", 0.0
@@ -360,10 +386,11 @@ def apply_decision(
     cache and queue times for that instance accordingly").
 
     Prefill: queue += uncomputed tokens; it will hold every prompt block (and the
-    replicated ones). Decode: running += 1, used += the lifetime blocks; a predicted finish
-    time ``now + TTFT + max_tokens * TBT`` is appended only if ``finish_times`` is being
-    maintained (one entry per running request).
+    replicated ones). Decode: the request is ``pending`` there, its lifetime blocks
+    reserved, until its KV lands (``start_decode``). ``now`` is kept for callers that
+    stamp the decision.
     """
+    del now
     if not decision.accepted:
         return
     p = next(x for x in prefills if x.instance_id == decision.prefill_id)
@@ -377,9 +404,27 @@ def apply_decision(
         p.queued_requests += 1
     p.cached.update(request.block_hashes)
     p.cached.update(decision.replicate_blocks)
-    if d.finish_times and len(d.finish_times) == d.num_running:
-        d.finish_times.append(
-            now + decision.predicted_ttft + request.max_tokens * decision.predicted_tbt
-        )
+    d.pending += 1
+    d.pending_blocks += Conductor.decode_blocks(request)
+
+
+def start_decode(d: DecodeInstance, blocks: int, finish_time: float | None = None) -> None:
+    """A pending request's KV has landed: it moves from ``pending`` to running, its
+    ``blocks`` from reserved to used. ``finish_time`` is appended when ``finish_times`` is
+    maintained (one entry per running request)."""
+    if d.pending <= 0 or d.pending_blocks < blocks:
+        raise ValueError(f"{d.instance_id}: no pending request of {blocks} blocks")
+    d.pending -= 1
+    d.pending_blocks -= blocks
+    if finish_time is not None and len(d.finish_times) == d.num_running:
+        d.finish_times.append(finish_time)
     d.num_running += 1
-    d.used_blocks += Conductor.decode_blocks(request)
+    d.used_blocks += blocks
+
+
+def finish_decode(d: DecodeInstance, blocks: int) -> None:
+    """A running request finished on ``d``: its blocks are free again."""
+    if d.num_running <= 0 or d.used_blocks < blocks:
+        raise ValueError(f"{d.instance_id}: no running request of {blocks} blocks")
+    d.num_running -= 1
+    d.used_blocks -= blocks

@@ -86,7 +86,8 @@ def cmd_report(a: argparse.Namespace) -> None:
     speeds = [float(x) for x in a.speeds.split(",")]
     sched = prefill_scheduling(base, 1.0, a.limit)
     cap = capacity_runs(base, speeds, a.capacity_limit)
-    over = overload_runs(replace(base, tbt_slo=a.tbt_slo), a.overload_speed, a.limit)
+    over_slos = tuple(float(x) for x in a.overload_tbt_slos.split(","))
+    over = overload_runs(base, a.overload_speed, a.limit, over_slos)
     for spec in sched + cap + over:
         spec.trace, spec.trace_dir = a.trace, a.trace_dir
     results = run_all(sched + cap + over, a.jobs)
@@ -112,7 +113,9 @@ def cmd_report(a: argparse.Namespace) -> None:
 def cmd_sim2real(a: argparse.Namespace) -> None:
     from sim.sim_to_real import run_sim_to_real
 
-    result = run_sim_to_real(a.trace, a.trace_dir, a.requests, a.seed)
+    result = run_sim_to_real(
+        a.trace, a.trace_dir, a.requests, a.seed, repeats=a.repeats, clock=a.clock
+    )
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:  # the report reads it from here
@@ -135,6 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     p_rep.add_argument("--speeds", default="0.5,1,1.5,2,3,4", help="capacity sweep speeds")
     p_rep.add_argument("--capacity-limit", type=int, default=4000, help="requests per capacity run")
     p_rep.add_argument("--overload-speed", type=float, default=2.0)
+    p_rep.add_argument(
+        "--overload-tbt-slos",
+        default="0.1,0.02,0.018",
+        help="TBT SLOs (s) of the overload runs: the paper's, and one that loads our decode pool",
+    )
     p_rep.add_argument("--jobs", type=int, default=2, help="parallel processes")
     p_rep.add_argument("--out", default="docs/sim_report.md")
     p_rep.add_argument(
@@ -148,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     p_s2r.add_argument("--trace-dir", default=None)
     p_s2r.add_argument("--requests", type=int, default=40)
     p_s2r.add_argument("--seed", type=int, default=0)
+    p_s2r.add_argument("--repeats", type=int, default=3, help="independent live repeats")
+    p_s2r.add_argument(
+        "--clock", default="cpu", choices=["cpu", "wall"], help="the live replay's timeline"
+    )
     p_s2r.add_argument("--out", default="docs/figures/sim2real.json", help="'' to not write")
     p_s2r.set_defaults(fn=cmd_sim2real)
     a = parser.parse_args(argv)

@@ -4,7 +4,8 @@ to the decode instance, which produces the rest.
 
 A request's life: arrival -> [Conductor or a routing policy] -> (optional prefix copy from
 another prefill instance: ``transfer_from``) -> prefill scheduler (``max_tokens=1``: the
-step that completes the prompt samples the first token) -> KV transfer over the NIC ->
+step that completes the prompt samples the first token) -> KV streamed layer by layer over
+the NIC, so only its unhidden tail (``stream_tail``) follows the prefill ->
 decode scheduler (a new ``Sequence`` whose prompt is the old prompt plus the first token,
 with every prompt token already computed, so it is admitted straight into decode and the
 KV manager allocates its blocks: that allocation is the transfer landing).
@@ -12,15 +13,24 @@ KV manager allocates its blocks: that allocation is the transfer landing).
 Admission modes: the Conductor's ``none`` / ``early`` / ``predictive``, plus ``baseline``:
 each pool judges its own load when the request reaches it (TTFT at arrival; decode's TBT
 only after prefill, so a refused request has already spent its prefill).
-Invariant: a decode instance's ``reserved`` blocks are the lifetime blocks of every request
-assigned to it and not yet finished, the Conductor's own accounting (``apply_decision``).
+Invariant: a decode instance's view counts, as ``pending`` / ``pending_blocks``, the
+requests assigned to it whose KV has not landed yet (in prefill or in transfer) and their
+lifetime blocks, and as ``num_running`` / ``used_blocks`` those decoding there now and
+their lifetime blocks (``fresh_decode_view`` recomputes both from the pending records).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.conductor import Conductor, ConductorRequest, DecodeInstance, PrefillInstance
+from policies.conductor import (
+    Conductor,
+    ConductorRequest,
+    DecodeInstance,
+    PrefillInstance,
+    finish_decode,
+    start_decode,
+)
 from policies.routing import ReplicaView, RouteRequest, RoutingPolicy
 from policies.sequence import Sequence
 from sim.cluster import Arrival, ClusterBase, InstanceSpec
@@ -39,6 +49,7 @@ class _Pending:
     decode: SimInstance | None
     lifetime_blocks: int
     expected_cached: int = 0  # prompt tokens the decision expects cached on the prefill side
+    landed: bool = False  # its KV reached the decode instance (it is decoding there)
 
 
 class DisaggregatedCluster(ClusterBase):
@@ -53,6 +64,7 @@ class DisaggregatedCluster(ClusterBase):
         nic_bandwidth: float = 87e9,  # Mooncake: 87 GB/s measured over 4 x 200 Gbps
         prefill_policy: RoutingPolicy | None = None,
         baseline_admission: bool = False,
+        num_layers: int = 1,
     ) -> None:
         super().__init__()
         if prefill_spec.block_size != decode_spec.block_size:
@@ -63,6 +75,7 @@ class DisaggregatedCluster(ClusterBase):
         self.baseline_admission = baseline_admission
         self.kv_bytes_per_token = kv_bytes_per_token
         self.nic_bandwidth = nic_bandwidth
+        self.num_layers = max(1, num_layers)
         self.prefill_cost = prefill_spec.cost
         self.prefills = [prefill_spec.build(f"p{i}", "prefill", self) for i in range(num_prefill)]
         decode_spec.enable_prefix_caching = False  # decode serves no prefix hits
@@ -73,8 +86,6 @@ class DisaggregatedCluster(ClusterBase):
         for k, inst in enumerate(self.decodes):
             inst.index = k
         self.pending: dict[str, _Pending] = {}
-        self.reserved = {d.instance_id: 0 for d in self.decodes}
-        self.assigned = {d.instance_id: 0 for d in self.decodes}
         self.inbound: dict[str, list[tuple[int, int]]] = {p.instance_id: [] for p in self.prefills}
         self.rejections: dict[str, int] = {}
         self.blocks_copied = 0
@@ -84,7 +95,8 @@ class DisaggregatedCluster(ClusterBase):
         ]
         # The views the Conductor reads are kept, not rebuilt per arrival: a prefill view is
         # refreshed only when its instance changed since the last arrival (``_dirty``, fed by
-        # the instances' ``watch``); a decode view changes with ``reserved`` / ``assigned``.
+        # the instances' ``watch``); a decode view changes as requests are assigned, land
+        # and finish (``_reserve`` / ``_land`` / ``_release``).
         # Each shares its instance's live ``cached`` set (no copies).
         self._pviews = [PrefillInstance(p.instance_id, cached=p.cached) for p in self.prefills]
         self._dviews = [
@@ -113,6 +125,18 @@ class DisaggregatedCluster(ClusterBase):
             t += cost.batch_time([(new, cached)])
         return t
 
+    def stream_tail(self, prompt: int, cached: int) -> float:
+        """Seconds from the end of prefill until the prompt's KV has landed on decode.
+
+        Layer-wise streaming (Mooncake section 3.2.3/5.4.3): each layer's KV leaves as soon
+        as the layer is computed, so the transfer of ``T = transfer_time(prompt)`` runs
+        alongside the prefill's own ``P`` seconds (the cost model's time for the uncached
+        part, a request alone). What is left at the end is the part the NIC could not hide,
+        ``max(0, T - P)``, plus the last layer's share ``T / num_layers``."""
+        t = self.transfer_time(prompt)
+        p = self.prefill_cost.batch_time([(prompt - cached, cached)])
+        return max(0.0, t - p) + t / self.num_layers
+
     def fresh_prefill_view(self, p: SimInstance) -> PrefillInstance:
         """A prefill view computed from scratch (what the kept views must always equal)."""
         return PrefillInstance(
@@ -140,13 +164,41 @@ class DisaggregatedCluster(ClusterBase):
     def _decode_views(self) -> list[DecodeInstance]:
         return self._dviews
 
-    def _assign(self, d: SimInstance, blocks: int, sign: int) -> None:
-        """Add (sign 1) or remove (sign -1) one request of ``blocks`` lifetime blocks on ``d``."""
-        did = d.instance_id
-        self.reserved[did] += sign * blocks
-        self.assigned[did] += sign
-        view = self._dviews[d.index]
-        view.used_blocks, view.num_running = self.reserved[did], self.assigned[did]
+    def fresh_decode_view(self, d: SimInstance) -> DecodeInstance:
+        """A decode view computed from the pending records (what the kept ones must equal)."""
+        v = DecodeInstance(d.instance_id, total_blocks=d.pool.num_blocks)
+        for pend in self.pending.values():
+            if pend.decode is not d:
+                continue
+            if pend.landed:
+                v.num_running += 1
+                v.used_blocks += pend.lifetime_blocks
+            else:
+                v.pending += 1
+                v.pending_blocks += pend.lifetime_blocks
+        return v
+
+    def _reserve(self, pend: _Pending) -> None:
+        assert pend.decode is not None
+        view = self._dviews[pend.decode.index]
+        view.pending += 1
+        view.pending_blocks += pend.lifetime_blocks
+
+    def _land(self, pend: _Pending) -> None:
+        assert pend.decode is not None and not pend.landed
+        start_decode(self._dviews[pend.decode.index], pend.lifetime_blocks)
+        pend.landed = True
+
+    def _release(self, pend: _Pending) -> None:
+        """Drop ``pend``'s share of its decode view, wherever it is in its life."""
+        if pend.decode is None:
+            return
+        view = self._dviews[pend.decode.index]
+        if pend.landed:
+            finish_decode(view, pend.lifetime_blocks)
+        else:
+            view.pending -= 1
+            view.pending_blocks -= pend.lifetime_blocks
 
     # -- arrival ------------------------------------------------------------------------------
     def _reject(self, a: Arrival, reason: str, now: float) -> list[Event]:
@@ -204,9 +256,10 @@ class DisaggregatedCluster(ClusterBase):
         """Reserve decode space and hand the prompt to prefill, after ``delay`` when a prefix
         is first copied from ``copy = (source instance, blocks)``."""
         lifetime = Conductor.decode_blocks(req)
-        self.pending[a.req.request_id] = _Pending(a, d, lifetime, expected_cached)
+        pend = _Pending(a, d, lifetime, expected_cached)
+        self.pending[a.req.request_id] = pend
         if d is not None:
-            self._assign(d, lifetime, 1)
+            self._reserve(pend)
         a.stats.prefill_instance = p.index
         seq = self.new_sequence(a, 1)  # prefill yields exactly the first token
         if delay <= 0 and copy is None:
@@ -261,26 +314,29 @@ class DisaggregatedCluster(ClusterBase):
                 del self.pending[seq.request_id]
                 return self._reject(pend.arrival, "tbt_slo_after_prefill", now)
             pend.decode = self.decodes[dec.index]
-            self._assign(pend.decode, pend.lifetime_blocks, 1)
+            self._reserve(pend)
         d = pend.decode
         st.decode_instance = d.index
         tokens = pend.arrival.tokens + [DUMMY_TOKEN]
         dseq = Sequence(st.request_id, tokens, st.output_len - 1, arrival_time=st.arrival)
         dseq.num_computed_tokens = len(tokens) - 1  # the prompt's KV arrives from prefill
         pend.arrival.tokens = []  # the prefill side is done with them
-        arrive = now + self.transfer_time(st.input_len)
-        return [Event(arrive, lambda t: d.submit(dseq, t))]
+        arrive = now + self.stream_tail(st.input_len, st.cached_tokens)
+
+        def land(t: float) -> list[Event]:
+            self._land(pend)
+            return d.submit(dseq, t)
+
+        return [Event(arrive, land)]
 
     def _decode_done(self, pend: _Pending, now: float) -> list[Event]:
         st = pend.arrival.stats
         del self.pending[st.request_id]
-        if pend.decode is not None:
-            self._assign(pend.decode, pend.lifetime_blocks, -1)
+        self._release(pend)
         st.on_finish(now)
         return []
 
     def on_unservable(self, inst: SimInstance, seq: Sequence, now: float) -> None:
         pend = self.pending.pop(seq.request_id)
-        if pend.decode is not None:
-            self._assign(pend.decode, pend.lifetime_blocks, -1)
+        self._release(pend)
         self._reject(pend.arrival, "too_long", now)

@@ -5,7 +5,8 @@ list of independent runs (a ``RunSpec`` each) so they can run in parallel proces
   global Conductor picking prefill instances in an 8P + 8D cluster;
 - effective request capacity (Fig. 1): the P/D cluster against 16 colocated vLLM-like
   replicas with chunked prefill, attainment versus replay speed for each TBT SLO;
-- overload (the paper's 2x run): rejections by baseline, early and predictive admission.
+- overload (the paper's 2x run): rejections and SLO attainment with no admission control,
+  the baseline, early rejection and early rejection with prediction, per TBT SLO.
 """
 
 from __future__ import annotations
@@ -99,12 +100,29 @@ def capacity_runs(base: ClusterConfig, speeds: list[float], limit: int | None) -
     return out
 
 
-def overload_runs(base: ClusterConfig, speed: float, limit: int | None) -> list[RunSpec]:
-    labels = {"baseline": "baseline", "early": "early rejection", "predictive": "with prediction"}
-    return [
-        RunSpec(label, replace(base, mode="pd", policy="conductor", admission=a), speed, limit)
-        for a, label in labels.items()
-    ]
+OVERLOAD_LABELS = {
+    "none": "no admission control",
+    "baseline": "baseline",
+    "early": "early rejection",
+    "predictive": "with prediction",
+}
+
+
+def overload_runs(
+    base: ClusterConfig, speed: float, limit: int | None, tbt_slos: tuple[float, ...] = (0.1,)
+) -> list[RunSpec]:
+    """Each admission mode under each TBT SLO, P/D with the Conductor. The predictive mode's
+    uniform decode time t_d is the trace's mean output (343 tokens, the paper's Table 2)
+    decoding at the SLO's pace, unless ``base.decode_duration`` sets it."""
+    out = []
+    for slo in tbt_slos:
+        t_d = base.decode_duration or 343 * slo
+        for a, label in OVERLOAD_LABELS.items():
+            cfg = replace(
+                base, mode="pd", policy="conductor", admission=a, tbt_slo=slo, decode_duration=t_d
+            )
+            out.append(RunSpec(label, cfg, speed, limit, tbt_slos=(slo,)))
+    return out
 
 
 def run_all(specs: list[RunSpec], jobs: int = 1) -> list[RunResult]:

@@ -63,7 +63,7 @@ class ClusterConfig:
     prefill_budget: int = 16384
     prefill_cache_tokens: int = 3_000_000  # Mooncake 5.3.2: 3M tokens of cache per node
     nic_bandwidth: float = 87e9
-    decode_duration: float | None = None  # t_d for predictive admission
+    decode_duration: float | None = None  # t_d for predictive admission (default: 343 x TBT SLO)
     seed: int = 0
 
 
@@ -117,7 +117,7 @@ def make_conductor(cfg: ClusterConfig, cost: CostModel, global_cache: bool) -> C
         tbt_slo=cfg.tbt_slo,
         replication_threshold=2.0 if global_cache else math.inf,
         admission=admission,
-        decode_duration=cfg.decode_duration or 343 * 0.05,
+        decode_duration=cfg.decode_duration or 343 * cfg.tbt_slo,  # mean output at the SLO
     )
 
 
@@ -151,4 +151,5 @@ def build_cluster(cfg: ClusterConfig, cost: CostModel | None = None) -> ClusterB
         nic_bandwidth=cfg.nic_bandwidth,
         prefill_policy=routing_policy(cfg.policy, cfg.seed) if routed else None,
         baseline_admission=cfg.admission == "baseline",
+        num_layers=get_model(cfg.model).num_layers,
     )

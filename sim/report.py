@@ -14,6 +14,8 @@ from pathlib import Path
 from sim.capacity import capacity
 from sim.experiments import RunResult
 from sim.presets import ClusterConfig
+from sim.report_overload import overload_section
+from sim.report_sim2real import sim2real_section
 
 TBT_SLOS = (0.1, 0.2, 0.3)
 
@@ -69,113 +71,6 @@ def _fmt_row(r: RunResult) -> str:
         f"{s.ttft_p99:.2f} | {1000 * s.tbt_mean:.0f} | {100 * s.cache_hit_ratio:.1f}% | "
         f"{r.blocks_copied} | {r.prefill_busy_s / 3600:.2f} | {r.wall_s:.1f} |"
     )
-
-
-def _overload_analysis(base: ClusterConfig, over: list[RunResult]) -> list[str]:
-    """Is the decode pool ever near its TBT SLO? The numbers that decide it."""
-    from placement.cost_model import decode_time
-    from placement.model_specs import get_model
-    from sim.presets import make_cost
-
-    if not over:
-        return []
-    cost = make_cost(base)
-    kv_tokens = over[0].decode_kv_tokens or cost.kv_capacity_tokens()
-    kv_per_token = get_model(base.model).kv_bytes_per_token
-    per_req = 12_035 + 343  # the paper's Table 2 means for this trace: input + output
-    full_batch = max(1, kv_tokens // per_req)
-    tbt_full = decode_time(cost, full_batch, full_batch * per_req)
-    slo = over[0].spec.cfg.tbt_slo
-    lines = [
-        "### Is the decode pool ever loaded?",
-        "",
-        "All admission modes can differ only if some decode instance nears the TBT SLO or",
-        "fills its KV. The decode side of the overload runs, and what the model allows:",
-        "",
-        "| admission | decode peak batch | decode peak KV use | TBT p90 (ms) | TBT mean (ms) "
-        "| prefill busy (node h) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in over:
-        s = r.summary
-        lines.append(
-            f"| {r.spec.label} | {r.decode_peak_batch} | {100 * r.decode_peak_kv:.0f}% | "
-            f"{1000 * s.tbt_p90:.0f} | {1000 * s.tbt_mean:.0f} | {r.prefill_busy_s / 3600:.2f} |"
-        )
-    lines += [
-        "",
-        f"- KV capacity of one decode instance: {kv_tokens:,} tokens "
-        f"({kv_per_token / 1024:.0f} KiB per token for `{base.model}` with GQA; "
-        f"8 x 80 GB x {cost.mem_util:g} minus {cost.model.weight_bytes / 1e9:.0f} GB of weights),",
-        f"  i.e. about {full_batch} requests of the trace's mean length "
-        f"({per_req:,} tokens) at once.",
-        f"- Roofline TBT of a decode instance whose KV is full of such requests (batch "
-        f"{full_batch}): {1000 * tbt_full:.0f} ms, against the {1000 * slo:.0f} ms SLO.",
-        "",
-    ]
-    if tbt_full <= slo:
-        lines += [
-            "So in this model no decode instance can break the TBT SLO at all: before its batch is",
-            "large enough to, its KV is full, and the Conductor's `decode_full` check (room for "
-            "the",
-            "request's lifetime blocks) is what would refuse. That needs many more concurrent "
-            "decodes",
-            "than the prefill pool can feed: at 2x the prefill pool is the bottleneck (the "
-            "TTFT SLO",
-            "rejects), so decode sees at most the prefill pool's throughput. The decode model was",
-            "checked for the errors the brief suspected: the decode batch is not capped below the",
-            "KV limit (`max_num_seqs` 512, token budget 2,048), and the KV capacity is that of GQA",
-            "LLaMA2-70B on 8 x 80 GB. Neither is a modelling error; the equal counts are what a",
-            "roofline of this hardware predicts. The paper's real decode nodes are slower than a",
-            "roofline (kernel launches, sampling, a real attention kernel over 12k-token contexts)",
-            "and ran the arXiv trace (23,000 requests, not public), so its decode pool was loaded;",
-            "we do not tune our model toward its counts. What would separate the modes here is a",
-            "decode predictor fitted on real GPU decode steps (`placement/fitted.py`), which we",
-            "cannot measure on this machine.",
-            "",
-        ]
-    return lines
-
-
-def _sim2real_section(path: Path) -> list[str]:
-    lines = ["## Sim-to-real (live CPU engine, tiny model)", ""]
-    if not path.exists():
-        return lines + [f"No `{path}`: run `python -m sim sim2real` first.", ""]
-    d = json.loads(path.read_text())
-    lo, hi = d["calibration_slice"]
-    lines += [
-        f"From `python -m sim sim2real --requests {d['requests']}` (`{path.name}`). "
-        f"Calibration: trace requests {lo}-{hi - 1}",
-        f"replayed live on `actors.replica_controller.ReplicaController` ({d['calibration_steps']} iterations, each "
-        "batch read from the engine's own",
-        "scheduler step), fitted by `placement.fitted.SplitFittedCostModel`. Evaluation "
-        f"(held out): the first {d['requests']}",
-        "trace requests replayed live and in the simulator (lengths / 16, hash-id blocks of "
-        f"32 tokens, arrival gaps x {d['arrival_scale']:g},",
-        f"torch with {d['torch_threads']} thread: stable step times on this 2-core machine).",
-        "",
-        "| | measured median | predicted median | median rel. error | p90 rel. error |",
-        "|---|---|---|---|---|",
-        f"| TTFT | {1000 * d['measured_ttft_median_s']:.0f} ms | "
-        f"{1000 * d['predicted_ttft_median_s']:.0f} ms | {100 * d['ttft_median_rel_err']:.1f}% | "
-        f"{100 * d['ttft_p90_rel_err']:.0f}% |",
-        f"| TPOT | {1000 * d['measured_tpot_median_s']:.1f} ms | "
-        f"{1000 * d['predicted_tpot_median_s']:.1f} ms | {100 * d['tpot_median_rel_err']:.1f}% | "
-        f"{100 * d['tpot_p90_rel_err']:.0f}% |",
-        "",
-        f"Fitted weights (s): {d['fit']}. Per-iteration median error on the held-out steps: "
-        f"{100 * d['step_median_rel_err_heldout']:.0f}%.",
-    ]
-    ok = d["ttft_median_rel_err"] <= 0.15 and d["tpot_median_rel_err"] <= 0.15
-    lines += [
-        "",
-        "Target (median error within 15% for both): "
-        + ("**met**." if ok else "**not met** in this run."),
-        "Run to run the live medians move by several points (CPU timing on a shared 2-core VM),",
-        "and pure-decode steps (about 2 ms) are where the per-iteration fit is least accurate.",
-        "",
-    ]
-    return lines
 
 
 def _speed_section(path: Path, whole: RunResult | None) -> list[str]:
@@ -313,25 +208,9 @@ def write_report(
         "",
         f"![capacity]({rel}/capacity.png)",
         "",
-        "## Overload: early rejection",
-        "",
-        f"Whole trace at {over[0].spec.speed:g}x, P/D with the Conductor, TBT SLO "
-        f"{int(1000 * over[0].spec.cfg.tbt_slo)} ms.",
-        "",
-        "| admission | arrived | rejected (ours) | by reason | completed | attain @ TBT SLO "
-        "| paper: rejected (23,000 requests) |",
-        "|---|---|---|---|---|---|---|",
     ]
-    paper = {"baseline": "4,183", "early": "3,771", "predictive": "3,589"}
-    for r in over:
-        s = r.summary
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.rejections.items())) or "-"
-        lines.append(
-            f"| {r.spec.label} | {s.arrived} | {s.rejected} | {reasons} | {s.completed} | "
-            f"{100 * s.attainment[r.spec.cfg.tbt_slo]:.1f}% | {paper[r.spec.cfg.admission]} |"
-        )
-    lines += ["", *_overload_analysis(base, over)]
-    lines += _sim2real_section(path.parent / "figures" / "sim2real.json")
+    lines += overload_section(base, over)
+    lines += sim2real_section(path.parent / "figures" / "sim2real.json")
     lines += _speed_section(path.parent / "figures" / "sim_scale.json", whole)
     lines += ["## Where we differ from the paper, and why", "", *notes, ""]
     path.write_text("\n".join(lines))

@@ -1,16 +1,30 @@
-"""Sim-to-real: replay a trace slice on the live CPU engine (``actors.replica_controller.ReplicaController``, the
-tiny model) and in the simulator, and compare per-request TTFT and TPOT.
+"""Sim-to-real: replay a trace slice on the live CPU engine (the tiny model on
+``actors.replica_controller.ReplicaController``) and in the simulator, and compare
+per-request TTFT and TPOT.
 
-1. Calibrate on one slice of the trace: replay it live, record each iteration's batch
-   ``(new tokens, cached context)`` (read from the engine's own scheduler step) and its wall
-   time, and fit ``placement.fitted.SplitFittedCostModel`` (a constant, prefill tokens,
-   prefill attention pairs, prefill requests, decode requests, decode context: prompt
-   chunks and one-token decodes are priced separately).
+One repeat:
+
+1. Calibrate on one slice of the trace (plus a timed shape sweep, below): replay it live,
+   record each iteration's batch ``(new tokens, cached context)`` (read from the engine's
+   own scheduler step) and its *period* (the replay clock's advance from the previous
+   iteration's end, so the serving loop's own work counts), and fit
+   ``placement.fitted.PaddedFittedCostModel`` (the torch backend pads a step to
+   ``[B, max_q, L]``; see there). ``SplitFittedCostModel`` (pairs, no padding) is fitted
+   on the same steps for comparison.
 2. Evaluate on a different slice (held out: no request of it was in the fit): replay it
-   live; each ``Sequence`` records ``first_token_time`` and ``finish_time`` from
-   ``time.monotonic()``.
+   live; each ``Sequence`` records ``first_token_time`` and ``finish_time``.
 3. Simulate the evaluation slice (same token ids, same scheduler settings, one colocated
-   instance timed by the fitted model) and report median relative errors.
+   instance timed by the fitted model) and take median relative errors over requests.
+
+Before timing, every engine runs each step shape the replay can produce once
+(``shape_sweep``: every token count 1..budget, every decode batch 1..max_num_seqs): oneDNN
+builds a kernel per new row count (~1 ms per linear shape here), a one-off cost no cost
+model should carry. The sweep's prompts are then dropped from the prefix cache, so the live
+pool starts as the simulated one. The calibration engine then runs the sweep once more,
+timed, and those steps join the calibration slice's in the fit: they cover every token
+count and batch size evenly, which the trace alone does not (its prompt steps nearly all
+fill the budget), so the fit can tell the per-step constant from the per-token cost.
+``repeats`` independent repeats (fresh engines each) give the spread.
 
 Both replays shrink lengths to the tiny model's 2k context (hash-id blocks become 32-token
 blocks, so prefix sharing survives) and keep the trace's arrival gaps stretched by
@@ -27,7 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 from placement.cost_model import CostModel
-from placement.fitted import SplitFittedCostModel
+from placement.fitted import PaddedFittedCostModel, SplitFittedCostModel
 from policies.routing import RoundRobin
 from sim.cluster import InstanceSpec
 from sim.colocated import ColocatedCluster
@@ -75,21 +89,18 @@ class _Recorder:
         self.engine = engine
         self.seqs: dict[str, Any] = {}
         self.last: list[tuple[int, int]] = []
+        self.last_seqs: list[Any] = []
         orig = engine.scheduler.schedule
 
         def schedule(now: float) -> Any:
             step = orig(now)
             self.last = [(n, s.num_computed_tokens) for s, n in step.entries]
+            self.last_seqs = [s for s, _ in step.entries]
             for s, _ in step.entries:
                 self.seqs[s.request_id] = s
             return step
 
         engine.scheduler.schedule = schedule
-
-    def timed_step(self) -> tuple[list[tuple[int, int]], float]:
-        t0 = time.perf_counter()
-        self.engine.step()
-        return self.last, time.perf_counter() - t0
 
 
 def _engine() -> Any:
@@ -112,47 +123,114 @@ def _pin_threads() -> None:
     torch.set_num_threads(1)
 
 
-def replay_live(
-    reqs: list[TraceRequest],
-) -> tuple[dict[str, tuple[float, float]], list[list[tuple[int, int]]], list[float]]:
-    """Replay ``reqs`` in real time; per request (TTFT, TPOT), and every step's batch and
-    wall time."""
-    _pin_threads()
-    engine = _engine()
-    rec = _Recorder(engine)
-    # Warm-up (one-off allocator and kernel costs), not timed.
-    engine.add_request([1] * 64, _params(2), request_id="warmup")
-    while engine.has_unfinished():
-        engine.step()
-    rec.seqs.clear()
+def shape_sweep(
+    engine: Any, tag: str, rec: _Recorder | None = None, tick: Any = time.thread_time
+) -> tuple[list[list[tuple[int, int]]], list[float]]:
+    """Run every step shape once: a prompt of each length 1..BUDGET alone (token counts),
+    then b three-token prompts together for b in 1..MAX_SEQS (decode batches of b); then
+    empty the prefix cache. With ``rec``, returns each step's batch and ``tick`` time."""
     batches: list[list[tuple[int, int]]] = []
     secs: list[float] = []
-    t0 = time.monotonic()
+    k = 0
+
+    def drain() -> None:
+        while engine.has_unfinished():
+            t = tick()
+            engine.step()
+            dt = tick() - t
+            if rec is not None and rec.last:
+                batches.append(rec.last)
+                secs.append(dt)
+
+    for t in range(1, BUDGET + 1):
+        # Distinct first tokens: no sweep prompt hits another's cached prefix.
+        prompt = [1 + (t * 31 + j) % (VOCAB - 1) for j in range(t)]
+        engine.add_request(prompt, _params(1), request_id=f"{tag}-{k}")
+        k += 1
+        drain()
+    for b in range(1, MAX_SEQS + 1):
+        for j in range(b):
+            prompt = [1 + (b * 37 + j * 5 + i) % (VOCAB - 1) for i in range(3)]
+            engine.add_request(prompt, _params(3), request_id=f"{tag}-{k}")
+            k += 1
+        drain()
+    for i in range(k):
+        engine.release(f"{tag}-{i}")
+    pools = engine.scheduler.kv.pools  # a property now, a method in older trees
+    for pool in pools() if callable(pools) else pools:
+        pool.evict_all_cached()
+    if rec is not None:
+        rec.seqs.clear()
+    return batches, secs
+
+
+def replay_live(
+    reqs: list[TraceRequest], clock: str = "cpu", sweep: bool = False
+) -> tuple[dict[str, tuple[float, float]], list[list[tuple[int, int]]], list[float]]:
+    """Replay ``reqs`` on a fresh, warmed-up engine. Returns per request (TTFT, TPOT), and
+    per iteration its batch and its period: the clock's advance from the previous
+    iteration's end (or from the engine waking up) to this one's end, so the serving loop's
+    own work (admitting arrivals, bookkeeping) counts like the step it precedes.
+
+    ``clock="wall"``: arrivals are admitted in real time and every time is wall time
+    (``perf_counter``). ``clock="cpu"``: the replay's timeline advances by this thread's CPU
+    time while the engine works and jumps to the next arrival while it idles; arrivals are
+    admitted when that timeline reaches them. The engine computes every step exactly as in
+    real time; only time stolen by other processes on the shared cores is left out (with one
+    torch thread, an uncontended engine's wall time equals its CPU time). Tokens are stamped
+    at the end of the iteration that produced them, in both modes. ``sweep``: the returned
+    iterations start with a timed pass of ``shape_sweep`` (steps of every shape on an
+    otherwise idle engine), before the trace."""
+    if clock not in ("cpu", "wall"):
+        raise ValueError("clock must be 'cpu' or 'wall'")
+    _pin_threads()
+    engine = _engine()
+    shape_sweep(engine, "warmup")  # one-off kernel builds; not timed
+    rec = _Recorder(engine)
+    tick = time.thread_time if clock == "cpu" else time.perf_counter
+    batches: list[list[tuple[int, int]]] = []
+    periods: list[float] = []
+    if sweep:  # a second, warm pass over every shape, timed, for the fit
+        batches, periods = shape_sweep(engine, "sweep", rec, tick)
+    first: dict[str, float] = {}
+    finish: dict[str, float] = {}
+    t0 = time.perf_counter()
+    vt = 0.0  # the replay's timeline, seconds since its start
+    mark = tick()
     i = 0
     while i < len(reqs) or engine.has_unfinished():
-        now = time.monotonic() - t0
-        while i < len(reqs) and reqs[i].arrival <= now:
+        while i < len(reqs) and reqs[i].arrival <= vt:
             r = reqs[i]
-            engine.add_request(
-                tiny_tokens(r, i), _params(r.output_len), request_id=r.request_id,
-                arrival_time=t0 + r.arrival,
-            )  # fmt: skip
+            engine.add_request(tiny_tokens(r, i), _params(r.output_len), request_id=r.request_id)
             i += 1
         if engine.has_unfinished():
-            batch, dt = rec.timed_step()
-            if batch:
-                batches.append(batch)
-                secs.append(dt)
-        elif i < len(reqs):
-            time.sleep(max(0.0, reqs[i].arrival - (time.monotonic() - t0)))
+            engine.step()
+            now = tick()
+            vt, dt, mark = vt + (now - mark), now - mark, now
+            if rec.last:
+                batches.append(rec.last)
+                periods.append(dt)
+            for seq in rec.last_seqs:
+                rid = seq.request_id
+                if rid not in first and seq.output_token_ids:
+                    first[rid] = vt
+                if seq.is_finished and rid not in finish:
+                    finish[rid] = vt
+            rec.last, rec.last_seqs = [], []
+        elif i < len(reqs):  # idle until the next arrival
+            if clock == "wall":
+                time.sleep(max(0.0, reqs[i].arrival - (time.perf_counter() - t0)))
+                vt = time.perf_counter() - t0
+            else:
+                vt = reqs[i].arrival
+            mark = tick()
     out = {}
     for r in reqs:
-        s = rec.seqs[r.request_id]
-        ttft = s.first_token_time - s.arrival_time
-        n = len(s.output_token_ids)
-        tpot = (s.finish_time - s.first_token_time) / (n - 1) if n > 1 else 0.0
-        out[r.request_id] = (ttft, tpot)
-    return out, batches, secs
+        n = len(rec.seqs[r.request_id].output_token_ids)
+        f = first[r.request_id]
+        tpot = (finish[r.request_id] - f) / (n - 1) if n > 1 else 0.0
+        out[r.request_id] = (f - r.arrival, tpot)
+    return out, batches, periods
 
 
 def replay_sim(reqs: list[TraceRequest], cost: CostModel) -> dict[str, tuple[float, float]]:
@@ -163,13 +241,48 @@ def replay_sim(reqs: list[TraceRequest], cost: CostModel) -> dict[str, tuple[flo
     return {s.request_id: (s.ttft or 0.0, s.tpot or 0.0) for s in stats}
 
 
-def _median_rel(pred: list[float], real: list[float]) -> float:
-    return statistics.median(abs(p - r) / r for p, r in zip(pred, real, strict=True) if r > 0)
-
-
 def _p90(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[int(0.9 * (len(xs) - 1))]
+
+
+def _errors(
+    live: dict[str, tuple[float, float]], pred: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Per-request relative errors of TTFT and TPOT (requests with one output token have
+    no TPOT), summarised by median and p90, plus the medians themselves."""
+    ttft = [abs(pred[k][0] - v[0]) / v[0] for k, v in live.items() if v[0] > 0]
+    keys = [k for k, v in live.items() if v[1] > 0]
+    tpot = [abs(pred[k][1] - live[k][1]) / live[k][1] for k in keys]
+    return {
+        "ttft_median_rel_err": statistics.median(ttft),
+        "tpot_median_rel_err": statistics.median(tpot),
+        "ttft_p90_rel_err": _p90(ttft),
+        "tpot_p90_rel_err": _p90(tpot),
+        "measured_ttft_median_s": statistics.median(v[0] for v in live.values()),
+        "predicted_ttft_median_s": statistics.median(v[0] for v in pred.values()),
+        "measured_tpot_median_s": statistics.median(live[k][1] for k in keys),
+        "predicted_tpot_median_s": statistics.median(pred[k][1] for k in keys),
+    }
+
+
+def one_repeat(cal: list[TraceRequest], reqs: list[TraceRequest], clock: str) -> dict[str, Any]:
+    """Calibrate on ``cal``, evaluate on ``reqs`` (both already shrunk), fresh engines."""
+    _, cal_batches, cal_periods = replay_live(cal, clock, sweep=True)
+    fit = PaddedFittedCostModel.fit(BLOCK, cal_batches, cal_periods)
+    split = SplitFittedCostModel.fit(cal_batches, cal_periods)
+    live, ev_batches, ev_periods = replay_live(reqs, clock)
+    step_err = [abs(fit.batch_time(b) - t) / t for b, t in zip(ev_batches, ev_periods, strict=True)]
+    split_err = _errors(live, replay_sim(reqs, split))
+    return {
+        "fit": fit.describe(),
+        "calibration_steps": len(cal_batches),
+        "heldout_steps": len(ev_batches),
+        "step_median_rel_err_heldout": statistics.median(step_err),
+        **_errors(live, replay_sim(reqs, fit)),
+        "split_ttft_median_rel_err": split_err["ttft_median_rel_err"],
+        "split_tpot_median_rel_err": split_err["tpot_median_rel_err"],
+    }
 
 
 def run_sim_to_real(
@@ -180,45 +293,38 @@ def run_sim_to_real(
     calibration_offset: int = 100,
     calibration_requests: int = 60,
     arrival_scale: float = 1.5,
+    repeats: int = 3,
+    clock: str = "cpu",
 ) -> dict[str, Any]:
     """Fit on trace requests ``[offset, offset + calibration_requests)``, evaluate on the
-    first ``n``. ``seed`` is kept for the CLI; the replay itself is deterministic input."""
+    first ``n``; ``repeats`` times. ``seed`` is kept for the CLI; the input is deterministic,
+    only the machine's timing varies between repeats."""
     del seed
-    trace_reqs = load_trace(trace, trace_dir, limit=calibration_offset + calibration_requests)
     if calibration_offset < n:
         raise ValueError("the calibration slice must not overlap the evaluation slice")
+    trace_reqs = load_trace(trace, trace_dir, limit=calibration_offset + calibration_requests)
     cal = trace_reqs[calibration_offset:]
     t_first = cal[0].arrival
-    cal = [replace(r, arrival=r.arrival - t_first) for r in cal]
-    _, cal_batches, cal_secs = replay_live(shrink(cal, arrival_scale))
-    fit = SplitFittedCostModel.fit(cal_batches, cal_secs)
+    cal = shrink([replace(r, arrival=r.arrival - t_first) for r in cal], arrival_scale)
     reqs = shrink(trace_reqs[:n], arrival_scale)
-    live, ev_batches, ev_secs = replay_live(reqs)
-    pred = replay_sim(reqs, fit)
-    keys = [k for k in live if live[k][1] > 0]
-    ttft_err = [abs(pred[k][0] - live[k][0]) / live[k][0] for k in live if live[k][0] > 0]
-    tpot_err = [abs(pred[k][1] - live[k][1]) / live[k][1] for k in keys]
-    step_err = [abs(fit.batch_time(b) - t) / t for b, t in zip(ev_batches, ev_secs, strict=True)]
+    runs = [one_repeat(cal, reqs, clock) for _ in range(repeats)]
+
+    def spread(key: str) -> dict[str, float]:
+        xs = [r[key] for r in runs]
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
     return {
         "requests": len(reqs),
         "calibration_requests": len(cal),
         "calibration_slice": [calibration_offset, calibration_offset + calibration_requests],
         "arrival_scale": arrival_scale,
         "torch_threads": 1,
-        "fit": fit.describe(),
-        "calibration_steps": len(cal_batches),
-        "heldout_steps": len(ev_batches),
-        "step_median_rel_err_heldout": statistics.median(step_err),
-        "ttft_median_rel_err": statistics.median(ttft_err),
-        "tpot_median_rel_err": statistics.median(tpot_err),
-        "ttft_p90_rel_err": _p90(ttft_err),
-        "tpot_p90_rel_err": _p90(tpot_err),
-        "measured_ttft_median_s": statistics.median(v[0] for v in live.values()),
-        "predicted_ttft_median_s": statistics.median(v[0] for v in pred.values()),
-        "measured_tpot_median_s": statistics.median(live[k][1] for k in keys),
-        "predicted_tpot_median_s": statistics.median(pred[k][1] for k in keys),
-        "ttft_median_err_of_medians": _median_rel(
-            [statistics.median(v[0] for v in pred.values())],
-            [statistics.median(v[0] for v in live.values())],
-        ),
+        "clock": clock,
+        "repeats": repeats,
+        "ttft_median_rel_err": spread("ttft_median_rel_err"),
+        "tpot_median_rel_err": spread("tpot_median_rel_err"),
+        "split_ttft_median_rel_err": spread("split_ttft_median_rel_err"),
+        "split_tpot_median_rel_err": spread("split_tpot_median_rel_err"),
+        "step_median_rel_err_heldout": spread("step_median_rel_err_heldout"),
+        "runs": runs,
     }

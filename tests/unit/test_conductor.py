@@ -9,6 +9,8 @@ from policies.conductor import (
     DecodeInstance,
     PrefillInstance,
     apply_decision,
+    finish_decode,
+    start_decode,
 )
 
 BS = 16
@@ -180,15 +182,58 @@ def test_fully_cached_prompt_still_computes_its_last_token():
 def test_apply_decision_updates_the_views():
     c = conductor()
     prefills = [PrefillInstance("p0", queued_requests=0)]
-    pool = decodes(1, num_running=1, finish_times=[3.0])
+    pool = decodes(1, num_running=1, used_blocks=3, finish_times=[3.0])
     r = request(n_blocks=2, tokens=40, max_tokens=24)
     d = c.schedule(r, prefills, pool, now=1.0)
     apply_decision(d, r, prefills, pool, now=1.0)
     assert prefills[0].queued_tokens == 40 and prefills[0].queued_requests == 1
     assert prefills[0].cached == set(HASHES[:2])
-    assert pool[0].num_running == 2 and pool[0].used_blocks == 4
-    assert len(pool[0].finish_times) == 2
-    assert pool[0].finish_times[1] == pytest.approx(1.0 + d.predicted_ttft + 24 * d.predicted_tbt)
+    # Decode: reserved, not yet load.
+    assert (pool[0].pending, pool[0].pending_blocks) == (1, 4)
+    assert (pool[0].num_running, pool[0].used_blocks) == (1, 3)
+    finish = 1.0 + d.predicted_ttft + 24 * d.predicted_tbt
+    start_decode(pool[0], 4, finish)
+    assert (pool[0].pending, pool[0].pending_blocks) == (0, 0)
+    assert (pool[0].num_running, pool[0].used_blocks) == (2, 7)
+    assert pool[0].finish_times == [3.0, finish]
+    finish_decode(pool[0], 3)
+    assert (pool[0].num_running, pool[0].used_blocks) == (1, 4)
+    with pytest.raises(ValueError):
+        start_decode(pool[0], 4)  # nothing pending
+
+
+def test_pending_requests_take_room_but_not_decode_load():
+    c = conductor(tbt_slo=0.05, admission="early")
+    r = request()  # 13 + 4 = 17 lifetime blocks
+    pool = decodes(
+        1, total_blocks=100, num_running=1, used_blocks=10, pending=40, pending_blocks=80
+    )
+    d = c.schedule(r, [PrefillInstance("p0")], pool, now=0.0)
+    assert not d.accepted and d.reason == "decode_full"  # 10 + 80 + 17 > 100
+    pool[0].pending_blocks = 70
+    d = c.schedule(r, [PrefillInstance("p0")], pool, now=0.0)
+    assert d.accepted
+    # Early rejection judges the decodes running now, not the 40 still in prefill.
+    assert d.predicted_tbt == pytest.approx(decode_tbt(2, 10 + 13))
+
+
+def test_predictive_counts_each_instances_pending_requests_that_land_in_time():
+    # One prefill queue of 10 requests takes 2 s; this request waits behind all of them.
+    c = conductor(admission="predictive", ttft_slo=10.0, tbt_slo=0.05, decode_duration=1000.0)
+    prefills = [PrefillInstance("p0", queued_tokens=2000, queued_requests=10, queue_time=2.0)]
+    pool = [
+        DecodeInstance("heavy", total_blocks=1000, pending=8, pending_blocks=160),
+        DecodeInstance("light", total_blocks=1000, pending=2, pending_blocks=40),
+    ]
+    d = c.schedule(request(), prefills, pool, now=0.0)
+    # All 10 queued requests land before this one: "light" will run 2 (+ itself).
+    assert d.accepted and d.decode_id == "light"
+    assert d.predicted_tbt == pytest.approx(decode_tbt(3, 40 + 13))
+    # Early rejection sees two idle instances (the tie goes to the one with more room).
+    e = conductor(admission="early", ttft_slo=10.0, tbt_slo=0.05).schedule(
+        request(), prefills, pool, now=0.0
+    )
+    assert e.decode_id == "light" and e.predicted_tbt == pytest.approx(decode_tbt(1, 13))
 
 
 def test_rejections_always_carry_retry_after():

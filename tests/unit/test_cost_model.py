@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from placement.cost_model import RooflineCostModel, decode_time, prefill_time
-from placement.fitted import FittedCostModel
+from placement.fitted import FittedCostModel, PaddedFittedCostModel, padded_features
 from placement.gpus import GPUS, get_gpu
 from placement.model_specs import MODELS, get_model
 
@@ -73,3 +73,25 @@ def test_fitted_model_recovers_a_roofline_like_law():
     for b in batches:
         assert fit.batch_time(b) == pytest.approx(truth.batch_time(b), rel=1e-6)
     assert all(w >= 0 for w in fit.weights)
+
+
+def test_padded_features_price_a_decode_by_the_chunk_it_rides_with():
+    # A 256-token chunk over 100 cached tokens with a decode at context 999: the batch is
+    # padded to B=2 rows of max_q=256 queries over L=ceil(1000/16)*16=1008 keys.
+    f = padded_features([(256, 100), (1, 999)], 16)
+    assert f == [1.0, 257.0, 2 * 256 * 1008, 2 * 1008, 2.0]
+    # Alone, the same decode is one query row over its own 1008 keys.
+    assert padded_features([(1, 999)], 16) == [1.0, 1.0, 1008.0, 1008.0, 1.0]
+
+
+def test_padded_fit_recovers_its_law_and_ignores_outliers():
+    truth = PaddedFittedCostModel(16, [1e-3, 2e-5, 3e-8, 2e-7, 1e-4])
+    batches = [[(n, c)] for n in (1, 7, 64, 256) for c in (0, 200, 900)]
+    batches += [[(1, 100 + 37 * j) for j in range(b)] for b in (2, 5, 9, 30)]
+    batches += [[(200, 50)] + [(1, 300 + 11 * j) for j in range(b)] for b in (1, 4, 12)]
+    times = [truth.batch_time(b) for b in batches]
+    times[3] *= 5  # a step slowed by something else (a GC pause, a co-tenant)
+    fit = PaddedFittedCostModel.fit(16, batches, times, trim=0.1)
+    for b in batches:
+        assert fit.batch_time(b) == pytest.approx(truth.batch_time(b), rel=1e-6)
+    assert fit.batch_time([]) == 0.0

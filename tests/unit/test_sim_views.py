@@ -30,8 +30,9 @@ def test_kept_prefill_views_match_fresh_ones_mid_run():
             assert (view.queued_tokens, view.queue_time) == (fresh.queued_tokens, fresh.queue_time)
             assert view.cached is p.cached
         for d, dv in zip(cluster.decodes, cluster._decode_views(), strict=True):
-            assert dv.num_running == cluster.assigned[d.instance_id]
-            assert dv.used_blocks == cluster.reserved[d.instance_id]
+            fresh_d = cluster.fresh_decode_view(d)
+            assert (dv.num_running, dv.used_blocks) == (fresh_d.num_running, fresh_d.used_blocks)
+            assert (dv.pending, dv.pending_blocks) == (fresh_d.pending, fresh_d.pending_blocks)
     cluster.loop.run()
     assert all(s.done or s.rejected for s in cluster.stats.values())
     cluster.check_integrity()
