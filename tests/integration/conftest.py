@@ -21,6 +21,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+# One auth mode for every Ray session of the test process: a driver keeps the token state of
+# its first ``ray.init``, and actors of a later session with another mode never start.
+os.environ["RAY_AUTH_MODE"] = "disabled"  # private 127.0.0.1 clusters only
 BIN = Path(sys.executable).parent  # the venv's bin: ray, serve, python
 
 
