@@ -58,22 +58,31 @@ class Collectives:
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=layout.world_size
         )
-        self.tp_group = None
-        self.kvp_group = None
-        if layout.tp > 1:
-            for k in range(layout.kvp):
-                for s in range(layout.spp):
-                    ranks = [layout.world_rank(t, s, k) for t in range(layout.tp)]
-                    group = dist.new_group(ranks)
-                    if (s, k) == (stage, kvp_rank):
-                        self.tp_group = group
-        if layout.kvp > 1:
-            for s in range(layout.spp):
-                for t in range(layout.tp):
-                    ranks = [layout.world_rank(t, s, k) for k in range(layout.kvp)]
-                    group = dist.new_group(ranks)
-                    if (t, s) == (tp_rank, stage):
-                        self.kvp_group = group
+        spans = [(s, k) for k in range(layout.kvp) for s in range(layout.spp)]
+        self.tp_group = self._own_group(
+            layout.tp,
+            [[layout.world_rank(t, s, k) for t in range(layout.tp)] for s, k in spans],
+            rank,
+        )
+        columns = [(t, s) for s in range(layout.spp) for t in range(layout.tp)]
+        self.kvp_group = self._own_group(
+            layout.kvp,
+            [[layout.world_rank(t, s, k) for k in range(layout.kvp)] for t, s in columns],
+            rank,
+        )
+
+    @staticmethod
+    def _own_group(size: int, rank_lists: list[list[int]], rank: int):
+        """Create every group of ``rank_lists`` (``new_group`` is collective: every worker
+        calls it for every group, in the same order); return the one holding ``rank``."""
+        if size == 1:
+            return None
+        own = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                own = group
+        return own
 
     def all_reduce_tp(self, x: torch.Tensor) -> None:
         """Sum ``x`` in place over the TP group (every member has the same shape)."""
