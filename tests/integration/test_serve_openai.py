@@ -11,8 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -22,6 +26,7 @@ import yaml
 from actors import LLM, SamplingParams
 
 MODEL = "meridian-tiny"
+REPO = Path(__file__).resolve().parents[2]
 KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
 MAX_TOKENS_LIMIT = 1800
 BODY_LIMIT = 256 * 1024
@@ -386,14 +391,31 @@ def test_llm_attach_over_http_equals_in_process(server, reference):
 
 
 def test_llm_attach_by_app_name_equals_in_process(server, reference):
-    import ray
-
-    server.cluster.connect()
-    try:
-        llm = LLM.attach("meridian", api_key=KEY_B)
+    """A separate driver process (a user's script) connects to the cluster and attaches by
+    app name. In its own process: this test process has already held other Ray sessions."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import ray
+        from actors import LLM, SamplingParams
+        ray.init(address=sys.argv[1], log_to_driver=False)
+        llm = LLM.attach("meridian", api_key=sys.argv[2])
         p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outs = llm.generate(["By name", "By app name"], p)
-        refs = reference.generate(["By name", "By app name"], p)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
-    finally:
-        ray.shutdown()
+        print(json.dumps([o.token_ids for o in outs]))
+        """
+    )
+    cluster = server.cluster
+    done = subprocess.run(
+        [sys.executable, "-c", script, cluster.address, KEY_B],
+        env=cluster.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    refs = reference.generate(["By name", "By app name"], p)
+    assert got == [r.token_ids for r in refs]
