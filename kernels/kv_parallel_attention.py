@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.attention_torch import TorchAttentionBackend
+from kernels.attention_torch import TorchAttentionBackend, write_kv
 from kernels.merge import merge_attention_states
 
 AllGather = Callable[[torch.Tensor], list[torch.Tensor]]  # equal-size tensors, rank order
@@ -105,10 +105,8 @@ class KVParallelAttention:
         """Write the rows whose slot is here (>= 0); keep ``k, v [T, Hkv, D]`` for
         ``attention``, which sends the others to their ranks."""
         rows = (slot_mapping >= 0).nonzero().squeeze(1)
-        heads, dim = k_cache.shape[2], k_cache.shape[3]
         slots = slot_mapping.index_select(0, rows)
-        k_cache.view(-1, heads, dim).index_copy_(0, slots, k.index_select(0, rows))
-        v_cache.view(-1, heads, dim).index_copy_(0, slots, v.index_select(0, rows))
+        write_kv(k_cache, v_cache, k.index_select(0, rows), v.index_select(0, rows), slots)
         self._k, self._v = k, v
 
     def attention(
@@ -157,8 +155,8 @@ class KVParallelAttention:
             if rows.numel():
                 ks = payload[qn * q_size : qn * q_size + kn * kv_size].view(kn, kv_heads, dim)
                 vs = payload[qn * q_size + kn * kv_size :].view(kn, kv_heads, dim)
-                k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, ks.index_select(0, rows))
-                v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, vs.index_select(0, rows))
+                ks, vs = ks.index_select(0, rows), vs.index_select(0, rows)
+                write_kv(k_cache, v_cache, ks, vs, slots)
 
         # 2. Answer the remote queries over this rank's shards. Partial states travel in at
         # least fp32 so a bf16 model's lse keeps its precision.
