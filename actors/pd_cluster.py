@@ -269,6 +269,31 @@ class PDCluster:
     def output(self, request_id: str) -> RequestOutput | None:
         return self._reqs[request_id].output
 
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is (queued for a retry, in prefill, or decoding); its
+        output keeps the tokens streamed so far, finish reason ``"abort"``. Unknown or
+        finished requests are left alone."""
+        req = self._reqs.get(request_id)
+        if req is None or req.output is not None:
+            return
+        if request_id in self._retry:
+            self._retry.remove(request_id)
+        if req.prefill_id is not None and request_id in self._in_prefill.get(req.prefill_id, ()):
+            self._in_prefill[req.prefill_id].discard(request_id)
+            try:
+                ray.get(self.prefills[req.prefill_id].abort.remote(request_id))
+            except DEAD:
+                pass  # its death is handled at the next step
+        if req.decode_id is not None:
+            decode = self.decodes[req.decode_id]
+            ray.get(decode.abort.remote(request_id))
+            self._update_decode(req.decode_id, ray.get(decode.stats.remote()))
+        tokens = [t for d in req.deltas for t in d.token_ids]
+        text = "".join(d.text for d in req.deltas)
+        req.output = RequestOutput(
+            request_id, req.tokens, tokens, text, True, "abort", req.cached_tokens
+        )
+
     def release(self, request_id: str) -> RequestOutput:
         out = self._reqs[request_id].output
         if out is None:
@@ -422,6 +447,29 @@ class PDCluster:
     def prefill_stats(self) -> dict[str, dict[str, Any]]:
         refs = [h.stats.remote() for h in self.prefills.values()]
         return dict(zip(self.prefills, ray.get(refs), strict=True))
+
+    def stats(self) -> dict[str, Any]:
+        """Pool-wide counters from the Conductor's views (a router's or a dashboard's)."""
+        decodes = list(self.decode_views.values())
+        total = sum(d.total_blocks for d in decodes)
+        free = sum(d.total_blocks - d.used_blocks - d.pending_blocks for d in decodes)
+        return {
+            "num_running": sum(d.num_running for d in decodes),
+            "num_waiting": sum(len(r) for r in self._in_prefill.values()) + len(self._retry),
+            "queued_prefill_tokens": sum(p.queued_tokens for p in self.prefill_views.values()),
+            "free_blocks": free,
+            "total_blocks": total,
+            "kv_usage": 1.0 - free / total if total else 0.0,
+        }
+
+    def cached_hashes(self) -> set[int]:
+        """Block hashes a new request could reuse: any prefill replica's prefix cache, or
+        any live store shard."""
+        held = set().union(*self._local_cached.values())
+        if self.store_client is not None:
+            for sid in self.store_client.directory.shards:
+                held |= self.store_client.directory.blocks_of(sid)
+        return held
 
     def refresh_store(self) -> list[str]:
         """Apply shard events to the Conductor's map; returns shards found dead."""

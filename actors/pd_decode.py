@@ -93,8 +93,10 @@ class DecodeReplica:
         return {"deltas": deltas, "finished": finished, "stats": self.stats()}
 
     def abort(self, request_id: str) -> None:
-        if not self.cancel(request_id):
+        """Drop a reserved or decoding request and free its blocks (unknown ids: no-op)."""
+        if not self.cancel(request_id) and self.controller.has_request(request_id):
             self.controller.abort(request_id)
+            self.controller.release(request_id)
 
     def stats(self) -> dict[str, Any]:
         c = self.controller

@@ -285,6 +285,10 @@ class ReplicaController:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight)
 
+    def has_request(self, request_id: str) -> bool:
+        """Added and not yet released (reservations are not requests yet)."""
+        return request_id in self._requests
+
     def output(self, request_id: str) -> RequestOutput:
         r = self._requests[request_id]
         s = r.seq
