@@ -16,10 +16,24 @@ streaming each layer's KV into them through the transfer layer (never through Ra
 once its last prefill step returned the request is admitted to the decode batch with its
 first token. Control messages (ids, block ids, endpoints, tokens) are all Ray carries.
 
+Store and replication: every prefill replica has a home store shard (one on its node,
+spread over that node's shards); the Conductor sees a prefill instance as holding its own
+prefix cache plus its home shard, and new full blocks are written back to the home shard.
+When the Conductor copies a prefix to the chosen instance (``transfer_from``) or replicates
+hot blocks onto it (``replicate_blocks``), the blocks are copied into the chosen instance's
+home shard before its prefill starts: shard to shard (``change_replica``) when a shard
+holds them, else written out of the holder replica's own cache.
+
+Cost model: with ``fit_costs`` (default) the Conductor's prefill-time, decode-TBT and
+transfer-time estimates are refitted (``policies.pd_costs.CostFitter``) from the steps and
+store loads this deployment measures, replacing the starting estimates.
+
 Faults: a store shard that died drops out of every client's map and its blocks read as
 misses (recomputed). A prefill replica that died has the decode reservations of its
 requests cancelled (no leaked blocks); it is replaced by a fresh actor and its requests are
-scheduled again.
+scheduled again. A decode replica that died is replaced by a fresh actor; its requests
+(decoding, or still in prefill towards it) run again from their prompt, and the tokens a
+caller already received are not streamed twice (seeded sampling draws the same tokens).
 """
 
 from __future__ import annotations
@@ -50,7 +64,7 @@ from policies.conductor import (
     PrefillInstance,
     apply_decision,
 )
-from policies.pd_costs import LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
+from policies.pd_costs import CostFitter, LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
 from store.hashing import chained_block_hashes
 
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -95,6 +109,8 @@ class _Req:
     output: RequestOutput | None = None
     loaded_blocks: int = 0
     cached_tokens: int = 0
+    emitted: int = 0  # tokens streamed to the caller over every attempt
+    replayed: int = 0  # tokens this attempt produced (a re-run replays emitted ones)
 
 
 def default_conductor(block_bytes: int, admission: str = "none") -> Conductor:
@@ -119,6 +135,7 @@ class PDCluster:
         *,
         store: StoreConfig | None = None,
         conductor: Conductor | None = None,
+        fit_costs: bool = True,
         max_prefill_attempts: int = 3,
         **controller_options: Any,
     ) -> None:
@@ -138,34 +155,35 @@ class PDCluster:
             cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
         )
         self.conductor = conductor or default_conductor(self.block_bytes)
+        chunk = controller_options.get("chunk_size") or controller_options.get("token_budget")
+        self.fitter: CostFitter | None = None
+        if fit_costs:
+            self.fitter = CostFitter(self.block_bytes, chunk_size=int(chunk or 2048))
         self.max_prefill_attempts = max_prefill_attempts
         self.shards: dict[str, Any] = {}
         self.store_client: KVStoreClient | None = None
         if store is not None:
             self._start_store(store)
         self._prefill_cls = ray.remote(num_cpus=0, max_restarts=0)(PrefillReplica)
-        decode_cls = ray.remote(num_cpus=0, max_restarts=0)(DecodeReplica)
+        self._decode_cls = ray.remote(num_cpus=0, max_restarts=0)(DecodeReplica)
         self.prefills: dict[str, Any] = {}
         self.prefill_views: dict[str, PrefillInstance] = {}
         self._local_cached: dict[str, set[int]] = {}
+        self._prefill_nodes: dict[str, str] = {}
         for i in range(num_prefill):
             self._start_prefill(f"p{i}")
-        self.decodes: dict[str, Any] = {
-            f"d{i}": decode_cls.remote(f"d{i}", self.model_dir, **controller_options)
-            for i in range(num_decode)
-        }
-        self.decode_views = {d: DecodeInstance(d) for d in self.decodes}
-        for d, stats in zip(
-            self.decodes, ray.get([h.stats.remote() for h in self.decodes.values()]), strict=True
-        ):
-            self._update_decode(d, stats)
-        ray.get([h.ping.remote() for h in self.prefills.values()])
+        self.decodes: dict[str, Any] = {}
+        self.decode_views: dict[str, DecodeInstance] = {}
+        for i in range(num_decode):
+            self._start_decode(f"d{i}")
         self._reqs: dict[str, _Req] = {}
         self._in_prefill: dict[str, set[str]] = {p: set() for p in self.prefills}
         self._retry: deque[str] = deque()
         self._ids = 0
         self._seeds = random.Random()
         self.num_prefill_restarts = 0
+        self.num_decode_restarts = 0
+        self.replicated_blocks = 0  # blocks copied into a chosen instance's home shard
 
     # -- set-up -----------------------------------------------------------------------------
     def _start_store(self, cfg: StoreConfig) -> None:
@@ -187,9 +205,29 @@ class PDCluster:
 
     def _start_prefill(self, pid: str) -> None:
         live = self._live_shards()
-        self.prefills[pid] = self._prefill_cls.remote(pid, self.model_dir, live, **self.options)
+        handle = self._prefill_cls.remote(pid, self.model_dir, live, **self.options)
+        self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
         self._local_cached[pid] = set()
+        self._prefill_nodes[pid] = ray.get(handle.node.remote())
+
+    def _start_decode(self, did: str) -> None:
+        handle = self._decode_cls.remote(did, self.model_dir, **self.options)
+        self.decodes[did] = handle
+        self.decode_views[did] = DecodeInstance(did)
+        self._update_decode(did, ray.get(handle.stats.remote()))
+
+    def home_shard(self, pid: str) -> str | None:
+        """The live store shard prefill replica ``pid`` writes to and counts as its own:
+        one on its node (the node's prefill replicas spread over its shards), else any."""
+        client = self.store_client
+        if client is None or not client.endpoints:
+            return None
+        node = self._prefill_nodes[pid]
+        shards = sorted(s for s, ep in client.endpoints.items() if ep.node_id == node)
+        shards = shards or sorted(client.endpoints)
+        peers = sorted(p for p in self.prefills if self._prefill_nodes[p] == node)
+        return shards[peers.index(pid) % len(shards)]
 
     def _live_shards(self) -> dict[str, Any]:
         if self.store_client is None:
@@ -229,34 +267,82 @@ class PDCluster:
             req.params.max_tokens,
             self.block_size,
         )
-        store_held: set[int] = set()
         if self.store_client is not None:
             self.store_client.refresh()
-            for sid in self.store_client.directory.shards:
-                store_held |= self.store_client.directory.blocks_of(sid)
         prefills = []
         for pid, view in self.prefill_views.items():
-            view.cached = self._local_cached[pid] | store_held
+            view.cached = self._local_cached[pid] | self._home_blocks(pid)
             prefills.append(view)
         decodes = list(self.decode_views.values())
         decision = self.conductor.schedule(creq, prefills, decodes, now)
         if not decision.accepted:
             raise RequestRejected(decision.reason, decision.retry_after or 1.0)
-        assert decision.prefill_id is not None and decision.decode_id is not None
-        decode = self.decodes[decision.decode_id]
-        dest = ray.get(
-            decode.reserve.remote(req.request_id, req.tokens, req.params, req.seed, req.salt)
-        )
-        self._update_decode(decision.decode_id, ray.get(decode.stats.remote()))
+        pid, did = decision.prefill_id, decision.decode_id
+        assert pid is not None and did is not None
+        decode = self.decodes[did]
+        try:
+            dest = ray.get(
+                decode.reserve.remote(req.request_id, req.tokens, req.params, req.seed, req.salt)
+            )
+            self._update_decode(did, ray.get(decode.stats.remote()))
+        except DEAD:
+            self._decode_died(did)
+            raise RequestRejected("decode_restarting", self.conductor.min_retry_after) from None
         if dest is None:  # the view was stale: the instance has no room now
             raise RequestRejected("decode_full", self.conductor.min_retry_after)
+        wanted = decision.replicate_blocks
+        if decision.transfer_from is not None:  # this request reads the copied prefix
+            mine = self.prefill_views[pid].cached
+            wanted = [h for h in creq.block_hashes[: decision.cached_blocks] if h not in mine]
+        source = decision.replicate_from or decision.transfer_from
         apply_decision(decision, creq, prefills, decodes, now)
-        req.prefill_id, req.decode_id = decision.prefill_id, decision.decode_id
+        if wanted and source is not None:
+            self._copy_blocks(req, wanted, source, pid)
+        req.prefill_id, req.decode_id = pid, did
         req.attempts += 1
-        self._in_prefill[decision.prefill_id].add(req.request_id)
-        self.prefills[decision.prefill_id].prefill.remote(
-            req.request_id, req.tokens, req.params, req.seed, dest, req.salt
+        req.replayed = 0
+        self._in_prefill[pid].add(req.request_id)
+        self.prefills[pid].prefill.remote(
+            req.request_id, req.tokens, req.params, req.seed, dest, req.salt, self.home_shard(pid)
         )
+
+    def _home_blocks(self, pid: str) -> set[int]:
+        home = self.home_shard(pid)
+        if home is None or self.store_client is None:
+            return set()
+        return set(self.store_client.directory.blocks_of(home))
+
+    def _copy_blocks(self, req: _Req, hashes: list[int], src_pid: str, dst_pid: str) -> None:
+        """Copy blocks the Conductor wants on ``dst_pid`` into its home shard: from a shard
+        that holds them (``src_pid``'s home first), else out of ``src_pid``'s own cache.
+        Best effort: a block not copied is recomputed."""
+        client, dst = self.store_client, self.home_shard(dst_pid)
+        if client is None or dst is None:
+            return  # no store: nowhere to copy to
+        src_home = self.home_shard(src_pid)
+        by_source: dict[str, list[int]] = {}
+        from_cache: list[int] = []
+        for h in hashes:
+            holders = client.directory.holders(h)
+            if dst in holders:
+                continue
+            if not holders:
+                from_cache.append(h)
+            else:
+                src = src_home if src_home in holders else min(holders)
+                by_source.setdefault(src, []).append(h)
+        for src, run in by_source.items():
+            self.replicated_blocks += len(client.change_replica(run, src, dst))
+        if from_cache:
+            try:
+                self.replicated_blocks += ray.get(
+                    self.prefills[src_pid].export_blocks.remote(
+                        req.tokens, req.salt, from_cache, dst
+                    )
+                )
+            except DEAD:
+                pass  # its death is handled at the next step
+            client.refresh()
 
     def placement(self, request_id: str) -> tuple[str | None, str | None]:
         """(prefill id, decode id) the Conductor chose for a request not yet released."""
@@ -304,56 +390,133 @@ class PDCluster:
     # -- one round --------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         """One step on every replica with work (in parallel); returns the decode deltas."""
-        calls: list[tuple[str, str, Any]] = []
+        calls: list[tuple[str, str, Any, Any]] = []  # (kind, replica id, handle, ref)
         for pid, rids in self._in_prefill.items():
             if rids:
-                calls.append(("p", pid, self.prefills[pid].step.remote()))
+                handle = self.prefills[pid]
+                calls.append(("p", pid, handle, handle.step.remote()))
         busy = {r.decode_id for r in self._reqs.values() if r.output is None and r.decode_id}
-        for did in busy:
-            if did is not None:
-                calls.append(("d", did, self.decodes[did].step.remote()))
+        for did in sorted(d for d in busy if d is not None):
+            handle = self.decodes[did]
+            calls.append(("d", did, handle, handle.step.remote()))
         deltas: list[StreamDelta] = []
-        for kind, iid, ref in calls:
+        for kind, iid, handle, ref in calls:
             try:
                 report = ray.get(ref)
             except DEAD:
-                if kind == "p":
+                if kind == "p" and self.prefills.get(iid) is handle:
                     self._prefill_died(iid)
-                    continue
-                raise
+                elif kind == "d" and self.decodes.get(iid) is handle:  # not replaced yet
+                    self._decode_died(iid)
+                continue
             if kind == "p":
-                self._on_prefill(iid, report)
+                deltas += self._on_prefill(iid, report)
             else:
                 deltas += self._on_decode(iid, report)
         self._retry_pending()
+        if self.fitter is not None:
+            self.fitter.refit(self.conductor)
         return deltas
 
-    def _on_prefill(self, pid: str, report: dict[str, Any]) -> None:
+    def _on_prefill(self, pid: str, report: dict[str, Any]) -> list[StreamDelta]:
         self._update_prefill(pid, report["stats"])
+        if self.fitter is not None:
+            for chunks, seconds in report["costs"]["prefill_steps"]:
+                self.fitter.add_prefill_step(chunks, seconds)
+            for blocks, seconds in report["costs"]["transfers"]:
+                self.fitter.add_transfer(blocks, seconds)
+        deltas: list[StreamDelta] = []
         for rid, first_token, cached in report["done"]:
+            if rid not in self._in_prefill[pid]:
+                continue  # aborted, or placed again since
             self._in_prefill[pid].discard(rid)
             req = self._reqs[rid]
             req.cached_tokens = cached
             assert req.decode_id is not None
-            decode = self.decodes[req.decode_id]
-            self._on_decode(req.decode_id, ray.get(decode.admit.remote(rid, first_token)))
-        for rid, _why in report["failed"]:  # its decode replica is gone
-            self._in_prefill[pid].discard(rid)
+            did = req.decode_id
+            try:
+                admitted = ray.get(self.decodes[did].admit.remote(rid, first_token))
+            except DEAD:
+                self._decode_died(did)
+                continue
+            deltas += self._on_decode(did, admitted)
+        for rid, _why in report["failed"]:  # its stream broke: the decode side is gone
+            if rid not in self._in_prefill[pid]:
+                continue
             req = self._reqs[rid]
-            req.output = RequestOutput(rid, req.tokens, [], "", True, "abort")
+            assert req.decode_id is not None
+            if not self._alive(self.decodes[req.decode_id]):
+                self._decode_died(req.decode_id)  # places this request again
+            else:  # a broken transfer to a live replica: free its side, run it again
+                self._in_prefill[pid].discard(rid)
+                ray.get(self.decodes[req.decode_id].cancel.remote(rid))
+                self._requeue(req)
+        return deltas
 
     def _on_decode(self, did: str, report: dict[str, Any]) -> list[StreamDelta]:
         self._update_decode(did, report["stats"])
+        if self.fitter is not None:
+            for batch, blocks, seconds in report["costs"]["decode_steps"]:
+                self.fitter.add_decode_step(batch, blocks, seconds)
+        # A request placed elsewhere since (its replica was replaced) ignores this report.
         for out in report["finished"]:
             req = self._reqs.get(out.request_id)
-            if req is not None:
+            if req is not None and req.decode_id == did:
                 req.output = out
+        deltas: list[StreamDelta] = []
         for d in report["deltas"]:
             req = self._reqs.get(d.request_id)
-            if req is not None:
-                req.deltas.append(d)
-        deltas: list[StreamDelta] = report["deltas"]
+            if req is None or req.decode_id != did:
+                continue
+            # A re-run replays the tokens already streamed: pass on only new ones.
+            old = max(0, min(len(d.token_ids), req.emitted - req.replayed))
+            req.replayed += len(d.token_ids)
+            if old == len(d.token_ids) and not d.finished:
+                continue
+            if old:
+                d = StreamDelta(d.request_id, d.token_ids[old:], "", d.finished, d.finish_reason)
+            req.emitted += len(d.token_ids)
+            req.deltas.append(d)
+            deltas.append(d)
         return deltas
+
+    @staticmethod
+    def _alive(handle: Any) -> bool:
+        try:
+            ray.get(handle.ping.remote())
+        except DEAD:
+            return False
+        return True
+
+    def _requeue(self, req: _Req) -> None:
+        """Place a request again from its prompt (aborted after ``max_prefill_attempts``)."""
+        req.prefill_id = req.decode_id = None
+        if req.attempts >= self.max_prefill_attempts:
+            tokens = [t for d in req.deltas for t in d.token_ids]
+            req.output = RequestOutput(req.request_id, req.tokens, tokens, "", True, "abort")
+        else:
+            self._retry.append(req.request_id)
+
+    def _decode_died(self, did: str) -> None:
+        """Replace the replica; every request bound to it runs again from its prompt (those
+        still in prefill are stopped there first)."""
+        lost = [r for r in self._reqs.values() if r.decode_id == did and r.output is None]
+        for req in lost:
+            pid = req.prefill_id
+            if pid is not None and req.request_id in self._in_prefill.get(pid, ()):
+                self._in_prefill[pid].discard(req.request_id)
+                try:
+                    ray.get(self.prefills[pid].abort.remote(req.request_id))
+                except DEAD:
+                    pass  # its death is handled at its next step
+        try:
+            ray.kill(self.decodes[did])
+        except DEAD:
+            pass
+        self.num_decode_restarts += 1
+        self._start_decode(did)
+        for req in lost:
+            self._requeue(req)
 
     def _prefill_died(self, pid: str) -> None:
         """Cancel the decode reservations of its requests, replace it, schedule them again."""
@@ -362,18 +525,18 @@ class PDCluster:
             req = self._reqs[rid]
             assert req.decode_id is not None
             decode = self.decodes[req.decode_id]
-            ray.get(decode.cancel.remote(rid))
-            self._update_decode(req.decode_id, ray.get(decode.stats.remote()))
-            req.prefill_id = req.decode_id = None
+            try:
+                ray.get(decode.cancel.remote(rid))
+                self._update_decode(req.decode_id, ray.get(decode.stats.remote()))
+            except DEAD:
+                self._decode_died(req.decode_id)  # places its requests (this one) again
         self.num_prefill_restarts += 1
         self._start_prefill(pid)
         self._in_prefill[pid] = set()
         for rid in lost:
             req = self._reqs[rid]
-            if req.attempts >= self.max_prefill_attempts:
-                req.output = RequestOutput(rid, req.tokens, [], "", True, "abort")
-            else:
-                self._retry.append(rid)
+            if req.decode_id is not None:  # not placed again by a decode restart above
+                self._requeue(req)
 
     def _retry_pending(self) -> None:
         for _ in range(len(self._retry)):

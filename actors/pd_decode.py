@@ -15,6 +15,7 @@ Conductor only picks an instance with that much room).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from actors.kv_store_shard import current_node_id
@@ -85,12 +86,23 @@ class DecodeReplica:
         return self._report([delta])
 
     def step(self) -> dict[str, Any]:
+        """One decode iteration; ``costs["decode_steps"]`` is its (batch size, context
+        blocks, seconds), for the Conductor's TBT model."""
         c = self.controller
-        return self._report(c.step() if c.has_unfinished() else [])
+        if not c.has_unfinished():
+            return self._report([])
+        batch = c.scheduler.num_running
+        blocks = c.pool.num_in_use - sum(self._reserved_blocks.values())
+        start = time.perf_counter()
+        deltas = c.step()
+        return self._report(deltas, [(batch, blocks, time.perf_counter() - start)])
 
-    def _report(self, deltas: list[StreamDelta]) -> dict[str, Any]:
+    def _report(
+        self, deltas: list[StreamDelta], samples: list[tuple[int, int, float]] | None = None
+    ) -> dict[str, Any]:
         finished = [self.controller.release(d.request_id) for d in deltas if d.finished]
-        return {"deltas": deltas, "finished": finished, "stats": self.stats()}
+        costs = {"decode_steps": samples or []}
+        return {"deltas": deltas, "finished": finished, "stats": self.stats(), "costs": costs}
 
     def abort(self, request_id: str) -> None:
         """Drop a reserved or decoding request and free its blocks (unknown ids: no-op)."""

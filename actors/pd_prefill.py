@@ -17,6 +17,7 @@ token. Around that, the KV store:
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from actors.kv_store_shard import KVStoreClient, current_node_id
@@ -33,6 +34,7 @@ from store.transfer import TransferEngine
 class _Meta:
     tokens: list[int]
     hashes: list[int]  # chained hashes of the prompt's full blocks
+    store_shard: str | None  # where its new blocks are written (the Conductor's choice)
 
 
 class PrefillReplica:
@@ -52,7 +54,7 @@ class PrefillReplica:
         self.node_id = current_node_id()
         self.engine = TransferEngine(f"prefill-{replica_id}", self.node_id)
         self.streamer = LayerStreamer(self.engine, self.block_size)
-        c.executor = StreamingExecutor(c.executor, self.streamer, self._store_new_blocks)
+        c.executor = StreamingExecutor(c.executor, self.streamer, self._after_step)
         self.client: KVStoreClient | None = None
         if store_shards:
             self.client = KVStoreClient(f"prefill-{replica_id}", node_id=self.node_id)
@@ -61,6 +63,12 @@ class PrefillReplica:
         self._meta: dict[str, _Meta] = {}
         self.loaded_blocks = 0  # blocks brought in from the store
         self.stored_blocks = 0  # blocks written to the store
+        # Measurements for the Conductor's cost model, drained by each ``step`` report:
+        # (chunks (new tokens, context tokens) of a step, seconds) and (blocks loaded, s).
+        self._prefill_samples: list[tuple[list[tuple[int, int]], float]] = []
+        self._transfer_samples: list[tuple[int, float]] = []
+        self._step_chunks: list[tuple[int, int]] = []
+        self._step_end = 0.0
 
     @property
     def kv_caches(self) -> KVCaches:
@@ -69,6 +77,9 @@ class PrefillReplica:
 
     def ping(self) -> str:
         return self.replica_id
+
+    def node(self) -> str:
+        return self.node_id
 
     # -- requests -------------------------------------------------------------------------
     def prefill(
@@ -79,11 +90,13 @@ class PrefillReplica:
         seed: int,
         dest: KVDestination,
         salt: str | None = None,
+        store_shard: str | None = None,
     ) -> int:
-        """Queue a request's prefill; returns the prefix blocks loaded from the store."""
+        """Queue a request's prefill; returns the prefix blocks loaded from the store. Its
+        new full blocks go to ``store_shard`` (default: a shard on this node)."""
         tokens = list(prompt_token_ids)
         hashes = chained_block_hashes(tokens, self.block_size, salt)
-        self._meta[request_id] = _Meta(tokens, hashes)
+        self._meta[request_id] = _Meta(tokens, hashes, store_shard)
         loaded = self._load_prefix(request_id, tokens, hashes)
         first = dataclasses.replace(params, max_tokens=1, seed=seed, stop=[])
         self.streamer.expect(request_id, dest)
@@ -94,7 +107,13 @@ class PrefillReplica:
         """One iteration. ``done``: (request id, first token, cached prompt tokens) of the
         requests whose KV has fully arrived at their decode replica; ``failed``: (request
         id, why) of those whose stream broke (their decode side is gone)."""
-        deltas = self.controller.step() if self.controller.has_unfinished() else []
+        deltas = []
+        if self.controller.has_unfinished():
+            self._step_chunks = []
+            start = time.perf_counter()
+            deltas = self.controller.step()
+            if self._step_chunks:
+                self._prefill_samples.append((self._step_chunks, self._step_end - start))
         done, failed = [], []
         for d in deltas:
             if not d.finished:
@@ -112,7 +131,9 @@ class PrefillReplica:
                 self.controller.release(rid)
                 failed.append((rid, why))
                 self._forget(rid)
-        return {"done": done, "failed": failed, "stats": self.stats()}
+        costs = {"prefill_steps": self._prefill_samples, "transfers": self._transfer_samples}
+        self._prefill_samples, self._transfer_samples = [], []
+        return {"done": done, "failed": failed, "stats": self.stats(), "costs": costs}
 
     def abort(self, request_id: str) -> None:
         if request_id in self._meta:
@@ -149,7 +170,9 @@ class PrefillReplica:
         n = 0
         try:
             if blocks:
+                start = time.perf_counter()
                 n = client.load_into_cache(request_id, rest[:want], self.kv_caches, blocks)
+                self._transfer_samples.append((n, time.perf_counter() - start))
         except KVStoreError:
             n = 0  # a broken transfer: recompute
         finally:
@@ -160,12 +183,56 @@ class PrefillReplica:
         self.loaded_blocks += n
         return n
 
-    def _store_shard(self) -> str | None:
+    def _store_shard(self, wanted: str | None = None) -> str | None:
+        """``wanted`` if it is live, else a live shard on this node, else any."""
         client = self.client
         if client is None or not client.endpoints:
             return None
+        if wanted in client.endpoints:
+            return wanted
         local = [s for s, ep in client.endpoints.items() if ep.node_id == self.node_id]
         return sorted(local or client.endpoints)[0]
+
+    def export_blocks(
+        self, prompt_token_ids: list[int], salt: str | None, wanted: list[int], shard_id: str
+    ) -> int:
+        """Write the blocks of a prompt whose hashes are in ``wanted`` from this replica's
+        prefix cache to a store shard (replication); returns blocks written. Blocks no
+        longer cached here are skipped."""
+        client = self.client
+        if client is None or shard_id not in client.endpoints:
+            return 0
+        bs, pool, want = self.block_size, self.controller.pool, set(wanted)
+        tokens = list(prompt_token_ids)
+        hashes = chained_block_hashes(tokens, bs, salt)
+        picked: list[tuple[int, int, int | None]] = []  # (hash, block id, parent hash)
+        for i, h in enumerate(hashes):
+            if h not in want:
+                continue
+            block = pool.lookup(h, tokens[i * bs : (i + 1) * bs])
+            if block is not None:
+                picked.append((h, block, hashes[i - 1] if i else None))
+        if not picked:
+            return 0
+        try:
+            stored = client.store_from_cache(
+                shard_id,
+                [h for h, _, _ in picked],
+                self.kv_caches,
+                [b for _, b, _ in picked],
+                [p for _, _, p in picked],
+            )
+        except KVStoreError:
+            client.mark_dead(shard_id)
+            return 0
+        self.stored_blocks += len(stored)
+        return len(stored)
+
+    def _after_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
+        """The step's compute and KV stream are done (timed here); write new blocks back."""
+        self._step_end = time.perf_counter()
+        self._step_chunks = [(len(e.token_ids), e.start) for e in plan.entries]
+        self._store_new_blocks(plan, kv_caches)
 
     def _store_new_blocks(self, plan: StepPlan, kv_caches: KVCaches) -> None:
         client = self.client
@@ -179,7 +246,7 @@ class PrefillReplica:
             blocks = e.shards[0][2][: len(hashes)]
             todo = [i for i, h in enumerate(hashes) if not client.directory.holders(h)]
             while todo:
-                shard = self._store_shard()
+                shard = self._store_shard(meta.store_shard)
                 if shard is None:
                     return
                 i0 = todo[0]

@@ -1,40 +1,65 @@
 """Runtime estimates the Conductor takes as inputs, and their fit to measured runs.
 
-    prefill_time(new_tokens, cached_tokens) = base + a * new + b * cached + c * new * (new + cached)
+    prefill_time(new, cached) = sum over the prompt's chunks k (n_k new tokens after c_k
+                                of context, c_0 = cached) of
+                                base + a * n_k + b * c_k + c * n_k * (n_k + c_k)
     decode_tbt(batch_size, context_blocks)  = base + a * batch_size + b * context_blocks
     transfer_time(blocks)                   = blocks * block_bytes / bytes_per_second
 
 The quadratic prefill term is attention over the prompt (each new token attends to every
-earlier one), the cached term the cost of reading a reused prefix. ``fit_prefill_time`` and
-``fit_decode_tbt`` are ordinary least squares over measured samples (``(new, cached,
-seconds)`` and ``(batch, blocks, seconds)``), so the live runtime and the simulator fit
-the same model the same way. Coefficients are clamped at zero (a cost never falls as the
-work grows). Stdlib only.
+earlier one), the cached term the cost of reading a reused prefix; a prompt longer than
+the chunk size runs as several steps, each paying ``base`` and reading the context before
+it. ``fit_prefill_time`` and ``fit_decode_tbt`` are ordinary least squares over measured
+steps (``(chunks, seconds)`` and ``(batch, blocks, seconds)``), ``fit_transfer_time`` the
+mean bandwidth of measured copies, so the live runtime and the simulator fit the same
+model the same way. Coefficients are clamped at zero (a cost never falls as the work
+grows). ``CostFitter`` keeps a sliding window of each and refits a Conductor's estimates
+as measurements arrive. Stdlib only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class LinearPrefillTime:
-    base: float = 0.0
+    base: float = 0.0  # per step (kernel launches, sampling, the step's fixed cost)
     per_new_token: float = 0.0
-    per_cached_token: float = 0.0
+    per_cached_token: float = 0.0  # per token of context read before the chunk
     per_attention_pair: float = 0.0
+    chunk_size: int = 0  # prompts run in chunks of this many tokens (0: one pass)
 
     def __call__(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
             return 0.0
-        pairs = new_tokens * (new_tokens + cached_tokens)
+        step = self.chunk_size if self.chunk_size > 0 else new_tokens
+        chunks = [
+            (min(step, new_tokens - done), cached_tokens + done)
+            for done in range(0, new_tokens, step)
+        ]
+        steps, new, context, pairs = prefill_features(chunks)
         return (
-            self.base
-            + self.per_new_token * new_tokens
-            + self.per_cached_token * cached_tokens
+            self.base * steps
+            + self.per_new_token * new
+            + self.per_cached_token * context
             + self.per_attention_pair * pairs
         )
+
+
+def prefill_features(chunks: Sequence[tuple[int, int]]) -> tuple[float, float, float, float]:
+    """(steps, new tokens, context tokens, attention pairs) of running ``chunks``, each
+    ``(new tokens, context tokens before them)``, one step per chunk."""
+    steps = new = context = pairs = 0.0
+    for n, c in chunks:
+        steps += 1
+        new += n
+        context += c
+        pairs += n * (n + c)
+    return steps, new, context, pairs
 
 
 @dataclass(frozen=True)
@@ -85,11 +110,15 @@ def least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> 
     return [m[i][k] / m[i][i] / norms[i] if m[i][i] else 0.0 for i in range(k)]
 
 
-def fit_prefill_time(samples: Sequence[tuple[int, int, float]]) -> LinearPrefillTime:
-    """Fit to measured ``(new tokens, cached tokens, seconds)`` prefill runs."""
-    rows = [(1.0, float(n), float(c), float(n * (n + c))) for n, c, _ in samples]
-    x = [max(0.0, v) for v in least_squares(rows, [t for _, _, t in samples])]
-    return LinearPrefillTime(*x)
+def fit_prefill_time(
+    samples: Sequence[tuple[Sequence[tuple[int, int]], float]], chunk_size: int = 0
+) -> LinearPrefillTime:
+    """Fit to measured prefill steps: ``(chunks, seconds)`` with ``chunks`` the ``(new
+    tokens, context tokens)`` of each request the step ran (their features add up; the
+    step's fixed cost counts once). Predictions split prompts by ``chunk_size``."""
+    rows = [(1.0, *prefill_features(chunks)[1:]) for chunks, _ in samples]
+    base, new, context, pairs = [max(0.0, v) for v in least_squares(rows, [t for _, t in samples])]
+    return LinearPrefillTime(base, new, context, pairs, chunk_size)
 
 
 def fit_decode_tbt(samples: Sequence[tuple[int, int, float]]) -> LinearDecodeTBT:
@@ -97,3 +126,77 @@ def fit_decode_tbt(samples: Sequence[tuple[int, int, float]]) -> LinearDecodeTBT
     rows = [(1.0, float(b), float(k)) for b, k, _ in samples]
     x = [max(0.0, v) for v in least_squares(rows, [t for _, _, t in samples])]
     return LinearDecodeTBT(*x)
+
+
+def fit_transfer_time(
+    samples: Sequence[tuple[int, float]], block_bytes: int
+) -> Callable[[int], float]:
+    """``transfer_time(blocks)`` at the bandwidth of measured ``(blocks, seconds)`` copies."""
+    nbytes = sum(b for b, _ in samples) * block_bytes
+    seconds = sum(t for _, t in samples)
+    if nbytes <= 0 or seconds <= 0:
+        raise ValueError("need at least one measured copy of a positive size and duration")
+    return transfer_time_fn(block_bytes, nbytes / seconds)
+
+
+class CostFitter:
+    """The last ``window`` measurements of each kind; ``refit`` replaces a Conductor's
+    estimates (any object with ``prefill_time``, ``decode_tbt`` and ``transfer_time``)
+    with fits once a kind has ``min_samples`` and ``refit_every`` new ones since its last
+    fit. A kind never measured keeps the estimate it had."""
+
+    def __init__(
+        self,
+        block_bytes: int,
+        chunk_size: int = 0,
+        window: int = 256,
+        min_samples: int = 8,
+        refit_every: int = 8,
+    ) -> None:
+        if window < min_samples or min_samples < 1 or refit_every < 1:
+            raise ValueError("need window >= min_samples >= 1 and refit_every >= 1")
+        self.block_bytes = block_bytes
+        self.chunk_size = chunk_size
+        self.window = window
+        self.min_samples = min_samples
+        self.refit_every = refit_every
+        self.prefill: deque[tuple[tuple[tuple[int, int], ...], float]] = deque(maxlen=window)
+        self.decode: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.transfer: deque[tuple[int, float]] = deque(maxlen=window)
+        self._new = {"prefill": 0, "decode": 0, "transfer": 0}
+        self.num_fits = {"prefill": 0, "decode": 0, "transfer": 0}
+
+    def add_prefill_step(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
+        if chunks:
+            self.prefill.append((tuple((int(n), int(c)) for n, c in chunks), float(seconds)))
+            self._new["prefill"] += 1
+
+    def add_decode_step(self, batch_size: int, context_blocks: int, seconds: float) -> None:
+        if batch_size > 0:
+            self.decode.append((int(batch_size), int(context_blocks), float(seconds)))
+            self._new["decode"] += 1
+
+    def add_transfer(self, blocks: int, seconds: float) -> None:
+        if blocks > 0 and seconds > 0:
+            self.transfer.append((int(blocks), float(seconds)))
+            self._new["transfer"] += 1
+
+    def _due(self, kind: str, samples: Sized) -> bool:
+        return len(samples) >= self.min_samples and self._new[kind] >= self.refit_every
+
+    def refit(self, conductor: Any) -> list[str]:
+        """Refit what is due; returns the kinds refitted."""
+        done = []
+        if self._due("prefill", self.prefill):
+            conductor.prefill_time = fit_prefill_time(list(self.prefill), self.chunk_size)
+            done.append("prefill")
+        if self._due("decode", self.decode):
+            conductor.decode_tbt = fit_decode_tbt(list(self.decode))
+            done.append("decode")
+        if self._due("transfer", self.transfer):
+            conductor.transfer_time = fit_transfer_time(list(self.transfer), self.block_bytes)
+            done.append("transfer")
+        for kind in done:
+            self._new[kind] = 0
+            self.num_fits[kind] += 1
+        return done

@@ -165,3 +165,83 @@ def test_pinned_blocks_survive_eviction_pressure():
     got, loaded = run_after_dropping_local_cache(pd, prompt)
     assert loaded == 4 and got == want
     finish(pd)
+
+
+def test_conductor_estimates_are_refitted_from_measured_steps():
+    prompts = [tokens(60 + i, n) for i, n in enumerate((5, 9, 14, 22, 30, 11, 27, 40, 18, 33))]
+    pd = PDCluster(None, **OPTS)
+    default = pd.conductor.prefill_time
+    outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == colocated(prompts)
+    fitter = pd.fitter
+    assert fitter is not None
+    # every prefill step and decode step was measured (chunks of at most 8 new tokens)
+    assert len(fitter.prefill) >= 8 and len(fitter.decode) >= 8
+    assert all(0 < n <= 8 and t > 0 for chunks, t in fitter.prefill for n, _ in chunks)
+    assert all(b >= 1 and t > 0 for b, _, t in fitter.decode)
+    assert fitter.num_fits["prefill"] >= 1 and fitter.num_fits["decode"] >= 1
+    # the Conductor now predicts with a fit to those measurements, not the starting guess
+    assert pd.conductor.prefill_time is not default
+    assert isinstance(pd.conductor.prefill_time, LinearPrefillTime)
+    assert pd.conductor.prefill_time.chunk_size == OPTS["chunk_size"]
+    assert isinstance(pd.conductor.decode_tbt, LinearDecodeTBT)
+    finish(pd)
+
+
+def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
+    probe = PDCluster(None, **OPTS)
+    block_bytes = probe.block_bytes
+    probe.shutdown()
+    store = StoreConfig(dram_bytes=64 * block_bytes, num_shards=2)
+    pd = PDCluster(None, num_prefill=2, store=store, fit_costs=False, **OPTS)
+    assert (pd.home_shard("p0"), pd.home_shard("p1")) == ("s0", "s1")
+
+    def run_shared_prefix_on_p1(shared: list[int], drop_from_store: bool) -> list[int]:
+        first = pd.submit(shared + tokens(70, 3), PARAMS)
+        assert pd.placement(first)[0] == "p0"  # idle instances tie: the first
+        while pd.has_unfinished():
+            pd.step()
+        pd.release(first)
+        hashes = chained_block_hashes(shared, BS)
+        if drop_from_store:  # only p0's own cache holds the prefix now
+            assert ray.get(pd.shards["s0"].remove.remote(hashes)) == len(hashes)
+        busy = pd.submit(tokens(71, 40), PARAMS)  # queues on p0 (no prefix anywhere: tie)
+        second_prompt = shared + tokens(72, 5)
+        second = pd.submit(second_prompt, PARAMS)
+        assert pd.placement(busy)[0] == "p0" and pd.placement(second)[0] == "p1"
+        # before p1 prefills, the prefix was copied into p1's home shard
+        assert ray.get(pd.shards["s1"].match_prefix.remote(hashes)) == len(hashes)
+        while pd.has_unfinished():
+            pd.step()
+        pd.release(busy)
+        assert pd.release(second).token_ids == colocated([second_prompt])[0]
+        return hashes
+
+    loaded = pd.prefill_stats()["p1"]["loaded_blocks"]
+    hashes = run_shared_prefix_on_p1(tokens(73, 16), drop_from_store=False)  # shard to shard
+    assert pd.replicated_blocks == len(hashes) == 4
+    assert pd.prefill_stats()["p1"]["loaded_blocks"] == loaded + 4  # not recomputed
+    hashes = run_shared_prefix_on_p1(tokens(74, 16), drop_from_store=True)  # from p0's cache
+    assert pd.replicated_blocks == 8
+    assert pd.prefill_stats()["p1"]["loaded_blocks"] == loaded + 8
+    finish(pd)
+
+
+def test_abort_in_prefill_and_in_decode_frees_every_block():
+    pd = PDCluster(None, **OPTS)
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    decoding = pd.submit(tokens(80, 6), long)
+    while not pd.output(decoding) and not any(
+        d.request_id == decoding and d.token_ids for d in pd.step()
+    ):
+        pass
+    prefilling = pd.submit(tokens(81, 30), long)  # 30 tokens: several prefill steps
+    pd.abort(decoding)
+    pd.abort(prefilling)
+    pd.abort("no-such-request")  # unknown ids are ignored
+    for rid in (decoding, prefilling):
+        out = pd.release(rid)
+        assert out.finished and out.finish_reason == "abort" and len(out.token_ids) < 20
+    assert not pd.has_unfinished()
+    pd.step()  # the aborted prefill leaves nothing behind
+    finish(pd)

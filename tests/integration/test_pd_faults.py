@@ -64,3 +64,30 @@ def test_prefill_dying_mid_stream_frees_the_reservation_and_requests_complete():
     assert set(pd.check_blocks().values()) == {0}
     pd.shutdown()
     remove_stale_segments()
+
+
+def test_decode_dying_mid_generation_reruns_its_requests_without_repeating_tokens():
+    prompts = [tokens(6, 10), tokens(7, 25), tokens(8, 6)]
+    want = colocated(prompts)
+    pd = PDCluster(None, num_prefill=1, num_decode=1, **OPTS)
+    ids = [pd.submit(p, PARAMS) for p in prompts]
+    streamed: dict[str, list[int]] = {rid: [] for rid in ids}
+
+    def collect() -> None:
+        for d in pd.step():
+            streamed[d.request_id] += d.token_ids
+
+    while sum(len(t) for t in streamed.values()) < 4:  # some decoding, some maybe in prefill
+        collect()
+    victim = pd.decodes["d0"]
+    ray.kill(victim)
+    wait_until_dead(victim)
+    while pd.has_unfinished():
+        collect()
+    assert pd.num_decode_restarts == 1
+    outs = [pd.release(rid) for rid in ids]
+    assert [o.token_ids for o in outs] == want
+    assert [streamed[rid] for rid in ids] == want  # each token reached the caller once
+    assert set(pd.check_blocks().values()) == {0}
+    pd.shutdown()
+    remove_stale_segments()
