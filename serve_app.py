@@ -5,7 +5,9 @@ Three deployments, built from one ``ServeConfig`` (actors/serve_config.py):
 - ``Ingress``: the OpenAI-compatible FastAPI app (actors/serve_ingress.py);
 - ``Router``: the global cache-aware router holding ``RouterState`` (actors/serve_router.py);
 - ``Replica-<group>``: one deployment per replica group, each replica a ``ReplicaController``
-  in an engine thread (actors/serve_replica.py), routed by ``RankedRequestRouter``.
+  in an engine thread (actors/serve_replica.py), routed by ``RankedRequestRouter``; in a
+  group with ``num_prefill`` / ``num_decode``, each replica owns a ``PDCluster`` of prefill
+  and decode replica actors instead, and the Conductor's rejections become 429s.
 
 ``app`` is the demo (the built-in tiny model, defaults). For anything else use the builder:
 ``serve run serve_app:build_app config=my.yaml`` or a Serve config file whose application

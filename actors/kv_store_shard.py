@@ -36,19 +36,18 @@ from __future__ import annotations
 
 import itertools
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from store.block_directory import BlockDirectory
-from store.block_key import as_byte_view
 from store.kv_block_layout import KVBlockLayout, KVCaches
 from store.kv_store_errors import InvalidBlockError, StoreFullError, TransferError
 from store.shard_store import BlockLocation, ShardStore
 from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
-from store.transfer import Endpoint, TransferEngine
+from store.transfer import Endpoint, LocalMemory, TransferEngine
 
 DEAD = (RayActorError, ActorUnavailableError)
 LOG_LIMIT = 100_000  # events a shard keeps for directory readers
@@ -255,7 +254,9 @@ class KVStoreClient:
     ) -> list[int]:
         """Write blocks (contiguous buffers) to a shard; returns hashes stored by this
         call. Blocks already there or the shard being full shorten the list."""
-        return self._put(shard_id, hashes, [[(0, b)] for b in blocks], parents)
+        local = LocalMemory(*blocks)
+        per_block = [[(0, start, n)] for start, n in zip(local.starts, local.sizes, strict=True)]
+        return self._put(shard_id, hashes, local, per_block, parents)
 
     def store_from_cache(
         self,
@@ -266,21 +267,54 @@ class KVStoreClient:
         parents: list[int | None] | None = None,
     ) -> list[int]:
         """Write full paged-cache blocks straight from a worker's KV cache."""
+        pieces, num_blocks, piece = self._cache_geometry(kv_caches)
+        local = self._register_cache(kv_caches)
+        per_block = [self._cache_ranges(pieces, num_blocks, piece, b, 0) for b in block_ids]
+        return self._put(shard_id, hashes, local, per_block, parents)
+
+    @staticmethod
+    def _cache_geometry(kv_caches: KVCaches) -> tuple[int, int, int]:
+        """(pieces per block, blocks per cache tensor, bytes per piece) of a paged cache."""
         layout = KVBlockLayout.of(kv_caches)
-        per_block = [layout.copy_ops(kv_caches, b, 0) for b in block_ids]
-        return self._put(shard_id, hashes, per_block, parents)
+        return 2 * layout.num_layers, int(kv_caches[0][0].shape[0]), layout.piece_bytes
+
+    @staticmethod
+    def _register_cache(kv_caches: KVCaches) -> LocalMemory:
+        """A paged cache's tensors registered for range transfers, in the stored block's
+        piece order (layer 0 K, layer 0 V, layer 1 K, ...)."""
+        first = kv_caches[0][0]
+        tensors = [t for pair in kv_caches for t in pair]
+        if any(t.shape != first.shape or t.dtype != first.dtype for t in tensors):
+            raise InvalidBlockError("every layer's K and V cache must have one shape and dtype")
+        return LocalMemory(*tensors)
+
+    @staticmethod
+    def _cache_ranges(
+        pieces: int, num_blocks: int, piece: int, block_id: int, remote: int
+    ) -> list[tuple[int, int, int]]:
+        """Ranges between cache block ``block_id`` and a stored block at ``remote``: piece j
+        lies at ``remote + j * piece`` there and at local offset ``(j * num_blocks +
+        block_id) * piece`` of the memory ``_register_cache`` registered."""
+        if not 0 <= block_id < num_blocks:
+            raise InvalidBlockError(f"block id {block_id} is outside the cache")
+        local = block_id * piece
+        step = num_blocks * piece
+        return [(remote + j * piece, local + j * step, piece) for j in range(pieces)]
 
     def _put(
         self,
         shard_id: str,
         hashes: list[int],
-        per_block: list[list[tuple[int, Any]]],
+        local: LocalMemory,
+        per_block: list[list[tuple[int, int, int]]],
         parents: list[int | None] | None,
     ) -> list[int]:
+        """``per_block``: each block's ranges ``(offset in the stored block, local offset,
+        nbytes)`` of ``local``."""
         if len(per_block) != len(hashes):
             raise InvalidBlockError("one block per hash")
         handle, ep = self.handles[shard_id], self.endpoints[shard_id]
-        sizes = [sum(as_byte_view(b).size for _, b in ops) for ops in per_block]
+        sizes = [sum(n for _, _, n in ranges) for ranges in per_block]
         parents = parents if parents is not None else [None, *hashes[:-1]]
         stored: list[int] = []
         start = 0
@@ -297,9 +331,9 @@ class KVStoreClient:
                     for i, off in enumerate(offsets)
                     if off is not None
                 ]
-                ops = [(off + rel, buf) for _, off, block_ops in todo for rel, buf in block_ops]
+                ranges = [(off + rel, lo, n) for _, off, block in todo for rel, lo, n in block]
                 try:
-                    self.engine.write(ep, ops)
+                    self.engine.write_ranges(ep, local, ranges)
                 except TransferError:
                     handle.abort_put.remote([h for h, _, _ in todo])
                     raise
@@ -316,19 +350,36 @@ class KVStoreClient:
         """Load the longest stored prefix of ``hashes`` into ``outs`` (one writable buffer
         per block, of the block's size); returns how many leading blocks were loaded. The
         rest (a miss, a dead shard) is the caller's to recompute."""
-        return self._get(request_id, hashes, lambda i, off: [(off, outs[i])])
+        return self._get(
+            request_id,
+            hashes,
+            lambda: LocalMemory(*outs),
+            lambda mem, i, off: [(off, mem.starts[i], mem.sizes[i])],
+        )
 
     def load_into_cache(
         self, request_id: str, hashes: list[int], kv_caches: KVCaches, block_ids: list[int]
     ) -> int:
         """Load the longest stored prefix of ``hashes`` straight into paged-cache blocks
         ``block_ids`` (one copy from the shard's segment); returns blocks loaded."""
-        layout = KVBlockLayout.of(kv_caches)
+        pieces, num_blocks, piece = self._cache_geometry(kv_caches)
         return self._get(
-            request_id, hashes, lambda i, off: layout.copy_ops(kv_caches, block_ids[i], off)
+            request_id,
+            hashes,
+            lambda: self._register_cache(kv_caches),
+            lambda mem, i, off: self._cache_ranges(pieces, num_blocks, piece, block_ids[i], off),
         )
 
-    def _get(self, request_id: str, hashes: list[int], ops_for: Any) -> int:
+    def _get(
+        self,
+        request_id: str,
+        hashes: list[int],
+        register: Callable[[], LocalMemory],
+        ranges_for: Callable[[LocalMemory, int, int], list[tuple[int, int, int]]],
+    ) -> int:
+        """``register()``: the local memory to load into (called once, when a holder is
+        found); ``ranges_for(local, i, offset)``: block i's ranges from ``offset``."""
+        local: LocalMemory | None = None
         while True:
             shard_id, n = self.directory.best_holder(hashes)
             if shard_id is None or n == 0:
@@ -338,8 +389,13 @@ class KVStoreClient:
             try:
                 locs: list[BlockLocation] = ray.get(handle.acquire.remote(pin_id, hashes[:n]))
                 try:
-                    ops = [op for i, loc in enumerate(locs) for op in ops_for(i, loc.offset)]
-                    self.engine.read(ep, ops)
+                    if local is None:
+                        local = register()
+                    mem = local
+                    ranges = [
+                        r for i, loc in enumerate(locs) for r in ranges_for(mem, i, loc.offset)
+                    ]
+                    self.engine.read_ranges(ep, mem, ranges)
                 finally:
                     handle.release.remote(pin_id)
             except (*DEAD, TransferError):

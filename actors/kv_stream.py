@@ -9,7 +9,10 @@ The decode replica keeps its paged KV cache *in* a shared-memory segment
 so the prefill side writes a block's KV straight into the decode worker's cache: one copy
 through the transfer layer (shared memory on one node, TCP across nodes), no staging
 buffer, no Ray object store, nothing on the compiled-graph control path. Only a small
-``KVDestination`` (endpoint, geometry, block ids) travels on the control path.
+``KVDestination`` (endpoint, geometry, block ids) travels on the control path. Each layer's
+K and V tensors are registered with the transfer layer once per step (``LocalMemory``) and
+every piece is a ``(remote offset, local offset, nbytes)`` range of them, so a step's copies
+cost integer arithmetic plus the memcpy; consecutive blocks on both sides merge into one.
 
 ``LayerStreamer`` wraps each decoder layer of the prefill worker: as soon as layer ``l``
 has written a step's KV, the copies of layer ``l``'s pieces for the requests in that step
@@ -26,13 +29,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from actors.step_plan import StepPlan, StepResult
 from store.shared_segment import SharedSegment
-from store.transfer import Endpoint, TransferEngine
+from store.transfer import Endpoint, LocalMemory, TransferEngine
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -190,24 +192,32 @@ class LayerStreamer:
             )
 
     def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if not self._items:
+            return
+        # this layer's K and V tensors, registered once for every request of the step:
+        # K's block s lies at local offset s * piece, V's at v_base + s * piece
+        local = LocalMemory(kv_cache[0], kv_cache[1])
+        piece = local.sizes[0] // kv_cache[0].shape[0]
+        v_base = local.starts[1]
         for item in self._items:
             d = item.dest
-            ops: list[tuple[int, np.ndarray]] = []
-            for kind in (0, 1):
-                cache = kv_cache[kind]
+            ranges: list[tuple[int, int, int]] = []
+            for kind, base in ((0, 0), (1, v_base)):
                 for s, t in zip(item.src, item.dst, strict=True):
                     off = segment_offset(d.num_blocks, d.piece_bytes, layer, kind, t)
-                    ops.append((off, cache[s].view(torch.uint8).numpy().reshape(-1)))
-            self._futures.append((item.request_id, self._threads.submit(self._write, d, ops)))
-        if self._items:
-            self.layers_sent += 1
-            if self.crash_after_layers is not None and self.layers_sent >= self.crash_after_layers:
-                for _, f in self._futures:
-                    f.exception()  # let the copies already started land, then die mid-stream
-                os._exit(1)
+                    ranges.append((off, base + s * piece, piece))
+            future = self._threads.submit(self._write, d, local, ranges)
+            self._futures.append((item.request_id, future))
+        self.layers_sent += 1
+        if self.crash_after_layers is not None and self.layers_sent >= self.crash_after_layers:
+            for _, f in self._futures:
+                f.exception()  # let the copies already started land, then die mid-stream
+            os._exit(1)
 
-    def _write(self, dest: KVDestination, ops: list[tuple[int, np.ndarray]]) -> int:
-        return self.engine.write(dest.endpoint, ops)
+    def _write(
+        self, dest: KVDestination, local: LocalMemory, ranges: list[tuple[int, int, int]]
+    ) -> int:
+        return self.engine.write_ranges(dest.endpoint, local, ranges)
 
     def end_step(self) -> None:
         """Wait for every copy of this step; a failed one marks its request ``failed``."""

@@ -23,10 +23,11 @@ from actors.collectives import Layout
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import Executor, LocalExecutor, WorkerFailure
 from actors.outputs import RequestOutput, StreamDelta
+from actors.request_limits import RequestLimits
 from actors.sampling import SamplingParams
 from actors.step_plan import PlanEntry, StepPlan, StepResult
 from actors.worker import WorkerSpec
-from errors import ContextLengthError, InvalidRequestError
+from errors import InvalidRequestError
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
@@ -155,37 +156,18 @@ class ReplicaController:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError (a 400) if this request can never run here."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty; send at least one token")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
-            )
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens but the model's context is {self.max_model_len}; "
-                "shorten the prompt"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of {self.max_model_len}; set max_tokens <= {self.max_model_len - n}"
-            )
+    @property
+    def limits(self) -> RequestLimits:
         capacity = (
             self.kv.max_tokens
             if isinstance(self.kv, ShardedKVManager)
             else self.num_blocks * self.block_size
         )
-        if n + params.max_tokens > capacity:
-            raise ContextLengthError(
-                f"prompt + max_tokens needs more KV than this replica holds for one request "
-                f"({capacity} tokens); lower max_tokens"
-            )
+        return RequestLimits(self.config.vocab_size, self.max_model_len, capacity)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (a 400) if this request can never run here."""
+        self.limits.validate(prompt_token_ids, params)
 
     def add_request(
         self,

@@ -21,6 +21,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in a config key is an error, not a no-op
 
 
+class StoreSectionConfig(_Strict):
+    """KV store shards of a disaggregated group (``actors.pd_cluster.StoreConfig``), started
+    by each Serve replica of the group. ``ssd_dir`` is a folder on the replica's node; each
+    replica uses a subfolder of it named after its replica id."""
+
+    dram_bytes: int = Field(64 << 20, ge=1)
+    ssd_bytes: int = Field(0, ge=0)
+    ssd_dir: str | None = None
+    num_shards: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> StoreSectionConfig:
+        if self.ssd_bytes > 0 and not self.ssd_dir:
+            raise ValueError("store.ssd_bytes > 0 needs store.ssd_dir (a folder for the SSD tier)")
+        return self
+
+
 class ReplicaGroupConfig(_Strict):
     """``num_replicas`` replicas that share one layout and engine options.
 
@@ -28,6 +45,12 @@ class ReplicaGroupConfig(_Strict):
     each replica; degrees of 1 are not passed to the engine (the single-process layout).
     ``engine`` holds any other ``ReplicaController`` keyword (block_size, num_blocks,
     kv_cache_memory, token_budget, max_num_seqs, chunk_size, max_model_len, ...).
+
+    Disaggregated group: ``num_prefill`` and ``num_decode`` (both, or neither) make each
+    Serve replica of the group own one ``PDCluster`` of that many prefill and decode replica
+    actors (``engine`` options apply to each of them; tp = spp = kvp = 1), placed by the
+    Conductor, with the KV store shards of ``store`` if given. ``num_replicas`` then counts
+    such clusters and defaults to 1 (colocated groups default to 2).
     """
 
     name: str = "default"
@@ -38,6 +61,45 @@ class ReplicaGroupConfig(_Strict):
     num_cpus: float = Field(0.0, ge=0)  # Ray CPUs reserved per replica actor
     max_ongoing_requests: int = Field(256, ge=1)  # Serve's per-replica concurrency cap
     engine: dict[str, Any] = Field(default_factory=dict)
+    num_prefill: int | None = Field(None, ge=1)
+    num_decode: int | None = Field(None, ge=1)
+    store: StoreSectionConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_replicas(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "num_replicas" not in data:
+            pd = data.get("num_prefill") is not None or data.get("num_decode") is not None
+            data = {**data, "num_replicas": 1 if pd else 2}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ReplicaGroupConfig:
+        where = f"group {self.name!r}"
+        if (self.num_prefill is None) != (self.num_decode is None):
+            raise ValueError(
+                f"{where}: give both num_prefill and num_decode (a disaggregated group) "
+                "or neither (colocated replicas)"
+            )
+        if not self.disaggregated:
+            if self.store is not None:
+                raise ValueError(
+                    f"{where}: store needs num_prefill and num_decode (only disaggregated "
+                    "groups run KV store shards); remove store or add both"
+                )
+            return self
+        for name in ("tp", "spp", "kvp"):
+            degree = self.engine.get(name, getattr(self, name))
+            if degree != 1:
+                raise ValueError(
+                    f"{where}: prefill and decode replicas run tp = spp = kvp = 1; "
+                    f"remove {name}={degree} or drop num_prefill/num_decode"
+                )
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill is not None
 
     def engine_options(self) -> dict[str, Any]:
         opts = dict(self.engine)

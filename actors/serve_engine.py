@@ -1,31 +1,37 @@
-"""A ReplicaController driven by its own thread, with an asyncio-facing request API.
+"""A serving engine driven by its own thread, with an asyncio-facing request API.
 
-``ReplicaController.step()`` blocks for a whole model iteration, so it never runs on an
-event loop: one engine thread owns the controller (every call into it happens on that
-thread), and other threads talk to it through a command queue. Results flow back through
-per-request sinks (``loop.call_soon_threadsafe``), so the event loop only ever waits on
-``asyncio.Queue``s.
+An engine (``ServingEngine``: a ``ReplicaController`` as ``ColocatedEngine``, or a
+``PDCluster`` as ``actors.pd_engine.PDEngine``) blocks for a whole iteration in ``step()``
+and is not thread-safe, so it never runs on an event loop: one engine thread owns it (every
+call into it but ``validate``, which reads immutable sizes, happens on that thread, placement
+and ``shutdown`` included), and other threads talk to it through a command queue. Results
+flow back through per-request sinks (``loop.call_soon_threadsafe``), so the event loop only
+ever waits on ``asyncio.Queue``s.
 
 Invariants:
-- Every submitted request ends with exactly one ``("done", ...)`` or ``("error", ...)`` item
-  on its sink, and is released from the controller (its blocks freed) when it does.
-- ``take_events`` returns the pool's stored/evicted block events in the order they happened,
-  each exactly once; after a resync, the returned full set plus later events is the exact
-  cached set.
+- A submitted request is answered on its sink first with exactly one ``("accepted",)`` or
+  ``("refused", exception)`` item, decided on the engine thread (``add_request`` of every
+  choice succeeded, or none of them is left in the engine). An accepted request then ends
+  with exactly one ``("done", ...)`` or ``("error", ...)`` item per choice, and is released
+  from the engine (its blocks freed) when it does.
+- ``take_events`` returns the engine's stored/evicted block events in the order they
+  happened, each exactly once; after a resync, the returned full set plus later events is
+  the exact cached set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from actors.outputs import RequestOutput
+from actors.outputs import RequestOutput, StreamDelta
 from actors.replica_controller import ReplicaController
 from actors.sampling import SamplingParams
 from actors.serve_metrics import ReplicaMetrics
@@ -39,40 +45,99 @@ IDLE_RELEASE_S = 2.0  # idle this long: let the workers stop polling
 
 
 class OverloadedError(MeridianError):
-    """The replica's queue is full; retry after a moment (HTTP 429)."""
+    """The replica cannot take the request now; retry after a moment (HTTP 429).
+    ``retry_after``: seconds the engine suggests (None: the server's default)."""
 
     http_status = 429
 
-
-# -- small accessors into the controller (read on the engine thread only) --------------------
-def replica_stats(engine: ReplicaController) -> dict[str, Any]:
-    """The counters a router needs, plus KV usage and the prefix cache hit ratio (summed
-    over the KV-parallel ranks' pools)."""
-    pools = engine.pools
-    total = sum(p.num_blocks for p in pools)
-    return {
-        "num_running": engine.scheduler.num_running,
-        "num_waiting": engine.scheduler.num_waiting,
-        "queued_prefill_tokens": engine.scheduler.queued_prefill_tokens(),
-        "free_blocks": sum(p.num_free for p in pools),
-        "total_blocks": total,
-        "kv_usage": sum(p.num_in_use for p in pools) / total,
-        "cache_hit_ratio": engine.kv.hit_ratio,
-        "time": time.time(),
-    }
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
-def cached_block_hashes(engine: ReplicaController) -> list[int]:
-    """Every block hash the pools can serve a hit from (for a full resync)."""
-    return sorted({h for pool in engine.pools for h in pool.cached_hashes()})
+class EngineUnavailableError(MeridianError):
+    """The engine failed to take the request (a dead actor, a bug); retry it (HTTP 503)."""
+
+    http_status = 503
 
 
-def drain_cache_events(engine: ReplicaController) -> list[tuple[str, int]]:
-    return [e for pool in engine.pools for e in pool.drain_events()]
+class ServingEngine(Protocol):
+    """What ``EngineLoop`` drives. ``validate`` reads immutable sizes only (any thread);
+    everything else is called on the engine thread."""
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if the request can never run here."""
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        salt: str | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequestError or OverloadedError (not queued)."""
+        ...
+
+    def step(self) -> list[StreamDelta]: ...
+    def abort(self, request_id: str) -> None: ...
+    def release(self, request_id: str) -> RequestOutput: ...
+    def has_unfinished(self) -> bool: ...
+    def on_idle(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+    def serving_stats(self) -> dict[str, Any]:
+        """The counters a router needs (num_running, num_waiting, queued_prefill_tokens,
+        free_blocks, total_blocks), kv_usage, cache_hit_ratio and ``time`` (wall clock)."""
+        ...
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the engine can serve a hit from (for a full resync)."""
+        ...
+
+    def drain_cache_events(self) -> list[tuple[str, int]]:
+        """("stored" | "evicted", hash) events since the last drain, in order."""
+        ...
+
+    def check_blocks(self) -> dict[str, int]:
+        """Blocks in use per pool after its integrity check (all 0 when idle)."""
+        ...
+
+
+class ColocatedEngine(ReplicaController):
+    """A ``ReplicaController`` as a ``ServingEngine`` (its pools summed over the KV-parallel
+    ranks)."""
+
+    def serving_stats(self) -> dict[str, Any]:
+        pools = self.pools
+        total = sum(p.num_blocks for p in pools)
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
+            "free_blocks": sum(p.num_free for p in pools),
+            "total_blocks": total,
+            "kv_usage": sum(p.num_in_use for p in pools) / total,
+            "cache_hit_ratio": self.kv.hit_ratio,
+            "time": time.time(),
+        }
+
+    def cached_block_hashes(self) -> list[int]:
+        return sorted({h for pool in self.pools for h in pool.cached_hashes()})
+
+    def drain_cache_events(self) -> list[tuple[str, int]]:
+        return [e for pool in self.pools for e in pool.drain_events()]
+
+    def check_blocks(self) -> dict[str, int]:
+        out = {}
+        for rank, pool in enumerate(self.pools):
+            pool.check_integrity()
+            out[f"kvp{rank}"] = pool.num_in_use
+        return out
 
 
 class EngineLoop:
-    def __init__(self, engine: ReplicaController, max_waiting: int = 256) -> None:
+    def __init__(self, engine: ServingEngine, max_waiting: int = 256) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = ReplicaMetrics()
@@ -83,7 +148,7 @@ class EngineLoop:
         self._events: list[tuple[str, int]] = []
         self._resync: list[int] | None = None
         self._want_resync = False
-        self._stats: dict[str, Any] = replica_stats(engine)
+        self._stats: dict[str, Any] = engine.serving_stats()
         self._metrics: dict[str, Any] = self.metrics.snapshot()
         self._submitted = 0  # requests queued but not yet seen by the engine thread
         self._stop = False
@@ -99,11 +164,12 @@ class EngineLoop:
         salt: str | None,
         sink: Sink,
     ) -> list[str]:
-        """Queue one request per params (choice i is tagged ``i`` on the sink).
+        """Queue one request per params (choice i is tagged ``i`` on the sink); the engine
+        thread answers ``("accepted",)`` or ``("refused", exception)`` on the sink first.
 
         Raises InvalidRequestError (never queued) or OverloadedError (queue full)."""
         for p in params:
-            self.engine.validate(prompt_token_ids, p)  # reads immutable sizes only
+            self.engine.validate(prompt_token_ids, p)
         with self._lock:
             waiting = self._stats["num_waiting"] + self._submitted
             if waiting + len(params) > self.max_waiting:
@@ -112,9 +178,8 @@ class EngineLoop:
                 )
             self._submitted += len(params)
         ids = [f"r-{uuid.uuid4().hex[:16]}" for _ in params]
-        now = time.monotonic()
-        for i, (rid, p) in enumerate(zip(ids, params, strict=True)):
-            self._cmds.put(("add", rid, list(prompt_token_ids), p, salt, now, sink, i))
+        tokens = list(prompt_token_ids)
+        self._cmds.put(("add", ids, tokens, list(params), salt, time.monotonic(), sink))
         self._wake.set()
         return ids
 
@@ -123,22 +188,41 @@ class EngineLoop:
             self._cmds.put(("abort", rid))
         self._wake.set()
 
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps; its result or exception
+        lands on the returned future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._thread.is_alive():
+            fut.set_exception(EngineUnavailableError("the engine thread is not running"))
+            return fut
+        self._cmds.put(("call", fn, fut))
+        self._wake.set()
+        return fut
+
     async def stream(
         self, prompt_token_ids: list[int], params: Sequence[SamplingParams], salt: str | None
     ) -> AsyncGenerator[tuple, None]:
-        """Yield ("accepted", request ids) once queued, then ("delta", i, StreamDelta) items
-        and one ("done", i, RequestOutput) or ("error", i, message) per choice. Closing the
-        iterator early aborts what is still running. Raises (before any yield)
-        InvalidRequestError or OverloadedError."""
+        """Yield ("accepted", request ids) once the engine took every choice, then
+        ("delta", i, StreamDelta) items and one ("done", i, RequestOutput) or ("error", i,
+        message) per choice. Closing the iterator early aborts what is still running.
+        Raises (before any yield) InvalidRequestError, OverloadedError or
+        EngineUnavailableError."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[tuple] = asyncio.Queue()
 
         def sink(item: tuple) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
 
         ids = self.submit(prompt_token_ids, params, salt, sink)
         remaining = len(ids)
         try:
+            verdict = await q.get()
+            if verdict[0] == "refused":
+                remaining = 0  # the engine holds none of them
+                raise verdict[1]
             yield ("accepted", ids)
             while remaining:
                 item = await q.get()
@@ -180,10 +264,16 @@ class EngineLoop:
             self._want_resync = True
         self._wake.set()
 
-    def shutdown(self) -> None:
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; it fails what still runs and shuts the engine down.
+        Idempotent."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -204,9 +294,7 @@ class EngineLoop:
                 deltas = self.engine.step()
             except Exception as e:  # a bug or a dead worker: fail what runs, keep serving
                 log.exception("engine step failed")
-                for rid in list(self._sinks):
-                    self.engine.abort(rid)
-                    self._finish(rid, error=f"engine step failed: {e}; retry the request")
+                self._fail_all(f"engine step failed: {e}; retry the request")
                 self._publish(force=True)
                 continue
             for d in deltas:
@@ -215,8 +303,20 @@ class EngineLoop:
                     continue
                 entry[0](("delta", entry[1], d))
                 if d.finished:
-                    self._finish(d.request_id)
+                    # The loop's own aborts never come back as deltas: an aborted one here
+                    # was lost by the engine (a replica died), so it is a retriable error.
+                    lost = d.finish_reason == "abort"
+                    self._finish(d.request_id, "the request was lost; retry it" if lost else None)
             self._publish()
+        self._stopped()
+
+    def _stopped(self) -> None:
+        self._apply_commands()
+        self._fail_all("the replica is shutting down; retry the request")
+        try:
+            self.engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown failed")
 
     def _apply_commands(self) -> None:
         while True:
@@ -225,18 +325,55 @@ class EngineLoop:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, tokens, params, salt, arrival, sink, index = cmd
-                with self._lock:
-                    self._submitted -= 1
-                try:
-                    self.engine.add_request(tokens, params, rid, arrival_time=arrival, salt=salt)
-                except InvalidRequestError as e:
-                    sink(("error", index, str(e)))
-                    continue
-                self._sinks[rid] = (sink, index)
+                self._add(*cmd[1:])
             elif cmd[0] == "abort" and cmd[1] in self._sinks:
-                self.engine.abort(cmd[1])
-                self._finish(cmd[1])
+                self._abort(cmd[1])
+            elif cmd[0] == "call":
+                fn, fut = cmd[1], cmd[2]
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:
+                    fut.set_exception(e)
+
+    def _add(
+        self,
+        ids: list[str],
+        tokens: list[int],
+        params: list[SamplingParams],
+        salt: str | None,
+        arrival: float,
+        sink: Sink,
+    ) -> None:
+        """Every choice is added, or none is left in the engine and the request is refused."""
+        with self._lock:
+            self._submitted -= len(ids)
+        added: list[str] = []
+        refusal: Exception | None = None
+        if self._stop:
+            refusal = EngineUnavailableError("the replica is shutting down; retry the request")
+        for rid, p in zip(ids, params, strict=True):
+            if refusal is not None:
+                break
+            try:
+                self.engine.add_request(tokens, p, rid, arrival_time=arrival, salt=salt)
+                added.append(rid)
+            except (InvalidRequestError, OverloadedError) as e:
+                refusal = e
+            except Exception as e:  # a dead actor or a bug: the request was not taken
+                log.exception("add_request failed")
+                refusal = EngineUnavailableError(f"the replica failed to take it: {e}; retry")
+        if refusal is not None:
+            for rid in added:
+                try:
+                    self.engine.abort(rid)
+                    self.engine.release(rid)
+                except Exception:
+                    log.exception("could not take back %s", rid)
+            sink(("refused", refusal))
+            return
+        for i, rid in enumerate(ids):
+            self._sinks[rid] = (sink, i)
+        sink(("accepted",))
 
     def _finish(self, rid: str, error: str | None = None) -> None:
         sink, index = self._sinks.pop(rid)
@@ -244,19 +381,34 @@ class EngineLoop:
         self.metrics.on_finished(out)
         sink(("error", index, error) if error else ("done", index, out))
 
+    def _abort(self, rid: str, error: str | None = None) -> None:
+        """Abort and release one request; its sink hears the end even if the engine fails."""
+        try:
+            self.engine.abort(rid)
+            self._finish(rid, error)
+        except Exception:
+            log.exception("could not abort %s", rid)
+            entry = self._sinks.pop(rid, None)
+            if entry is not None:
+                entry[0](("error", entry[1], error or "the request could not be aborted"))
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._sinks):
+            self._abort(rid, message)
+
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
-        events = drain_cache_events(self.engine)
+        events = self.engine.drain_cache_events()
         if not force and not events and now - self._last_publish < 0.05:
             return
         self._last_publish = now
-        stats = replica_stats(self.engine)
+        stats = self.engine.serving_stats()
         metrics = self.metrics.snapshot()
         with self._lock:
             self._stats, self._metrics = stats, metrics
             if self._want_resync or len(self._events) > MAX_BUFFERED_EVENTS:
                 self._want_resync = False
-                self._resync = cached_block_hashes(self.engine)  # includes ``events``
+                self._resync = self.engine.cached_block_hashes()  # includes ``events``
                 self._events = []
             else:
                 self._events.extend(events)

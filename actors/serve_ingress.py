@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from actors import openai_protocol as oai
 from actors.outputs import RequestOutput
 from actors.serve_config import ApiKeyConfig, ServeConfig
 from actors.serve_metrics import render
+from actors.serve_router import own_request_id
 from errors import InvalidRequestError
 from models import load_tokenizer, read_model_config, tiny_model_dir
 from store.hashing import chained_block_hashes
@@ -41,6 +43,13 @@ class _Prepared:
         self.req = req
         self.prompts = prompts
         self.params = [_param_dict(req.sampling_params(max_tokens, i)) for i in range(req.n)]
+
+
+def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
+    """Whole seconds, rounded up, at least 1; the config's default when none was given."""
+    if seconds is None:
+        return str(cfg.limits.retry_after_s)
+    return str(max(1, math.ceil(seconds)))
 
 
 def _param_dict(p: Any) -> dict[str, Any]:
@@ -288,15 +297,17 @@ class Ingress:
         group = pairs[0][1] if pairs else self.cfg.groups[0].name
         ranking = [rid for rid, g in pairs if g == group]
         payload = {"prompt_token_ids": tokens, "params": params, "salt": salt, "ranking": ranking}
-        gen = self.replicas[group].options(stream=True).generate.remote(payload)
+        with own_request_id():  # concurrent prompts of one request must not share one id
+            gen = self.replicas[group].options(stream=True).generate.remote(payload)
         try:
             first = await gen.__anext__()
-            if first[0] == "refused":
-                headers = {"Retry-After": str(self.cfg.limits.retry_after_s)}
-                param = "prompt" if first[1] == 400 else None
-                raise oai.APIError(
-                    first[1], first[2], param, headers=headers if first[1] == 429 else None
-                )
+            if first[0] == "refused":  # ("refused", status, message, retry_after or None)
+                status, message, retry_after = first[1], first[2], first[3]
+                headers = None
+                if status == 429:
+                    headers = {"Retry-After": retry_after_header(retry_after, self.cfg)}
+                param = "prompt" if status == 400 else None
+                raise oai.APIError(status, message, param, headers=headers)
             yield first
             async for item in gen:
                 yield item

@@ -1,5 +1,8 @@
 """Model replicas on Ray: the Serve replica deployment, and a plain Ray actor for the
-Python API and rollouts. Both run one ``ReplicaController`` in an ``EngineLoop`` thread.
+Python API and rollouts. Both run one engine in an ``EngineLoop`` thread: a
+``ReplicaController`` (``ColocatedEngine``), or for a disaggregated group of the Serve
+config a ``PDCluster`` of prefill and decode replica actors (``PDEngine``) that the Serve
+replica owns and shuts down when it stops.
 
 Replica -> router: a reporter thread pushes the replica's block stored/evicted events,
 stats and metrics to the router deployment every ``report_interval_s`` (sooner never,
@@ -9,17 +12,17 @@ applies one replica's events in the order they happened.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.replica_controller import ReplicaController
 from actors.sampling import SamplingParams
-from actors.serve_config import ServeConfig
-from actors.serve_engine import EngineLoop, OverloadedError
-from errors import InvalidRequestError
+from actors.serve_config import ReplicaGroupConfig, ServeConfig
+from actors.serve_engine import ColocatedEngine, EngineLoop, ServingEngine
+from errors import InvalidRequestError, MeridianError
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0  # an idle replica still reports this often (the router expires the silent)
@@ -29,14 +32,23 @@ def _params(raw: list[dict[str, Any]]) -> list[SamplingParams]:
     return [SamplingParams(**p) for p in raw]
 
 
+def _engine(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> ServingEngine:
+    if group.disaggregated:
+        from actors.pd_engine import PDEngine
+
+        return PDEngine.for_group(model, group, replica_id)
+    return ColocatedEngine(model, **group.engine_options())
+
+
 class ReplicaServer:
     """The Serve replica deployment (one per replica group).
 
     ``generate(payload)`` is a streaming method; the payload is a dict with
     ``prompt_token_ids``, ``params`` (SamplingParams fields per choice), ``salt`` and
     ``ranking`` (read by ``RankedRequestRouter``). It yields ``("accepted", replica id)``
-    first, then the ``EngineLoop`` items; a request refused before queueing yields one
-    ``("refused", http status, message)`` item instead.
+    once the engine took the request, then the ``EngineLoop`` items; a request the replica
+    refuses yields one ``("refused", http status, message, retry_after seconds or None)``
+    item instead (400 bad input, 429 overloaded or rejected by the Conductor, 503 failed).
     """
 
     def __init__(self, config: dict[str, Any], group: str, router: Any) -> None:
@@ -46,7 +58,7 @@ class ReplicaServer:
         (g,) = [x for x in cfg.groups if x.name == group]
         self.group = group
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = ReplicaController(cfg.model, **g.engine_options())
+        self.engine = _engine(cfg.model, g, self.replica_id)
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica)
         self.router = router
         self.interval = cfg.report_interval_s
@@ -59,11 +71,8 @@ class ReplicaServer:
             params = _params(payload["params"])
             stream = self.loop.stream(payload["prompt_token_ids"], params, payload.get("salt"))
             first = await stream.__anext__()  # validates and queues, or raises
-        except InvalidRequestError as e:
-            yield ("refused", 400, str(e))
-            return
-        except OverloadedError as e:
-            yield ("refused", 429, str(e))
+        except MeridianError as e:  # bad input (400), overloaded (429), failed (503)
+            yield ("refused", e.http_status, str(e), getattr(e, "retry_after", None))
             return
         assert first[0] == "accepted"
         yield ("accepted", self.replica_id)
@@ -73,15 +82,23 @@ class ReplicaServer:
         finally:
             await stream.aclose()  # aborts whatever still runs (client gone, cancelled)
 
+    async def check_blocks(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """Blocks in use per pool (0 everywhere when idle), read on the engine thread."""
+        fut = self.loop.call(lambda engine: engine.check_blocks())
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+
     def check_health(self) -> None:
-        if not self.loop._thread.is_alive():
+        if not self.loop.is_alive():
             raise RuntimeError("the engine thread died")
         if not self._reporter.is_alive():
             raise RuntimeError("the reporter thread died")
 
     def __del__(self) -> None:
+        """Serve calls this when the replica stops (Python may again later): the engine
+        thread fails what still runs and shuts the engine down (a PDCluster's actors too)."""
         self._stop.set()
-        self.loop.shutdown()
+        if hasattr(self, "loop"):  # not when __init__ failed before the engine started
+            self.loop.shutdown()
 
     # -- reporting (its own thread: blocking handle calls never touch the event loop) -----
     def _report_forever(self) -> None:
@@ -120,7 +137,7 @@ class ReplicaActor:
     def __init__(
         self, model: str | None, engine_options: dict[str, Any], max_waiting: int = 1 << 20
     ) -> None:
-        self.engine = ReplicaController(model, **engine_options)
+        self.engine = ColocatedEngine(model, **engine_options)
         self.loop = EngineLoop(self.engine, max_waiting)
 
     def ready(self) -> dict[str, Any]:

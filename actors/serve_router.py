@@ -24,9 +24,14 @@ on the router's event loop, so ``RouterState`` is never touched by two calls at 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
+from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from actors.router_state import RouterState
@@ -103,6 +108,25 @@ class RouterDeployment:
         self.groups.pop(replica_id, None)
         self.last_seen.pop(replica_id, None)
         self.snapshots.pop(replica_id, None)
+
+
+@contextlib.contextmanager
+def own_request_id() -> Iterator[None]:
+    """Give the handle calls made inside a fresh internal request id.
+
+    A ``RequestRouter`` that does not mix in FIFO (ours: it pins a request to its ranking)
+    hands a chosen replica to the pending request with the *same internal request id*, and
+    every handle call made while serving one request inherits that request's id. Two
+    concurrent calls from one request (a batch of prompts) would share it: the first takes
+    the match and the second's routing task spins forever without backoff (Ray 2.60). One
+    id per call keeps each pending request matchable."""
+    ctx = serve_context._get_serve_request_context()
+    fresh = dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex)
+    token = serve_context._serve_request_context.set(fresh)
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 class RankedRequestRouter(RequestRouter):

@@ -3,12 +3,16 @@ our transfer layer against memcpy and against Ray's object store.
 
 Process A (a store shard's role) holds KV blocks in a shared-memory segment and serves it
 (``TransferEngine(serve_tcp=True)``). Process B (a worker's role) pulls N MiB of blocks
-into its own pre-faulted pool through ``TransferEngine.read``: the ``shm`` backend (same
-node: one copy out of A's segment) and, for reference, the ``tcp`` backend (what a
-cross-node pull does, here over loopback). The same process B also times a plain memcpy
-(``np.copyto``) of the same size between two of its own arrays: the physical limit. The Ray
-column moves the same bytes actor to actor through the object store (producer returns the
-array, consumer copies it into its pool), timed end to end from the driver.
+into its own pre-faulted pool the way the runtime moves KV: the pool is registered once
+(``engine.register(pool)``) and each pull is one ``TransferEngine.read_ranges`` call with
+one ``(remote offset, local offset, nbytes)`` range per block, so the timed figure
+includes building, checking and merging every block's range, then the copy. Backends: ``shm`` (same
+node: one copy out of A's segment) and, for reference, ``tcp`` (what a cross-node pull
+does, here over loopback). The same process B also times a plain memcpy (``np.copyto``)
+of the same size between two of its own arrays: the physical limit. After one pull per
+backend the pool is compared byte for byte with A's segment (the ``bytes`` column). The
+Ray column moves the same bytes actor to actor through the object store (producer
+returns the array, consumer copies it into its pool), timed end to end from the driver.
 
 Blocks are 256 KiB (8 layers x K,V x 16 tokens x 8 KV heads x 64 dims x fp16). Each figure
 is the best of several repeats, memcpy and shm taking turns so both see the same load
@@ -86,27 +90,31 @@ def puller(conn, endpoint, sizes: list[int]) -> None:
     total = max(sizes) * MiB
     pool = np.zeros(total, dtype=np.uint8)  # the receiver's KV pool, pre-faulted
     pool[:] = 1
-    local = np.ones(total, dtype=np.uint8)  # a local source for memcpy
+    source = np.ones(total, dtype=np.uint8)  # a local source for memcpy
     shm = TransferEngine("puller", "bench-node")
     tcp = TransferEngine("puller-tcp", "bench-node", prefer=["tcp"])
+    local = shm.register(pool)  # once, as a worker registers its KV pool
+
+    def pull(engine: TransferEngine, size: int) -> int:
+        """The first ``size`` bytes of blocks, block i of A's segment into block i of the
+        pool: one (remote offset, local offset, nbytes) range per block, built per pull."""
+        return engine.read_ranges(endpoint, local, [(o, o, BLOCK) for o in range(0, size, BLOCK)])
+
     assert shm.backend_for(endpoint) == "shm" and tcp.backend_for(endpoint) == "tcp"
     mirror = shm._backends["shm"].segment(endpoint).array  # to check the bytes arrived
     results = {}
     for size_mib in sizes:
         size = size_mib * MiB
-        ops = [(o, pool[o : o + BLOCK]) for o in range(0, size, BLOCK)]
         n = repeats(size_mib)
         pool[:size] = 0
-        shm.read(endpoint, ops)
-        ok = bool(np.array_equal(pool[:size], mirror[:size]))
+        ok = pull(shm, size) == size and bool(np.array_equal(pool[:size], mirror[:size]))
         t_memcpy, t_shm = best_interleaved(
-            [lambda s=size: np.copyto(pool[:s], local[:s]), lambda o=ops: shm.read(endpoint, o)],
-            n,
+            [lambda s=size: np.copyto(pool[:s], source[:s]), lambda s=size: pull(shm, s)], n
         )
         pool[:size] = 0
-        tcp.read(endpoint, ops)
-        ok = ok and bool(np.array_equal(pool[:size], mirror[:size]))
-        t_tcp = best(lambda o=ops: tcp.read(endpoint, o), max(3, n // 4))
+        moved = pull(tcp, size)
+        ok = ok and moved == size and bool(np.array_equal(pool[:size], mirror[:size]))
+        t_tcp = best(lambda s=size: pull(tcp, s), max(3, n // 4))
         results[size_mib] = dict(memcpy=t_memcpy, shm=t_shm, tcp=t_tcp, ok=ok)
     shm.close()
     tcp.close()

@@ -43,7 +43,14 @@ def as_byte_view(data: Any) -> np.ndarray:
             raise InvalidBlockError("block data must be in CPU memory; copy it to host first")
         if not data.is_contiguous():
             raise InvalidBlockError("block data must be contiguous; call .contiguous() first")
-        data = data.detach().numpy()
+        import torch  # present: data is a tensor
+
+        # as bytes first: numpy has no bfloat16 (or float8) to view the tensor as
+        tensor = data.detach() if data.dim() else data.detach().reshape(1)
+        view: np.ndarray = tensor.view(torch.uint8).numpy().reshape(-1)
+        if view.size == 0:
+            raise InvalidBlockError("block data is empty")
+        return view
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise InvalidBlockError("block data must be C-contiguous; use np.ascontiguousarray")

@@ -1,9 +1,13 @@
 """The transfer-backend interface and the registry that picks one by name, lazily.
 
-Every backend moves bytes between local buffers and byte ranges of a remote endpoint's
-segment (see ``endpoint.py``): ``read(remote, ops)`` and ``write(remote, ops)`` return the
-bytes moved and either finish every op or raise ``TransferError``. Backends are imported
-only when first asked for, so a GPU backend's package is needed only where it runs.
+Every backend moves bytes between local memory and byte ranges of a remote endpoint's
+segment (see ``endpoint.py``): ``read(remote, ops)`` / ``write(remote, ops)`` with one local
+buffer per op, and ``read_ranges(remote, local, ranges)`` / ``write_ranges(...)`` with
+``(remote offset, local offset, nbytes)`` ranges of registered ``LocalMemory``. Each returns
+the bytes moved and either finishes every op or raises ``TransferError``. A backend that
+implements only ``read``/``write`` gets ranges through them (one op per merged range).
+Backends are imported only when first asked for, so a GPU backend's package is needed only
+where it runs.
 
     shm       same node: one memcpy between shared-memory mappings
     tcp       across nodes: plain sockets to the remote's TcpServer
@@ -19,7 +23,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from store.kv_store_errors import BackendUnavailableError
-from store.transfer.endpoint import CopyOps, Endpoint
+from store.transfer.endpoint import CopyOps, Endpoint, LocalMemory, Ranges, normalize_ranges
 
 _REGISTRY: dict[str, str] = {
     "shm": "store.transfer.shm_backend:ShmBackend",
@@ -45,6 +49,14 @@ class TransferBackend(ABC):
     @abstractmethod
     def write(self, remote: Endpoint, ops: CopyOps) -> int:
         """remote ranges <- local buffers; returns bytes moved."""
+
+    def read_ranges(self, remote: Endpoint, local: LocalMemory, ranges: Ranges) -> int:
+        """``local`` bytes <- remote bytes, per ``(remote offset, local offset, nbytes)``."""
+        return self.read(remote, normalize_ranges(local, ranges, remote.segment_bytes, True))
+
+    def write_ranges(self, remote: Endpoint, local: LocalMemory, ranges: Ranges) -> int:
+        """remote bytes <- ``local`` bytes, per ``(remote offset, local offset, nbytes)``."""
+        return self.write(remote, normalize_ranges(local, ranges, remote.segment_bytes, False))
 
     def forget(self, remote: Endpoint) -> None:  # noqa: B027 - optional hook
         """Drop cached mappings/connections to ``remote`` (it died or moved)."""

@@ -7,7 +7,14 @@ other endpoints through the backend that fits where the two ends are.
     engine.backend_for(remote) -> str        # "shm" | "tcp" | a preferred backend
     engine.read(remote, ops) -> int          # local buffers <- remote segment ranges
     engine.write(remote, ops) -> int         # remote segment ranges <- local buffers
+    local = engine.register(pool)            # or register(k0, v0, k1, v1, ...): once
+    engine.read_ranges(remote, local, [(remote_off, local_off, nbytes), ...]) -> int
+    engine.write_ranges(remote, local, ranges) -> int
     engine.forget(remote); engine.close()
+
+``ops`` pair each remote offset with a local buffer object, checked per op; ``ranges`` name
+bytes of memory registered once by integer offsets, so a transfer of many blocks costs
+integer arithmetic plus the copies (see ``endpoint.py``). The runtime's KV moves use ranges.
 
 Choice, per remote endpoint: the first name in ``prefer`` (asking for a backend that cannot
 run here raises ``BackendUnavailableError``: an explicit request is not silently dropped);
@@ -24,7 +31,7 @@ from collections.abc import Sequence
 from store.kv_store_errors import BackendUnavailableError, TransferError
 from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
 from store.transfer.backend import TransferBackend, create_backend
-from store.transfer.endpoint import CopyOps, Endpoint
+from store.transfer.endpoint import CopyOps, Endpoint, LocalMemory, Ranges
 from store.transfer.shm_backend import ShmBackend
 from store.transfer.tcp_backend import TcpServer
 
@@ -107,6 +114,24 @@ class TransferEngine:
     def write(self, remote: Endpoint, ops: CopyOps) -> int:
         """Copy the local buffers of ``ops`` into remote segment ranges; bytes moved."""
         return self._backend(self.backend_for(remote)).write(remote, ops)
+
+    @staticmethod
+    def register(*buffers: object) -> LocalMemory:
+        """Register local buffers once for ``read_ranges``/``write_ranges``: offsets address
+        them back to back (see ``LocalMemory``)."""
+        return LocalMemory(*buffers)
+
+    def read_ranges(self, remote: Endpoint, local: LocalMemory | object, ranges: Ranges) -> int:
+        """Copy remote bytes into ``local`` (registered memory, or one buffer), per
+        ``(remote offset, local offset, nbytes)`` range; bytes moved."""
+        backend = self._backend(self.backend_for(remote))
+        return backend.read_ranges(remote, LocalMemory.of(local), ranges)
+
+    def write_ranges(self, remote: Endpoint, local: LocalMemory | object, ranges: Ranges) -> int:
+        """Copy bytes of ``local`` (registered memory, or one buffer) into the remote
+        segment, per ``(remote offset, local offset, nbytes)`` range; bytes moved."""
+        backend = self._backend(self.backend_for(remote))
+        return backend.write_ranges(remote, LocalMemory.of(local), ranges)
 
     def forget(self, remote: Endpoint) -> None:
         """Drop mappings and connections to ``remote`` (call when it died)."""

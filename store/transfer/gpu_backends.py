@@ -3,9 +3,11 @@
 Each is registered under its name so a deployment config can ask for it; constructing one
 checks its package first and raises ``BackendUnavailableError`` saying what to install, or,
 when the package is present, that the slot still has to be wired. Wiring one means
-implementing ``read``/``write`` of ``(remote offset, local buffer)`` ops against the remote
-endpoint's registered memory (Mooncake: ``TransferEngine.register_memory`` on the shard's
-segment and ``transfer_sync_read``/``transfer_sync_write``; NIXL: register the segment with
+implementing ``read``/``write`` of ``(remote offset, local buffer)`` ops and
+``read_ranges``/``write_ranges`` of ``(remote offset, local offset, nbytes)`` ranges of a
+registered ``LocalMemory`` against the remote endpoint's registered memory (Mooncake:
+``TransferEngine.register_memory`` on the shard's segment and on the local memory, then
+``batch_transfer_sync_read``/``batch_transfer_sync_write``; NIXL: register the segment with
 a ``nixl_agent`` and post READ/WRITE transfers; NCCL: paired ``send``/``recv`` between
 the two processes, which needs both sides to take part). The same-node ``shm`` and
 cross-node ``tcp`` backends need nothing beyond the standard library.
@@ -18,7 +20,7 @@ from typing import ClassVar
 
 from store.kv_store_errors import BackendUnavailableError
 from store.transfer.backend import TransferBackend
-from store.transfer.endpoint import CopyOps, Endpoint
+from store.transfer.endpoint import CopyOps, Endpoint, LocalMemory, Ranges
 
 
 class _SlotBackend(TransferBackend):
@@ -48,6 +50,16 @@ class _SlotBackend(TransferBackend):
         raise BackendUnavailableError(f"{self.name} backend is a slot")
 
     def write(self, remote: Endpoint, ops: CopyOps) -> int:  # pragma: no cover
+        raise BackendUnavailableError(f"{self.name} backend is a slot")
+
+    def read_ranges(  # pragma: no cover - never built
+        self, remote: Endpoint, local: LocalMemory, ranges: Ranges
+    ) -> int:
+        raise BackendUnavailableError(f"{self.name} backend is a slot")
+
+    def write_ranges(  # pragma: no cover
+        self, remote: Endpoint, local: LocalMemory, ranges: Ranges
+    ) -> int:
         raise BackendUnavailableError(f"{self.name} backend is a slot")
 
 

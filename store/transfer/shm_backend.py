@@ -1,7 +1,8 @@
 """Same-node transfers: one memcpy between this process's memory and a shared segment.
 
 The remote endpoint's segment is attached (mapped, pre-faulted) on first use and kept
-mapped, so every later transfer is just the copy: about memcpy speed. Safe against the
+mapped, so every later transfer is the checks of its ranges (integer arithmetic for
+``read_ranges``/``write_ranges``) and then the copies: about memcpy speed. Safe against the
 remote's own activity because the remote only hands out ranges it reserved or pinned.
 """
 
@@ -12,7 +13,15 @@ import numpy as np
 from store.kv_store_errors import BackendUnavailableError
 from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
 from store.transfer.backend import TransferBackend
-from store.transfer.endpoint import CopyOps, Endpoint, normalize_ops
+from store.transfer.endpoint import (
+    Copies,
+    CopyOps,
+    Endpoint,
+    LocalMemory,
+    Ranges,
+    normalize_ops,
+    normalize_ranges,
+)
 
 
 class ShmBackend(TransferBackend):
@@ -37,19 +46,19 @@ class ShmBackend(TransferBackend):
 
     def read(self, remote: Endpoint, ops: CopyOps) -> int:
         src = self.segment(remote).array
-        total = 0
-        for offset, buf in normalize_ops(ops, remote.segment_bytes, writable=True):
-            np.copyto(buf, src[offset : offset + buf.size])
-            total += buf.size
-        return total
+        return _copy_in(src, normalize_ops(ops, remote.segment_bytes, writable=True))
 
     def write(self, remote: Endpoint, ops: CopyOps) -> int:
         dst = self.segment(remote).array
-        total = 0
-        for offset, buf in normalize_ops(ops, remote.segment_bytes, writable=False):
-            np.copyto(dst[offset : offset + buf.size], buf)
-            total += buf.size
-        return total
+        return _copy_out(dst, normalize_ops(ops, remote.segment_bytes, writable=False))
+
+    def read_ranges(self, remote: Endpoint, local: LocalMemory, ranges: Ranges) -> int:
+        src = self.segment(remote).array
+        return _copy_in(src, normalize_ranges(local, ranges, remote.segment_bytes, True))
+
+    def write_ranges(self, remote: Endpoint, local: LocalMemory, ranges: Ranges) -> int:
+        dst = self.segment(remote).array
+        return _copy_out(dst, normalize_ranges(local, ranges, remote.segment_bytes, False))
 
     def forget(self, remote: Endpoint) -> None:
         if remote.segment_name is not None:
@@ -61,3 +70,21 @@ class ShmBackend(TransferBackend):
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+
+
+def _copy_in(src: np.ndarray, copies: Copies) -> int:
+    total = 0
+    for offset, buf in copies:
+        n = buf.size
+        np.copyto(buf, src[offset : offset + n])
+        total += n
+    return total
+
+
+def _copy_out(dst: np.ndarray, copies: Copies) -> int:
+    total = 0
+    for offset, buf in copies:
+        n = buf.size
+        np.copyto(dst[offset : offset + n], buf)
+        total += n
+    return total

@@ -2,7 +2,9 @@
 
 ``TcpServer(buffer, host, port)`` serves reads and writes of byte ranges of ``buffer`` (a
 shard's DRAM segment) from a background thread per connection. ``TcpBackend`` is the client
-side of the ``TransferBackend`` interface; it keeps one connection per remote address.
+side of the ``TransferBackend`` interface (``read``/``write`` of ops and
+``read_ranges``/``write_ranges`` of registered ``LocalMemory``, both sent as the same merged
+copies); it keeps one connection per remote address.
 
 Wire format (little-endian), per connection:
     client -> server: token (32 ASCII bytes) once, checked before anything else
@@ -31,7 +33,15 @@ import numpy as np
 
 from store.kv_store_errors import BackendUnavailableError, TransferError
 from store.transfer.backend import TransferBackend
-from store.transfer.endpoint import CopyOps, Endpoint, normalize_ops
+from store.transfer.endpoint import (
+    Copies,
+    CopyOps,
+    Endpoint,
+    LocalMemory,
+    Ranges,
+    normalize_ops,
+    normalize_ranges,
+)
 
 REQUEST = struct.Struct("<BQQ")
 READ, WRITE = 1, 2
@@ -176,7 +186,15 @@ class TcpBackend(TransferBackend):
         norm = normalize_ops(ops, remote.segment_bytes, writable=False)
         return self._run(remote, norm, WRITE)
 
-    def _run(self, remote: Endpoint, ops: list[tuple[int, np.ndarray]], op: int) -> int:
+    def read_ranges(self, remote: Endpoint, local: LocalMemory, ranges: Ranges) -> int:
+        norm = normalize_ranges(local, ranges, remote.segment_bytes, writable=True)
+        return self._run(remote, norm, READ)
+
+    def write_ranges(self, remote: Endpoint, local: LocalMemory, ranges: Ranges) -> int:
+        norm = normalize_ranges(local, ranges, remote.segment_bytes, writable=False)
+        return self._run(remote, norm, WRITE)
+
+    def _run(self, remote: Endpoint, ops: Copies, op: int) -> int:
         with self._lock:
             sock = self._connect(remote)
             try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
+from serve_common import serve_running
 
 from actors import LLM, SamplingParams
 
@@ -54,7 +53,6 @@ class Server:
 @pytest.fixture(scope="module")
 def server(local_ray_cluster, tmp_path_factory):
     cluster = local_ray_cluster(dashboard=False)
-    port = cluster.free_port()
     app_args = {
         "model_name": MODEL,
         "groups": [{"name": "main", "num_replicas": 2, "engine": {"kv_cache_memory": 1 << 25}}],
@@ -66,38 +64,9 @@ def server(local_ray_cluster, tmp_path_factory):
         ],
         "limits": {"max_tokens": MAX_TOKENS_LIMIT, "max_body_bytes": BODY_LIMIT},
     }
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [
-            {
-                "name": "meridian",
-                "route_prefix": "/",
-                "import_path": "serve_app:build_app",
-                "args": app_args,
-            }
-        ],
-    }
-    path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = cluster.popen(
-        [str(cluster.BIN / "serve"), "run", f"--address={cluster.address}", str(path)], "serve.log"
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, (cluster.tmp / "serve.log").read_text()[-5000:]
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    tmp = tmp_path_factory.mktemp("serve")
+    with serve_running(cluster, app_args, tmp, replicas=2) as url:
         yield Server(url, cluster)
-    finally:
-        cluster.kill_group(proc, signal.SIGINT, grace=30)  # serve run shuts the app down on SIGINT
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

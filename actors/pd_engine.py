@@ -1,0 +1,149 @@
+"""A ``PDCluster`` as a ``ServingEngine`` (actors/serve_engine.py), so a Serve replica runs a
+prefill/decode-disaggregated deployment in the same ``EngineLoop`` as a colocated one.
+
+Placement (the Conductor) happens in ``add_request``, on the engine thread like every other
+call into the cluster: a rejection is raised there as ``OverloadedError`` carrying the
+Conductor's ``retry_after``, before the request is accepted, so it reaches the client as a
+429 with Retry-After and never as an error inside a started stream.
+
+Invariants:
+- Every request added and not yet released ends with exactly one finished delta from
+  ``step``: the decode replica's, or one made here when the cluster ended it without one
+  (its prefill or decode replica failed: finish reason ``"abort"``, which ``EngineLoop``
+  reports as a retriable error).
+- ``drain_cache_events`` returns the difference between consecutive snapshots of the
+  hashes the cluster can reuse (prefill prefix caches and store shards), so the events
+  since the last ``cached_block_hashes`` applied to it give the current set.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from actors.outputs import RequestOutput, StreamDelta
+from actors.pd_cluster import PDCluster, RequestRejected, StoreConfig
+from actors.request_limits import RequestLimits
+from actors.sampling import SamplingParams
+from actors.serve_config import ReplicaGroupConfig
+from actors.serve_engine import OverloadedError
+from models.config import read_model_config
+
+RETRY_WAIT_S = 0.05
+
+
+class PDEngine:
+    def __init__(self, cluster: PDCluster) -> None:
+        self.cluster = cluster
+        cfg = read_model_config(Path(cluster.model_dir))
+        limit = cluster.options.get("max_model_len") or cfg.max_position_embeddings
+        # One request may hold at most what the smallest decode pool holds.
+        blocks = min(v.total_blocks for v in cluster.decode_views.values())
+        self.limits = RequestLimits(
+            cfg.vocab_size, min(limit, cfg.max_position_embeddings), blocks * cluster.block_size
+        )
+        self._live: set[str] = set()  # added, no finished delta yet
+        self._cached: set[int] = set()  # the snapshot the last drain reported
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+
+    @classmethod
+    def for_group(cls, model: str | None, group: ReplicaGroupConfig, replica_id: str) -> PDEngine:
+        """The cluster of one Serve replica of a disaggregated group; its store's SSD files
+        go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a folder."""
+        assert group.num_prefill is not None and group.num_decode is not None
+        store = None
+        if group.store is not None:
+            s = group.store
+            ssd_dir = str(Path(s.ssd_dir) / replica_id) if s.ssd_dir else None
+            store = StoreConfig(s.dram_bytes, s.ssd_bytes, ssd_dir, s.num_shards)
+        cluster = PDCluster(
+            model, group.num_prefill, group.num_decode, store=store, **group.engine_options()
+        )
+        return cls(cluster)
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The decode replicas' checks on sizes read once: any thread, no Ray call."""
+        self.limits.validate(prompt_token_ids, params)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        salt: str | None = None,
+    ) -> str:
+        """Place the request now (Conductor); raises OverloadedError with the Conductor's
+        ``retry_after`` when it rejects it. The decode replica stamps its arrival."""
+        del arrival_time
+        self.validate(prompt_token_ids, params)
+        try:
+            rid = self.cluster.submit(prompt_token_ids, params, request_id, salt=salt)
+        except RequestRejected as e:
+            raise OverloadedError(str(e), retry_after=e.retry_after) from None
+        self._live.add(rid)
+        return rid
+
+    def step(self) -> list[StreamDelta]:
+        deltas = self.cluster.step()
+        if not deltas and self._only_retries():
+            time.sleep(RETRY_WAIT_S)  # nothing ran: do not spin on re-placing them
+        for d in deltas:
+            if d.finished:
+                self._live.discard(d.request_id)
+        for rid in list(self._live):
+            out = self.cluster.output(rid)
+            if out is not None:  # ended by a failure, without a delta
+                self._live.discard(rid)
+                deltas.append(StreamDelta(rid, [], "", True, out.finish_reason or "abort"))
+        return deltas
+
+    def _only_retries(self) -> bool:
+        """No request is in prefill or decode: what is unfinished waits to be placed again
+        (its replica failed and the Conductor has no room for it yet)."""
+        stats = self.cluster.stats()
+        return stats["num_running"] == 0 and stats["queued_prefill_tokens"] == 0
+
+    def abort(self, request_id: str) -> None:
+        self._live.discard(request_id)
+        self.cluster.abort(request_id)
+
+    def release(self, request_id: str) -> RequestOutput:
+        out = self.cluster.release(request_id)
+        self._prompt_tokens += len(out.prompt_token_ids)
+        self._cached_tokens += out.num_cached_tokens
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.cluster.has_unfinished()
+
+    def on_idle(self) -> None:
+        """Apply the store shards' events (evictions included) to the Conductor's map."""
+        self.cluster.refresh_store()
+
+    def shutdown(self) -> None:
+        for rid in list(self._live):
+            self.abort(rid)
+        self.cluster.shutdown()
+
+    # -- what the router and the dashboard read ---------------------------------------------
+    def serving_stats(self) -> dict[str, Any]:
+        stats = self.cluster.stats()
+        hit = self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
+        return {**stats, "cache_hit_ratio": hit, "time": time.time()}
+
+    def cached_block_hashes(self) -> list[int]:
+        return sorted(self._cached)
+
+    def drain_cache_events(self) -> list[tuple[str, int]]:
+        now = self.cluster.cached_hashes()
+        events = [("evicted", h) for h in self._cached - now]
+        events += [("stored", h) for h in now - self._cached]
+        self._cached = now
+        return events
+
+    def check_blocks(self) -> dict[str, int]:
+        return self.cluster.check_blocks()

@@ -1,0 +1,42 @@
+"""What makes a request unrunnable on a replica, checked before it is queued (HTTP 400)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.sampling import SamplingParams
+from errors import ContextLengthError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int  # prompt + generated tokens
+    kv_capacity_tokens: int  # the most KV one request may hold on the replica
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (a 400) if this request can never run here."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
+            )
+        n, limit = len(prompt_token_ids), self.max_model_len
+        if n >= limit:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens but the model's context is {limit}; shorten the prompt"
+            )
+        if n + params.max_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {limit}; set max_tokens <= {limit - n}"
+            )
+        capacity = self.kv_capacity_tokens
+        if n + params.max_tokens > capacity:
+            raise ContextLengthError(
+                f"prompt + max_tokens needs more KV than a replica holds for one request "
+                f"({capacity} tokens); lower max_tokens"
+            )

@@ -1,0 +1,58 @@
+"""What the Serve app tests share: ``serve run`` of one application on a private local Ray
+cluster, ready once ``/health`` counts every replica."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+APP = "meridian"
+
+
+@contextlib.contextmanager
+def serve_running(
+    cluster: Any, app_args: dict[str, Any], tmp: Path, replicas: int
+) -> Iterator[str]:
+    """Run the app from ``app_args`` (``ServeConfig`` fields) with ``serve run``; yields its
+    URL once ``/health`` reports ``replicas`` replicas; stops the app and the cluster."""
+    port = cluster.free_port()
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": APP,
+                "route_prefix": "/",
+                "import_path": "serve_app:build_app",
+                "args": app_args,
+            }
+        ],
+    }
+    path = tmp / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = cluster.popen(
+        [str(cluster.BIN / "serve"), "run", f"--address={cluster.address}", str(path)], "serve.log"
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (cluster.tmp / "serve.log").read_text()[-5000:]
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            try:
+                r = httpx.get(url + "/health", timeout=5)
+                if r.status_code == 200 and r.json().get("replicas") == replicas:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        cluster.kill_group(proc, signal.SIGINT, grace=30)  # serve run shuts the app down on SIGINT
+        cluster.stop()

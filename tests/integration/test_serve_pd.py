@@ -1,0 +1,234 @@
+"""A disaggregated replica group through the Serve app: ``serve run`` of a config whose one
+group has ``num_prefill: 1, num_decode: 1`` and a small KV store (DRAM + SSD in a tmp
+folder) on a private local Ray cluster, real HTTP, the real ``openai`` client.
+
+Greedy outputs equal the in-process engine on the same weights. The Conductor's rejection
+(``decode_full``: a running request holds the decode pool) reaches the client as a 429
+with the Conductor's Retry-After, before any 200, while a request that fits still
+completes; afterwards every block of every prefill and decode pool is back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import openai
+import pytest
+from serve_common import serve_running
+
+from actors import LLM, SamplingParams
+
+MODEL = "meridian-tiny"
+BS = 16
+DECODE_BLOCKS = 128  # per replica: 2,048 tokens, the tiny model's whole context
+MAX_TOKENS = 2000
+APP = "meridian"
+GROUP = "pd"
+
+pytestmark = pytest.mark.timeout(900)
+
+
+class Server:
+    def __init__(self, url: str, cluster) -> None:
+        self.url = url
+        self.cluster = cluster
+        self.http = httpx.Client(base_url=url, timeout=120)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def completion(self, **body) -> httpx.Response:
+        return self.http.post("/v1/completions", json={"model": MODEL, **body})
+
+
+@pytest.fixture(scope="module")
+def server(local_ray_cluster, tmp_path_factory):
+    cluster = local_ray_cluster(dashboard=False)
+    tmp = tmp_path_factory.mktemp("serve-pd")
+    group = {
+        "name": GROUP,
+        "num_prefill": 1,
+        "num_decode": 1,
+        "engine": {"block_size": BS, "num_blocks": DECODE_BLOCKS},
+        "store": {"dram_bytes": 4 << 20, "ssd_bytes": 4 << 20, "ssd_dir": str(tmp / "kv")},
+    }
+    app_args = {"model_name": MODEL, "groups": [group], "limits": {"max_tokens": MAX_TOKENS}}
+    with serve_running(cluster, app_args, tmp, replicas=1) as url:
+        yield Server(url, cluster)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process engine on the same (built-in tiny) weights."""
+    return LLM()
+
+
+def greedy_output(reference: LLM, prompt: list[int], n: int):
+    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return reference.generate(prompt_token_ids=[prompt], sampling_params=p)[0]
+
+
+def greedy(reference: LLM, prompt: list[int], n: int) -> list[int]:
+    return greedy_output(reference, prompt, n).token_ids
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 500 + 3 for i in range(n)]
+
+
+# -- exact through the disaggregated group ----------------------------------------------------
+def test_health_reports_the_one_pd_replica(server):
+    health = server.http.get("/health").json()
+    assert health == {"status": "ok", "replicas": 1}
+
+
+def test_greedy_completions_equal_in_process_engine(server, reference):
+    shared = ids(1, 40)  # > 2 blocks: the second request reuses the prefix
+    client = server.client()
+    for prompt in (ids(2, 7), shared + ids(3, 5), shared + ids(4, 21)):
+        r = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            n=2,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        want = greedy(reference, prompt, 12)
+        assert [c.model_extra["token_ids"] for c in r.choices] == [want, want]
+        assert r.usage.prompt_tokens == len(prompt)
+        assert r.usage.completion_tokens == 24
+
+
+def test_chat_equals_in_process_engine(server, reference):
+    messages = [{"role": "user", "content": "Split prefill from decode, please."}]
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    ref = reference.chat(messages, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.completion_tokens == 8
+
+
+def test_streaming_equals_reference_and_ends_with_done(server, reference):
+    prompt = ids(5, 30)
+    want = greedy_output(reference, prompt, 16).text
+    chunks = list(
+        server.client().completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with server.http.stream(
+        "POST", "/v1/completions", json={"model": MODEL, **body, "stream": True}
+    ) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text == want
+
+
+# -- the Conductor's rejection ----------------------------------------------------------------
+def _check_retry_after(response: httpx.Response) -> None:
+    """Retry-After is the Conductor's ``retry_after`` rounded up (at least 1); the message
+    names the reason and prints that value to 0.1 s."""
+    err = response.json()["error"]
+    assert err["type"] == "rate_limit_error"
+    assert "decode_full" in err["message"]
+    shown = float(re.search(r"retry after ([0-9.]+) s", err["message"])[1])
+    ceilings = {max(1, math.ceil(shown - 0.05)), max(1, math.ceil(shown + 0.05))}
+    assert int(response.headers["retry-after"]) in ceilings
+
+
+def test_conductor_rejection_is_429_with_retry_after(server, reference):
+    """A running request reserves its lifetime KV (prompt + max_tokens) on the one decode
+    replica: 4 + 2000 tokens hold 126 of its 128 blocks. A request needing 3 more blocks is
+    rejected (429, non-streaming and streaming alike); one needing 1 block runs and is
+    exact. Closing the long stream aborts it and frees its reservation."""
+    long = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": MAX_TOKENS, "stream": True}
+    long["ignore_eos"] = True
+    with server.http.stream("POST", "/v1/completions", json=long) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept alive: dropping the iterator closes the connection
+        assert next(lines).startswith("data: {")  # placed, decoding
+
+        too_big = {"prompt": [9, 10, 11, 12], "max_tokens": 40}
+        refused = server.completion(**too_big)
+        assert refused.status_code == 429
+        _check_retry_after(refused)
+        with server.http.stream(
+            "POST", "/v1/completions", json={"model": MODEL, **too_big, "stream": True}
+        ) as s:
+            assert s.status_code == 429  # refused before any 200 or SSE byte
+            s.read()
+            _check_retry_after(s)
+        with pytest.raises(openai.RateLimitError) as err:
+            server.client().completions.create(model=MODEL, **too_big)
+        assert int(err.value.response.headers["retry-after"]) >= 1
+
+        fits = [13, 14, 15, 16]
+        ok = server.client().completions.create(
+            model=MODEL,
+            prompt=fits,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert ok.choices[0].model_extra["token_ids"] == greedy(reference, fits, 8)
+    # The long stream was closed mid-way: its reservation is freed, the big one now fits.
+    deadline = time.monotonic() + 120
+    while (r := server.completion(**too_big)).status_code == 429:
+        assert time.monotonic() < deadline, "the aborted stream never freed its decode blocks"
+        time.sleep(0.5)
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+# -- nothing leaked -----------------------------------------------------------------------------
+def test_every_block_returned(server):
+    """Every prefill and decode pool passes its integrity check with no block in use, read
+    on the replica's engine thread (``ReplicaServer.check_blocks``) from a separate driver
+    (this test process has held other Ray sessions)."""
+    script = textwrap.dedent(
+        """
+        import json, sys, time
+        import ray
+        from ray import serve
+        ray.init(address=sys.argv[1], log_to_driver=False)
+        handle = serve.get_deployment_handle(sys.argv[3], app_name=sys.argv[2])
+        deadline = time.monotonic() + 120
+        while True:  # requests the client closed are aborted asynchronously
+            blocks = handle.check_blocks.remote().result()
+            if set(blocks.values()) == {0} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        print(json.dumps(blocks))
+        """
+    )
+    cluster = server.cluster
+    done = subprocess.run(
+        [sys.executable, "-c", script, cluster.address, APP, f"Replica-{GROUP}"],
+        env=cluster.env,
+        cwd=cluster.REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    blocks = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(blocks) == ["d0", "p0"]
+    assert set(blocks.values()) == {0}

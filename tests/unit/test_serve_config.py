@@ -1,0 +1,121 @@
+"""The Serve deployment config: disaggregated groups (num_prefill / num_decode / store) and
+their validation messages; the shipped serve_config.yaml still parses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from actors.serve_config import ReplicaGroupConfig, ServeConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def error(**group) -> str:
+    with pytest.raises(ValidationError) as e:
+        ReplicaGroupConfig(**group)
+    return str(e.value)
+
+
+def test_colocated_group_defaults_are_unchanged():
+    g = ReplicaGroupConfig(name="main", tp=2, engine={"block_size": 8})
+    assert not g.disaggregated
+    assert g.num_replicas == 2
+    assert g.num_prefill is None and g.num_decode is None and g.store is None
+    assert g.engine_options() == {"block_size": 8, "tp": 2}
+
+
+def test_disaggregated_group_defaults_to_one_cluster_per_serve_replica():
+    g = ReplicaGroupConfig(name="pd", num_prefill=2, num_decode=1)
+    assert g.disaggregated
+    assert (g.num_prefill, g.num_decode, g.num_replicas) == (2, 1, 1)
+    assert ReplicaGroupConfig(num_prefill=1, num_decode=1, num_replicas=3).num_replicas == 3
+    assert g.engine_options() == {}
+
+
+def test_store_section_mirrors_store_config():
+    g = ReplicaGroupConfig(
+        num_prefill=1,
+        num_decode=1,
+        store={"dram_bytes": 1 << 20, "ssd_bytes": 2 << 20, "ssd_dir": "/tmp/kv", "num_shards": 2},
+    )
+    assert g.store is not None
+    assert (g.store.dram_bytes, g.store.ssd_bytes, g.store.ssd_dir, g.store.num_shards) == (
+        1 << 20,
+        2 << 20,
+        "/tmp/kv",
+        2,
+    )
+    default = ReplicaGroupConfig(num_prefill=1, num_decode=1, store={}).store
+    assert default is not None
+    assert (default.dram_bytes, default.ssd_bytes, default.ssd_dir, default.num_shards) == (
+        64 << 20,
+        0,
+        None,
+        1,
+    )
+
+
+@pytest.mark.parametrize(
+    "group, needle",
+    [
+        ({"num_prefill": 1}, "give both num_prefill and num_decode"),
+        ({"num_decode": 2}, "give both num_prefill and num_decode"),
+        ({"num_prefill": 0, "num_decode": 1}, "greater than or equal to 1"),
+        ({"num_prefill": 1, "num_decode": 1, "tp": 2}, "remove tp=2"),
+        ({"num_prefill": 1, "num_decode": 1, "spp": 3}, "remove spp=3"),
+        ({"num_prefill": 1, "num_decode": 1, "engine": {"kvp": 2}}, "remove kvp=2"),
+        ({"store": {"dram_bytes": 1 << 20}}, "store needs num_prefill and num_decode"),
+        (
+            {"num_prefill": 1, "num_decode": 1, "store": {"ssd_bytes": 1 << 20}},
+            "store.ssd_bytes > 0 needs store.ssd_dir",
+        ),
+        ({"num_prefill": 1, "num_decode": 1, "store": {"dram_byte": 1}}, "dram_byte"),
+        ({"num_prefill": 1, "num_decode": 1, "store": {"num_shards": 0}}, "num_shards"),
+        ({"num_prefill": 1, "num_decode": 1, "num_replicas": 0}, "num_replicas"),
+    ],
+)
+def test_bad_disaggregated_groups_say_what_to_fix(group, needle):
+    assert needle in error(name="g", **group)
+
+
+def test_errors_name_the_group():
+    assert "group 'decode-heavy'" in error(name="decode-heavy", num_prefill=1)
+
+
+def test_serve_config_with_a_disaggregated_group_round_trips():
+    raw = {
+        "groups": [
+            {"name": "main", "num_replicas": 1},
+            {"name": "pd", "num_prefill": 1, "num_decode": 2, "store": {"dram_bytes": 1 << 22}},
+        ]
+    }
+    cfg = ServeConfig.from_args(raw)
+    assert [g.disaggregated for g in cfg.groups] == [False, True]
+    assert cfg.num_replicas == 2
+    again = ServeConfig.model_validate(cfg.model_dump())  # Serve ships the dump to replicas
+    assert again == cfg
+    assert again.groups[1].num_replicas == 1
+
+
+def test_shipped_serve_config_parses_and_stays_colocated():
+    raw = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    cfg = ServeConfig.from_args(raw["applications"][0]["args"])
+    assert not any(g.disaggregated for g in cfg.groups)
+
+
+def test_commented_pd_example_in_serve_config_validates():
+    """The disaggregated group documented (commented out) in serve_config.yaml is valid."""
+    lines = (REPO / "serve_config.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# - name: pd")
+    block = []
+    for line in lines[start:]:
+        if not line.strip().startswith("#"):
+            break
+        block.append(line.replace("# ", "", 1))
+    (raw,) = yaml.safe_load("\n".join(block))
+    g = ReplicaGroupConfig(**raw)
+    assert g.disaggregated and g.num_replicas == 1
