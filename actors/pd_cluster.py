@@ -462,6 +462,7 @@ class PDCluster:
         for out in report["finished"]:
             req = self._reqs.get(out.request_id)
             if req is not None and req.decode_id == did:
+                out.num_cached_tokens = req.cached_tokens  # reused on the prefill side
                 req.output = out
         deltas: list[StreamDelta] = []
         for d in report["deltas"]:

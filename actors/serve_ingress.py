@@ -26,6 +26,7 @@ from ray import serve
 from actors import openai_protocol as oai
 from actors.outputs import RequestOutput
 from actors.serve_config import ApiKeyConfig, ServeConfig
+from actors.serve_engine import EngineUnavailableError, OverloadedError
 from actors.serve_metrics import render
 from actors.serve_router import own_request_id
 from errors import InvalidRequestError
@@ -132,7 +133,12 @@ class Ingress:
             return list(
                 await asyncio.gather(*(one(t, p) for t, p in zip(token_lists, params, strict=True)))
             )
-        except oai.APIError as e:
+        except oai.APIError as e:  # the same kind of error the in-process engine raises
+            if e.status == 429:
+                retry = e.headers.get("Retry-After")
+                raise OverloadedError(e.message, float(retry) if retry else None) from None
+            if e.status >= 500:
+                raise EngineUnavailableError(e.message) from None
             raise InvalidRequestError(e.message) from None
 
     # -- the request path --------------------------------------------------------------------

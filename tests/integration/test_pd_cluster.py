@@ -214,7 +214,9 @@ def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
         while pd.has_unfinished():
             pd.step()
         pd.release(busy)
-        assert pd.release(second).token_ids == colocated([second_prompt])[0]
+        out = pd.release(second)
+        assert out.token_ids == colocated([second_prompt])[0]
+        assert out.num_cached_tokens == len(shared)  # the copied prefix, not recomputed
         return hashes
 
     loaded = pd.prefill_stats()["p1"]["loaded_blocks"]
