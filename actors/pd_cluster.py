@@ -2,6 +2,7 @@
 
     cluster = PDCluster(model_dir, num_prefill=1, num_decode=1,
                         store=StoreConfig(dram_bytes=..., ssd_bytes=..., ssd_dir=...),
+                        conductor_options=dict(ttft_slo=..., tbt_slo=..., admission="early"),
                         **controller_options)
     outs = cluster.generate(prompt_token_ids=[[...], ...], sampling_params=params)
     rid = cluster.submit(token_ids, params)   # raises RequestRejected (429) on overload
@@ -113,15 +114,23 @@ class _Req:
     replayed: int = 0  # tokens this attempt produced (a re-run replays emitted ones)
 
 
-def default_conductor(block_bytes: int, admission: str = "none") -> Conductor:
-    """Generous SLOs and CPU-scale estimates; pass a Conductor with fitted regressions
-    (``policies.pd_costs``) and real SLOs to admit by them."""
+def default_conductor(
+    block_bytes: int,
+    admission: str = "none",
+    ttft_slo: float = 60.0,
+    tbt_slo: float = 10.0,
+    replication_threshold: float = 2.0,
+) -> Conductor:
+    """CPU-scale starting estimates (refitted from measured steps unless ``fit_costs`` is
+    off) and generous SLOs unless given; ``admission`` "early" or "predictive" rejects by
+    the SLOs (429), "none" only when decode has no room."""
     return Conductor(
         prefill_time=LinearPrefillTime(base=2e-3, per_new_token=2e-4, per_cached_token=1e-6),
         decode_tbt=LinearDecodeTBT(base=5e-3, per_request=1e-4, per_block=1e-6),
         transfer_time=transfer_time_fn(block_bytes, bytes_per_second=4e9),
-        ttft_slo=60.0,
-        tbt_slo=10.0,
+        ttft_slo=ttft_slo,
+        tbt_slo=tbt_slo,
+        replication_threshold=replication_threshold,
         admission=admission,
     )
 
@@ -135,6 +144,7 @@ class PDCluster:
         *,
         store: StoreConfig | None = None,
         conductor: Conductor | None = None,
+        conductor_options: dict[str, Any] | None = None,
         fit_costs: bool = True,
         max_prefill_attempts: int = 3,
         **controller_options: Any,
@@ -154,7 +164,11 @@ class PDCluster:
         self.block_bytes = kv_cache_bytes_per_block(
             cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
         )
-        self.conductor = conductor or default_conductor(self.block_bytes)
+        if conductor is not None and conductor_options:
+            raise ValueError("give a conductor or conductor_options, not both")
+        self.conductor = conductor or default_conductor(
+            self.block_bytes, **(conductor_options or {})
+        )
         chunk = controller_options.get("chunk_size") or controller_options.get("token_budget")
         self.fitter: CostFitter | None = None
         if fit_costs:

@@ -26,7 +26,7 @@ from actors.outputs import RequestOutput, StreamDelta
 from actors.pd_cluster import PDCluster, RequestRejected, StoreConfig
 from actors.request_limits import RequestLimits
 from actors.sampling import SamplingParams
-from actors.serve_config import ReplicaGroupConfig
+from actors.serve_config import ConductorSectionConfig, ReplicaGroupConfig
 from actors.serve_engine import OverloadedError
 from models.config import read_model_config
 
@@ -58,8 +58,15 @@ class PDEngine:
             s = group.store
             ssd_dir = str(Path(s.ssd_dir) / replica_id) if s.ssd_dir else None
             store = StoreConfig(s.dram_bytes, s.ssd_bytes, ssd_dir, s.num_shards)
+        conductor = group.conductor or ConductorSectionConfig()
         cluster = PDCluster(
-            model, group.num_prefill, group.num_decode, store=store, **group.engine_options()
+            model,
+            group.num_prefill,
+            group.num_decode,
+            store=store,
+            conductor_options=conductor.model_dump(exclude={"fit_costs"}),
+            fit_costs=conductor.fit_costs,
+            **group.engine_options(),
         )
         return cls(cluster)
 

@@ -38,6 +38,21 @@ class StoreSectionConfig(_Strict):
         return self
 
 
+class ConductorSectionConfig(_Strict):
+    """Mooncake's Conductor of a disaggregated group (``policies.conductor``): SLOs in
+    seconds (TTFT, and time between tokens), the admission mode ("none": reject only when
+    no decode replica has room; "early": also when a predicted TTFT or TBT misses its SLO
+    at arrival; "predictive": judge decode load when the request would reach it), the
+    hot-block replication threshold, and whether its runtime estimates are refitted from
+    the group's measured steps."""
+
+    ttft_slo: float = Field(60.0, gt=0)
+    tbt_slo: float = Field(10.0, gt=0)
+    admission: Literal["none", "early", "predictive"] = "none"
+    replication_threshold: float = Field(2.0, ge=1)
+    fit_costs: bool = True
+
+
 class ReplicaGroupConfig(_Strict):
     """``num_replicas`` replicas that share one layout and engine options.
 
@@ -49,7 +64,8 @@ class ReplicaGroupConfig(_Strict):
     Disaggregated group: ``num_prefill`` and ``num_decode`` (both, or neither) make each
     Serve replica of the group own one ``PDCluster`` of that many prefill and decode replica
     actors (``engine`` options apply to each of them; tp = spp = kvp = 1), placed by the
-    Conductor, with the KV store shards of ``store`` if given. ``num_replicas`` then counts
+    Conductor (set by ``conductor``), with the KV store shards of ``store`` if given.
+    ``num_replicas`` then counts
     such clusters and defaults to 1 (colocated groups default to 2).
     """
 
@@ -64,6 +80,7 @@ class ReplicaGroupConfig(_Strict):
     num_prefill: int | None = Field(None, ge=1)
     num_decode: int | None = Field(None, ge=1)
     store: StoreSectionConfig | None = None
+    conductor: ConductorSectionConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -82,11 +99,12 @@ class ReplicaGroupConfig(_Strict):
                 "or neither (colocated replicas)"
             )
         if not self.disaggregated:
-            if self.store is not None:
-                raise ValueError(
-                    f"{where}: store needs num_prefill and num_decode (only disaggregated "
-                    "groups run KV store shards); remove store or add both"
-                )
+            for section in ("store", "conductor"):
+                if getattr(self, section) is not None:
+                    raise ValueError(
+                        f"{where}: {section} needs num_prefill and num_decode (only "
+                        f"disaggregated groups have one); remove {section} or add both"
+                    )
             return self
         for name in ("tp", "spp", "kvp"):
             degree = self.engine.get(name, getattr(self, name))

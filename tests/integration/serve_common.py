@@ -4,6 +4,7 @@ cluster, ready once ``/health`` counts every replica."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -11,9 +12,34 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import yaml
 
 APP = "meridian"
+
+
+class Server:
+    """A running app: its URL, the cluster it runs on, an HTTP client and openai clients
+    that send ``key`` (the app's API key, if it has keys) unless told otherwise."""
+
+    def __init__(self, url: str, cluster: Any, key: str | None = None) -> None:
+        self.url = url
+        self.cluster = cluster
+        self.key = key
+        self.http = httpx.Client(base_url=url, timeout=120)
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        api_key = key or self.key or "unused"
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def post(self, path: str, body: bytes | dict, key: Any = ...) -> httpx.Response:
+        """POST JSON; ``key=None`` sends no Authorization header."""
+        key = self.key if key is ... else key
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self.http.post(path, content=data, headers=headers)
 
 
 @contextlib.contextmanager

@@ -85,6 +85,13 @@ def test_rejects_with_retry_after_when_slos_cannot_be_met():
     assert set(pd.check_blocks().values()) == {0}  # nothing was reserved
     pd.shutdown()
 
+    # the same through the deployment's options: early admission at a 1 ms TTFT objective
+    pd = PDCluster(None, conductor_options={"ttft_slo": 1e-3, "admission": "early"}, **OPTS)
+    with pytest.raises(RequestRejected) as err:
+        pd.submit(prompt, PARAMS)
+    assert err.value.reason == "ttft_slo" and pd.conductor.admission == "early"
+    pd.shutdown()
+
     small = {**OPTS, "num_blocks": 12}  # one request of 20 + 20 tokens needs 10 blocks
     pd = PDCluster(None, **small)
     long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

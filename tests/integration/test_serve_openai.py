@@ -17,10 +17,9 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from serve_common import serve_running
+from serve_common import Server, serve_running
 
 from actors import LLM, SamplingParams
 
@@ -31,23 +30,6 @@ MAX_TOKENS_LIMIT = 1800
 BODY_LIMIT = 256 * 1024
 
 pytestmark = pytest.mark.timeout(900)
-
-
-class Server:
-    def __init__(self, url: str, cluster) -> None:
-        self.url = url
-        self.cluster = cluster
-        self.http = httpx.Client(base_url=url, timeout=120)
-
-    def client(self, key: str = KEY_A) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    def post(self, path: str, body: bytes | dict, key: str | None = KEY_A) -> httpx.Response:
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return self.http.post(path, content=data, headers=headers)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +48,7 @@ def server(local_ray_cluster, tmp_path_factory):
     }
     tmp = tmp_path_factory.mktemp("serve")
     with serve_running(cluster, app_args, tmp, replicas=2) as url:
-        yield Server(url, cluster)
+        yield Server(url, cluster, KEY_A)
 
 
 @pytest.fixture(scope="module")

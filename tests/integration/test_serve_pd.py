@@ -21,7 +21,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_common import serve_running
+from serve_common import Server, serve_running
 
 from actors import LLM, SamplingParams
 
@@ -33,19 +33,6 @@ APP = "meridian"
 GROUP = "pd"
 
 pytestmark = pytest.mark.timeout(900)
-
-
-class Server:
-    def __init__(self, url: str, cluster) -> None:
-        self.url = url
-        self.cluster = cluster
-        self.http = httpx.Client(base_url=url, timeout=120)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
-
-    def completion(self, **body) -> httpx.Response:
-        return self.http.post("/v1/completions", json={"model": MODEL, **body})
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +55,10 @@ def server(local_ray_cluster, tmp_path_factory):
 def reference():
     """The in-process engine on the same (built-in tiny) weights."""
     return LLM()
+
+
+def completion(server: Server, **body) -> httpx.Response:
+    return server.post("/v1/completions", {"model": MODEL, **body})
 
 
 def greedy_output(reference: LLM, prompt: list[int], n: int):
@@ -167,7 +158,7 @@ def test_conductor_rejection_is_429_with_retry_after(server, reference):
         assert next(lines).startswith("data: {")  # placed, decoding
 
         too_big = {"prompt": [9, 10, 11, 12], "max_tokens": 40}
-        refused = server.completion(**too_big)
+        refused = completion(server, **too_big)
         assert refused.status_code == 429
         _check_retry_after(refused)
         with server.http.stream(
@@ -191,7 +182,7 @@ def test_conductor_rejection_is_429_with_retry_after(server, reference):
         assert ok.choices[0].model_extra["token_ids"] == greedy(reference, fits, 8)
     # The long stream was closed mid-way: its reservation is freed, the big one now fits.
     deadline = time.monotonic() + 120
-    while (r := server.completion(**too_big)).status_code == 429:
+    while (r := completion(server, **too_big)).status_code == 429:
         assert time.monotonic() < deadline, "the aborted stream never freed its decode blocks"
         time.sleep(0.5)
     assert r.status_code == 200

@@ -76,6 +76,9 @@ def test_store_section_mirrors_store_config():
         ({"num_prefill": 1, "num_decode": 1, "store": {"dram_byte": 1}}, "dram_byte"),
         ({"num_prefill": 1, "num_decode": 1, "store": {"num_shards": 0}}, "num_shards"),
         ({"num_prefill": 1, "num_decode": 1, "num_replicas": 0}, "num_replicas"),
+        ({"conductor": {"ttft_slo": 1.0}}, "conductor needs num_prefill and num_decode"),
+        ({"num_prefill": 1, "num_decode": 1, "conductor": {"admission": "late"}}, "admission"),
+        ({"num_prefill": 1, "num_decode": 1, "conductor": {"tbt_slo": 0}}, "tbt_slo"),
     ],
 )
 def test_bad_disaggregated_groups_say_what_to_fix(group, needle):
