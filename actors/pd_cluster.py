@@ -111,6 +111,8 @@ class _Req:
     loaded_blocks: int = 0
     cached_tokens: int = 0
     emitted: int = 0  # tokens streamed to the caller over every attempt
+    arrival_time: float = 0.0  # this process's monotonic clock, like the two below
+    first_token_time: float | None = None
     replayed: int = 0  # tokens this attempt produced (a re-run replays emitted ones)
 
 
@@ -255,9 +257,11 @@ class PDCluster:
         params: SamplingParams,
         request_id: str | None = None,
         salt: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Place a request (validated, Conductor-scheduled, KV reserved on decode, prefill
-        queued); raises RequestRejected when the SLOs cannot be met now."""
+        queued); raises RequestRejected when the SLOs cannot be met now. ``arrival_time``
+        (``time.monotonic()``, default now) starts the output's TTFT."""
         tokens = list(prompt_token_ids)
         first_decode = next(iter(self.decodes.values()))
         ray.get(first_decode.validate.remote(tokens, params))
@@ -268,6 +272,7 @@ class PDCluster:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = _Req(request_id, tokens, params, seed, salt)
+        req.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._place(req)
         self._reqs[request_id] = req
         return request_id
@@ -473,11 +478,6 @@ class PDCluster:
             for batch, blocks, seconds in report["costs"]["decode_steps"]:
                 self.fitter.add_decode_step(batch, blocks, seconds)
         # A request placed elsewhere since (its replica was replaced) ignores this report.
-        for out in report["finished"]:
-            req = self._reqs.get(out.request_id)
-            if req is not None and req.decode_id == did:
-                out.num_cached_tokens = req.cached_tokens  # reused on the prefill side
-                req.output = out
         deltas: list[StreamDelta] = []
         for d in report["deltas"]:
             req = self._reqs.get(d.request_id)
@@ -491,8 +491,19 @@ class PDCluster:
             if old:
                 d = StreamDelta(d.request_id, d.token_ids[old:], "", d.finished, d.finish_reason)
             req.emitted += len(d.token_ids)
+            if req.first_token_time is None and d.token_ids:
+                req.first_token_time = time.monotonic()
             req.deltas.append(d)
             deltas.append(d)
+        for out in report["finished"]:
+            req = self._reqs.get(out.request_id)
+            if req is not None and req.decode_id == did:
+                # Times on this process's clock (the replicas' may differ), prefix reuse
+                # as the prefill side saw it.
+                out.num_cached_tokens = req.cached_tokens
+                out.arrival_time, out.first_token_time = req.arrival_time, req.first_token_time
+                out.finish_time = time.monotonic()
+                req.output = out
         return deltas
 
     @staticmethod

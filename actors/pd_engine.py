@@ -84,11 +84,12 @@ class PDEngine:
         salt: str | None = None,
     ) -> str:
         """Place the request now (Conductor); raises OverloadedError with the Conductor's
-        ``retry_after`` when it rejects it. The decode replica stamps its arrival."""
-        del arrival_time
+        ``retry_after`` when it rejects it."""
         self.validate(prompt_token_ids, params)
         try:
-            rid = self.cluster.submit(prompt_token_ids, params, request_id, salt=salt)
+            rid = self.cluster.submit(
+                prompt_token_ids, params, request_id, salt=salt, arrival_time=arrival_time
+            )
         except RequestRejected as e:
             raise OverloadedError(str(e), retry_after=e.retry_after) from None
         self._live.add(rid)

@@ -32,6 +32,10 @@ def test_pd_output_equals_colocated():
     outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
     assert [o.token_ids for o in outs] == colocated(prompts)
     assert all(o.finish_reason == "length" for o in outs)
+    # TTFT and TPOT are measured on one clock, from submission
+    for o in outs:
+        assert o.first_token_time is not None and o.finish_time is not None
+        assert o.arrival_time <= o.first_token_time <= o.finish_time
     stats = pd.prefill_stats()
     assert sum(s["layers_streamed"] for s in stats.values()) > 0
     finish(pd)
