@@ -83,11 +83,16 @@ class SharedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         serve_tcp: bool = False,
+        tcp_host: str = "127.0.0.1",
     ) -> None:
+        """``serve_tcp``: also serve the cache over TCP on ``tcp_host`` (an address other
+        nodes reach), for prefill replicas on other nodes."""
         self.num_blocks = num_blocks
         self.piece_bytes = piece_bytes_of(block_size, num_kv_heads, head_dim, dtype)
         self.segment = SharedSegment.create(2 * num_layers * num_blocks * self.piece_bytes)
-        self.engine = TransferEngine(endpoint_id, node_id, self.segment, serve_tcp=serve_tcp)
+        self.engine = TransferEngine(
+            endpoint_id, node_id, self.segment, serve_tcp=serve_tcp, tcp_host=tcp_host
+        )
         flat = torch.frombuffer(self.segment.array, dtype=dtype)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         per = num_blocks * block_size * num_kv_heads * head_dim

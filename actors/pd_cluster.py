@@ -48,6 +48,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.kv_store_shard import KVStoreClient, kv_store_shard_actor
 from actors.outputs import RequestOutput, StreamDelta
@@ -71,6 +72,11 @@ from store.hashing import chained_block_hashes
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
+def alive_nodes() -> list[tuple[str, str]]:
+    """(node id, address) of the Ray cluster's live nodes, in a stable order."""
+    return sorted((n["NodeID"], n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"])
+
+
 class RequestRejected(MeridianError):
     """The deployment cannot meet its latency objectives for this request now; retry after
     ``retry_after`` seconds (HTTP 429 with Retry-After)."""
@@ -88,7 +94,7 @@ class RequestRejected(MeridianError):
 
 @dataclass
 class StoreConfig:
-    """KV store shards of the deployment (one per node; ``num_shards`` on this node)."""
+    """KV store shards of the deployment: ``num_shards`` on every node of the cluster."""
 
     dram_bytes: int = 64 << 20
     ssd_bytes: int = 0
@@ -176,6 +182,15 @@ class PDCluster:
         if fit_costs:
             self.fitter = CostFitter(self.block_bytes, chunk_size=int(chunk or 2048))
         self.max_prefill_attempts = max_prefill_attempts
+        # Replicas and shards spread over the cluster's nodes: prefill replica i on node
+        # i, decode replica j on node num_prefill + j (modulo the node count), so with
+        # several nodes prefill and decode run apart and stream KV over TCP.
+        self.nodes = alive_nodes()
+        self._node_of: dict[str, int] = {}
+        for i in range(num_prefill):
+            self._node_of[f"p{i}"] = i % len(self.nodes)
+        for j in range(num_decode):
+            self._node_of[f"d{j}"] = (num_prefill + j) % len(self.nodes)
         self.shards: dict[str, Any] = {}
         self.store_client: KVStoreClient | None = None
         if store is not None:
@@ -202,33 +217,54 @@ class PDCluster:
         self.replicated_blocks = 0  # blocks copied into a chosen instance's home shard
 
     # -- set-up -----------------------------------------------------------------------------
+    def _on_node(self, cls: Any, index: int) -> Any:
+        """``cls`` placed on node ``index`` (soft: elsewhere if that node is gone)."""
+        node_id = self.nodes[index][0]
+        return cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True))
+
+    def _tcp_host(self, index: int) -> str:
+        """Where a process on node ``index`` serves TCP: loopback on a one-node cluster."""
+        return self.nodes[index][1] if len(self.nodes) > 1 else "127.0.0.1"
+
     def _start_store(self, cfg: StoreConfig) -> None:
+        if cfg.ssd_bytes > 0 and cfg.ssd_dir is None:
+            raise ValueError("StoreConfig.ssd_bytes > 0 needs ssd_dir")
         shard_cls = kv_store_shard_actor()
-        for i in range(cfg.num_shards):
-            ssd_dir = None
-            if cfg.ssd_bytes > 0:
-                if cfg.ssd_dir is None:
-                    raise ValueError("StoreConfig.ssd_bytes > 0 needs ssd_dir")
-                folder = Path(cfg.ssd_dir) / f"shard-{i}"
-                folder.mkdir(parents=True, exist_ok=True)
-                ssd_dir = str(folder)
-            self.shards[f"s{i}"] = shard_cls.remote(
-                f"s{i}", self.block_bytes, cfg.dram_bytes, cfg.ssd_bytes, ssd_dir
-            )
+        for n in range(len(self.nodes)):
+            for _ in range(cfg.num_shards):
+                i = len(self.shards)
+                ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{i}") if cfg.ssd_bytes > 0 else None
+                self.shards[f"s{i}"] = self._on_node(shard_cls, n).remote(
+                    f"s{i}",
+                    self.block_bytes,
+                    cfg.dram_bytes,
+                    cfg.ssd_bytes,
+                    ssd_dir,
+                    tcp_host=self._tcp_host(n),
+                )
         self.store_client = KVStoreClient("pd-conductor")
         for sid, handle in self.shards.items():
             self.store_client.add_shard(sid, handle)
 
     def _start_prefill(self, pid: str) -> None:
         live = self._live_shards()
-        handle = self._prefill_cls.remote(pid, self.model_dir, live, **self.options)
+        cls = self._on_node(self._prefill_cls, self._node_of[pid])
+        handle = cls.remote(pid, self.model_dir, live, **self.options)
         self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
         self._local_cached[pid] = set()
         self._prefill_nodes[pid] = ray.get(handle.node.remote())
 
     def _start_decode(self, did: str) -> None:
-        handle = self._decode_cls.remote(did, self.model_dir, **self.options)
+        n = self._node_of[did]
+        remote_prefill = any(self._node_of[p] != n for p in self._node_of if p[0] == "p")
+        handle = self._on_node(self._decode_cls, n).remote(
+            did,
+            self.model_dir,
+            serve_tcp=remote_prefill,
+            tcp_host=self._tcp_host(n),
+            **self.options,
+        )
         self.decodes[did] = handle
         self.decode_views[did] = DecodeInstance(did)
         self._update_decode(did, ray.get(handle.stats.remote()))

@@ -31,8 +31,11 @@ class DecodeReplica:
         replica_id: str,
         model_dir: str | None = None,
         serve_tcp: bool = False,
+        tcp_host: str = "127.0.0.1",
         **controller_options: Any,
     ) -> None:
+        """``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
+        ``tcp_host`` (this node's address); same-node ones always use shared memory."""
         self.replica_id = replica_id
         self.controller = ReplicaController(model_dir, **controller_options)
         c = self.controller
@@ -50,12 +53,16 @@ class DecodeReplica:
             shard.config.head_dim,
             c.dtype,
             serve_tcp=serve_tcp,
+            tcp_host=tcp_host,
         )
         self.cache.install(worker)
         self._reserved_blocks: dict[str, int] = {}
 
     def ping(self) -> str:
         return self.replica_id
+
+    def node(self) -> str:
+        return self.cache.endpoint.node_id
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.controller.validate(prompt_token_ids, params)

@@ -273,6 +273,7 @@ class PrefillReplica:
             "stored_blocks": self.stored_blocks,
             "bytes_streamed": self.streamer.bytes_sent,
             "layers_streamed": self.streamer.layers_sent,
+            "backends": self.engine.chosen_backends(),  # decode endpoint -> shm / tcp
         }
 
     def check_blocks(self) -> int:

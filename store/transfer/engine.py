@@ -82,6 +82,10 @@ class TransferEngine:
             self._backends[name] = backend
         return backend
 
+    def chosen_backends(self) -> dict[str, str]:
+        """Remote endpoint id -> the backend its transfers use (those reached so far)."""
+        return dict(self._choice)
+
     def backend_for(self, remote: Endpoint) -> str:
         name = self._choice.get(remote.endpoint_id)
         if name is not None:
