@@ -195,8 +195,11 @@ class PDCluster:
         self.store_client: KVStoreClient | None = None
         if store is not None:
             self._start_store(store)
-        self._prefill_cls = ray.remote(num_cpus=0, max_restarts=0)(PrefillReplica)
-        self._decode_cls = ray.remote(num_cpus=0, max_restarts=0)(DecodeReplica)
+        # On a GPU cluster each prefill and decode replica holds one GPU (its worker runs
+        # there); on CPU they take no CPU reservation (the machine's cores are shared).
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        self._prefill_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(PrefillReplica)
+        self._decode_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(DecodeReplica)
         self.prefills: dict[str, Any] = {}
         self.prefill_views: dict[str, PrefillInstance] = {}
         self._local_cached: dict[str, set[int]] = {}
@@ -217,10 +220,11 @@ class PDCluster:
         self.replicated_blocks = 0  # blocks copied into a chosen instance's home shard
 
     # -- set-up -----------------------------------------------------------------------------
-    def _on_node(self, cls: Any, index: int) -> Any:
-        """``cls`` placed on node ``index`` (soft: elsewhere if that node is gone)."""
-        node_id = self.nodes[index][0]
-        return cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True))
+    def _on_node(self, cls: Any, index: int, restart: bool = False) -> Any:
+        """``cls`` placed on node ``index``; a replacement may go elsewhere if that node
+        is gone."""
+        strategy = NodeAffinitySchedulingStrategy(self.nodes[index][0], soft=restart)
+        return cls.options(scheduling_strategy=strategy)
 
     def _tcp_host(self, index: int) -> str:
         """Where a process on node ``index`` serves TCP: loopback on a one-node cluster."""
@@ -248,7 +252,7 @@ class PDCluster:
 
     def _start_prefill(self, pid: str) -> None:
         live = self._live_shards()
-        cls = self._on_node(self._prefill_cls, self._node_of[pid])
+        cls = self._on_node(self._prefill_cls, self._node_of[pid], pid in self.prefills)
         handle = cls.remote(pid, self.model_dir, live, **self.options)
         self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
@@ -258,7 +262,7 @@ class PDCluster:
     def _start_decode(self, did: str) -> None:
         n = self._node_of[did]
         remote_prefill = any(self._node_of[p] != n for p in self._node_of if p[0] == "p")
-        handle = self._on_node(self._decode_cls, n).remote(
+        handle = self._on_node(self._decode_cls, n, did in self.decodes).remote(
             did,
             self.model_dir,
             serve_tcp=remote_prefill,
