@@ -17,24 +17,18 @@ streaming each layer's KV into them through the transfer layer (never through Ra
 once its last prefill step returned the request is admitted to the decode batch with its
 first token. Control messages (ids, block ids, endpoints, tokens) are all Ray carries.
 
-Store and replication: every prefill replica has a home store shard (one on its node,
-spread over that node's shards); the Conductor sees a prefill instance as holding its own
-prefix cache plus its home shard, and new full blocks are written back to the home shard.
-When the Conductor copies a prefix to the chosen instance (``transfer_from``) or replicates
-hot blocks onto it (``replicate_blocks``), the blocks are copied into the chosen instance's
-home shard before its prefill starts: shard to shard (``change_replica``) when a shard
-holds them, else written out of the holder replica's own cache.
+Store and replication (``actors.pd_store``): each prefill replica writes new blocks to,
+and counts as its own, a home shard on its node; prefixes the Conductor wants on the chosen
+instance (``transfer_from``, ``replicate_blocks``) are copied there before its prefill.
 
-Cost model: with ``fit_costs`` (default) the Conductor's prefill-time, decode-TBT and
-transfer-time estimates are refitted (``policies.pd_costs.CostFitter``) from the steps and
-store loads this deployment measures, replacing the starting estimates.
+With ``fit_costs`` (default) the Conductor's estimates are refitted (``CostFitter``) from
+the steps and store loads this deployment measures. Replicas and shards spread over the
+cluster's nodes (``actors.node_placement``).
 
-Faults: a store shard that died drops out of every client's map and its blocks read as
-misses (recomputed). A prefill replica that died has the decode reservations of its
-requests cancelled (no leaked blocks); it is replaced by a fresh actor and its requests are
-scheduled again. A decode replica that died is replaced by a fresh actor; its requests
-(decoding, or still in prefill towards it) run again from their prompt, and the tokens a
-caller already received are not streamed twice (seeded sampling draws the same tokens).
+Faults: a dead store shard drops out of the map (its blocks are recomputed). A dead prefill
+replica's decode reservations are cancelled; a dead decode replica's requests run again
+from their prompt, never streaming a token twice (seeded sampling draws the same tokens).
+Either is replaced by a fresh actor and its requests are placed again.
 """
 
 from __future__ import annotations
@@ -48,14 +42,15 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.kv_store_shard import KVStoreClient, kv_store_shard_actor
+from actors.kv_store_shard import KVStoreClient
+from actors.node_placement import NodePlacement
 from actors.outputs import RequestOutput, StreamDelta
+from actors.pd_conductor import RequestRejected, default_conductor
 from actors.pd_decode import DecodeReplica
 from actors.pd_prefill import PrefillReplica
+from actors.pd_store import PDStore, StoreConfig
 from actors.sampling import SamplingParams
-from errors import MeridianError
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import read_model_config
@@ -66,40 +61,10 @@ from policies.conductor import (
     PrefillInstance,
     apply_decision,
 )
-from policies.pd_costs import CostFitter, LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
+from policies.pd_costs import CostFitter
 from store.hashing import chained_block_hashes
 
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-def alive_nodes() -> list[tuple[str, str]]:
-    """(node id, address) of the Ray cluster's live nodes, in a stable order."""
-    return sorted((n["NodeID"], n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"])
-
-
-class RequestRejected(MeridianError):
-    """The deployment cannot meet its latency objectives for this request now; retry after
-    ``retry_after`` seconds (HTTP 429 with Retry-After)."""
-
-    http_status = 429
-
-    def __init__(self, reason: str, retry_after: float) -> None:
-        super().__init__(
-            f"overloaded ({reason}): the deployment cannot serve this request within its "
-            f"latency objectives now; retry after {retry_after:.1f} s"
-        )
-        self.reason = reason
-        self.retry_after = retry_after
-
-
-@dataclass
-class StoreConfig:
-    """KV store shards of the deployment: ``num_shards`` on every node of the cluster."""
-
-    dram_bytes: int = 64 << 20
-    ssd_bytes: int = 0
-    ssd_dir: str | None = None  # a folder per shard is made under it
-    num_shards: int = 1
 
 
 @dataclass
@@ -120,27 +85,6 @@ class _Req:
     arrival_time: float = 0.0  # this process's monotonic clock, like the two below
     first_token_time: float | None = None
     replayed: int = 0  # tokens this attempt produced (a re-run replays emitted ones)
-
-
-def default_conductor(
-    block_bytes: int,
-    admission: str = "none",
-    ttft_slo: float = 60.0,
-    tbt_slo: float = 10.0,
-    replication_threshold: float = 2.0,
-) -> Conductor:
-    """CPU-scale starting estimates (refitted from measured steps unless ``fit_costs`` is
-    off) and generous SLOs unless given; ``admission`` "early" or "predictive" rejects by
-    the SLOs (429), "none" only when decode has no room."""
-    return Conductor(
-        prefill_time=LinearPrefillTime(base=2e-3, per_new_token=2e-4, per_cached_token=1e-6),
-        decode_tbt=LinearDecodeTBT(base=5e-3, per_request=1e-4, per_block=1e-6),
-        transfer_time=transfer_time_fn(block_bytes, bytes_per_second=4e9),
-        ttft_slo=ttft_slo,
-        tbt_slo=tbt_slo,
-        replication_threshold=replication_threshold,
-        admission=admission,
-    )
 
 
 class PDCluster:
@@ -185,16 +129,13 @@ class PDCluster:
         # Replicas and shards spread over the cluster's nodes: prefill replica i on node
         # i, decode replica j on node num_prefill + j (modulo the node count), so with
         # several nodes prefill and decode run apart and stream KV over TCP.
-        self.nodes = alive_nodes()
-        self._node_of: dict[str, int] = {}
-        for i in range(num_prefill):
-            self._node_of[f"p{i}"] = i % len(self.nodes)
-        for j in range(num_decode):
-            self._node_of[f"d{j}"] = (num_prefill + j) % len(self.nodes)
-        self.shards: dict[str, Any] = {}
-        self.store_client: KVStoreClient | None = None
-        if store is not None:
-            self._start_store(store)
+        self.placement_plan = NodePlacement()
+        self._prefill_ids = [f"p{i}" for i in range(num_prefill)]
+        for i, rid in enumerate(self._prefill_ids + [f"d{j}" for j in range(num_decode)]):
+            self.placement_plan.assign(rid, i)
+        self.store = PDStore(store, self.block_bytes, self.placement_plan) if store else None
+        self.shards: dict[str, Any] = self.store.shards if self.store else {}
+        self.store_client: KVStoreClient | None = self.store.client if self.store else None
         # On a GPU cluster each prefill and decode replica holds one GPU (its worker runs
         # there); on CPU they take no CPU reservation (the machine's cores are shared).
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
@@ -220,39 +161,9 @@ class PDCluster:
         self.replicated_blocks = 0  # blocks copied into a chosen instance's home shard
 
     # -- set-up -----------------------------------------------------------------------------
-    def _on_node(self, cls: Any, index: int, restart: bool = False) -> Any:
-        """``cls`` placed on node ``index``; a replacement may go elsewhere if that node
-        is gone."""
-        strategy = NodeAffinitySchedulingStrategy(self.nodes[index][0], soft=restart)
-        return cls.options(scheduling_strategy=strategy)
-
-    def _tcp_host(self, index: int) -> str:
-        """Where a process on node ``index`` serves TCP: loopback on a one-node cluster."""
-        return self.nodes[index][1] if len(self.nodes) > 1 else "127.0.0.1"
-
-    def _start_store(self, cfg: StoreConfig) -> None:
-        if cfg.ssd_bytes > 0 and cfg.ssd_dir is None:
-            raise ValueError("StoreConfig.ssd_bytes > 0 needs ssd_dir")
-        shard_cls = kv_store_shard_actor()
-        for n in range(len(self.nodes)):
-            for _ in range(cfg.num_shards):
-                i = len(self.shards)
-                ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{i}") if cfg.ssd_bytes > 0 else None
-                self.shards[f"s{i}"] = self._on_node(shard_cls, n).remote(
-                    f"s{i}",
-                    self.block_bytes,
-                    cfg.dram_bytes,
-                    cfg.ssd_bytes,
-                    ssd_dir,
-                    tcp_host=self._tcp_host(n),
-                )
-        self.store_client = KVStoreClient("pd-conductor")
-        for sid, handle in self.shards.items():
-            self.store_client.add_shard(sid, handle)
-
     def _start_prefill(self, pid: str) -> None:
-        live = self._live_shards()
-        cls = self._on_node(self._prefill_cls, self._node_of[pid], pid in self.prefills)
+        live = self.store.live() if self.store else {}
+        cls = self.placement_plan.options(self._prefill_cls, pid, restart=pid in self.prefills)
         handle = cls.remote(pid, self.model_dir, live, **self.options)
         self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
@@ -260,13 +171,12 @@ class PDCluster:
         self._prefill_nodes[pid] = ray.get(handle.node.remote())
 
     def _start_decode(self, did: str) -> None:
-        n = self._node_of[did]
-        remote_prefill = any(self._node_of[p] != n for p in self._node_of if p[0] == "p")
-        handle = self._on_node(self._decode_cls, n, did in self.decodes).remote(
+        plan = self.placement_plan
+        handle = plan.options(self._decode_cls, did, restart=did in self.decodes).remote(
             did,
             self.model_dir,
-            serve_tcp=remote_prefill,
-            tcp_host=self._tcp_host(n),
+            serve_tcp=plan.apart(did, self._prefill_ids),  # prefill elsewhere: over TCP
+            tcp_host=plan.tcp_host(did),
             **self.options,
         )
         self.decodes[did] = handle
@@ -276,19 +186,11 @@ class PDCluster:
     def home_shard(self, pid: str) -> str | None:
         """The live store shard prefill replica ``pid`` writes to and counts as its own:
         one on its node (the node's prefill replicas spread over its shards), else any."""
-        client = self.store_client
-        if client is None or not client.endpoints:
+        if self.store is None:
             return None
         node = self._prefill_nodes[pid]
-        shards = sorted(s for s, ep in client.endpoints.items() if ep.node_id == node)
-        shards = shards or sorted(client.endpoints)
         peers = sorted(p for p in self.prefills if self._prefill_nodes[p] == node)
-        return shards[peers.index(pid) % len(shards)]
-
-    def _live_shards(self) -> dict[str, Any]:
-        if self.store_client is None:
-            return {}
-        return {s: h for s, h in self.shards.items() if s in self.store_client.handles}
+        return self.store.home_shard(node, peers.index(pid))
 
     # -- requests ---------------------------------------------------------------------------
     def submit(
@@ -326,8 +228,8 @@ class PDCluster:
             req.params.max_tokens,
             self.block_size,
         )
-        if self.store_client is not None:
-            self.store_client.refresh()
+        if self.store is not None:
+            self.store.refresh()
         prefills = []
         for pid, view in self.prefill_views.items():
             view.cached = self._local_cached[pid] | self._home_blocks(pid)
@@ -366,42 +268,26 @@ class PDCluster:
         )
 
     def _home_blocks(self, pid: str) -> set[int]:
-        home = self.home_shard(pid)
-        if home is None or self.store_client is None:
-            return set()
-        return set(self.store_client.directory.blocks_of(home))
+        return self.store.blocks_of(self.home_shard(pid)) if self.store else set()
 
     def _copy_blocks(self, req: _Req, hashes: list[int], src_pid: str, dst_pid: str) -> None:
-        """Copy blocks the Conductor wants on ``dst_pid`` into its home shard: from a shard
-        that holds them (``src_pid``'s home first), else out of ``src_pid``'s own cache.
-        Best effort: a block not copied is recomputed."""
-        client, dst = self.store_client, self.home_shard(dst_pid)
-        if client is None or dst is None:
+        """Copy blocks the Conductor wants on ``dst_pid`` into its home shard, from a shard
+        (``src_pid``'s home first) or out of ``src_pid``'s own cache."""
+        dst = self.home_shard(dst_pid)
+        if self.store is None or dst is None:
             return  # no store: nowhere to copy to
-        src_home = self.home_shard(src_pid)
-        by_source: dict[str, list[int]] = {}
-        from_cache: list[int] = []
-        for h in hashes:
-            holders = client.directory.holders(h)
-            if dst in holders:
-                continue
-            if not holders:
-                from_cache.append(h)
-            else:
-                src = src_home if src_home in holders else min(holders)
-                by_source.setdefault(src, []).append(h)
-        for src, run in by_source.items():
-            self.replicated_blocks += len(client.change_replica(run, src, dst))
-        if from_cache:
+
+        def export(rest: list[int]) -> int:
             try:
-                self.replicated_blocks += ray.get(
-                    self.prefills[src_pid].export_blocks.remote(
-                        req.tokens, req.salt, from_cache, dst
-                    )
+                n: int = ray.get(
+                    self.prefills[src_pid].export_blocks.remote(req.tokens, req.salt, rest, dst)
                 )
+                return n
             except DEAD:
-                pass  # its death is handled at the next step
-            client.refresh()
+                return 0  # its death is handled at the next step
+
+        home = self.home_shard(src_pid)
+        self.replicated_blocks += self.store.copy_blocks(hashes, dst, home, export)
 
     def placement(self, request_id: str) -> tuple[str | None, str | None]:
         """(prefill id, decode id) the Conductor chose for a request not yet released."""
@@ -695,14 +581,11 @@ class PDCluster:
         """Block hashes a new request could reuse: any prefill replica's prefix cache, or
         any live store shard."""
         held = set().union(*self._local_cached.values())
-        if self.store_client is not None:
-            for sid in self.store_client.directory.shards:
-                held |= self.store_client.directory.blocks_of(sid)
-        return held
+        return held | self.store.all_blocks() if self.store else held
 
     def refresh_store(self) -> list[str]:
         """Apply shard events to the Conductor's map; returns shards found dead."""
-        return self.store_client.refresh() if self.store_client is not None else []
+        return self.store.refresh() if self.store is not None else []
 
     def shutdown(self) -> None:
         for handle in [*self.prefills.values(), *self.decodes.values()]:
@@ -711,11 +594,5 @@ class PDCluster:
             except DEAD:
                 pass
             ray.kill(handle)
-        for handle in self.shards.values():
-            try:
-                ray.get(handle.close.remote())
-            except DEAD:
-                pass
-            ray.kill(handle)
-        if self.store_client is not None:
-            self.store_client.close()
+        if self.store is not None:
+            self.store.close()

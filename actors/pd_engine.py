@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.outputs import RequestOutput, StreamDelta
-from actors.pd_cluster import PDCluster, RequestRejected, StoreConfig
+from actors.pd_cluster import PDCluster
+from actors.pd_conductor import RequestRejected
+from actors.pd_store import StoreConfig
 from actors.request_limits import RequestLimits
 from actors.sampling import SamplingParams
 from actors.serve_config import ConductorSectionConfig, ReplicaGroupConfig

@@ -11,7 +11,8 @@ import ray
 from pd_common import OPTS, PARAMS, REPO, colocated, tokens
 from ray.cluster_utils import Cluster
 
-from actors.pd_cluster import PDCluster, StoreConfig
+from actors.pd_cluster import PDCluster
+from actors.pd_store import StoreConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,7 +34,8 @@ def test_prefill_and_decode_on_two_nodes_stream_kv_over_tcp():
     shared = tokens(1, 16)
     prompts = [shared + tokens(2, 5), tokens(3, 22), shared + tokens(4, 9)]
     pd = PDCluster(None, store=StoreConfig(dram_bytes=1 << 20), **OPTS)
-    assert len(pd.nodes) == 2 and sorted(pd.shards) == ["s0", "s1"]  # a shard per node
+    assert len(pd.placement_plan.nodes) == 2
+    assert sorted(pd.shards) == ["s0", "s1"]  # a shard per node
     prefill_node = ray.get(pd.prefills["p0"].node.remote())
     decode_node = ray.get(pd.decodes["d0"].node.remote())
     assert prefill_node != decode_node  # disaggregated across nodes

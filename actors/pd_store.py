@@ -1,0 +1,127 @@
+"""The KV store of a disaggregated deployment, as its Conductor uses it.
+
+``num_shards`` store shards on every node (``actors.kv_store_shard``), the client holding
+the cluster-wide block -> shards map, and what the Conductor asks of them:
+
+- ``home_shard(node, rank)``: the shard a prefill replica on ``node`` writes to and counts
+  as its own (the node's prefill replicas, by ``rank``, spread over its shards; any live
+  shard when the node has none);
+- ``copy_blocks``: put blocks the Conductor wants on an instance into its home shard, shard
+  to shard (``change_replica``) where a shard holds them, else through ``export`` (the
+  holder replica writes them out of its own cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from actors.kv_store_shard import KVStoreClient, kv_store_shard_actor
+from actors.node_placement import NodePlacement
+
+DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+@dataclass
+class StoreConfig:
+    """KV store shards of the deployment: ``num_shards`` on every node of the cluster."""
+
+    dram_bytes: int = 64 << 20
+    ssd_bytes: int = 0
+    ssd_dir: str | None = None  # a folder per shard is made under it
+    num_shards: int = 1
+
+
+class PDStore:
+    def __init__(self, cfg: StoreConfig, block_bytes: int, placement: NodePlacement) -> None:
+        if cfg.ssd_bytes > 0 and cfg.ssd_dir is None:
+            raise ValueError("StoreConfig.ssd_bytes > 0 needs ssd_dir")
+        shard_cls = kv_store_shard_actor()
+        self.shards: dict[str, Any] = {}
+        for n in range(len(placement.nodes)):
+            for _ in range(cfg.num_shards):
+                sid = f"s{len(self.shards)}"
+                placement.assign(sid, n)
+                ssd_dir = None
+                if cfg.ssd_bytes > 0 and cfg.ssd_dir is not None:
+                    ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{sid[1:]}")
+                self.shards[sid] = placement.options(shard_cls, sid).remote(
+                    sid,
+                    block_bytes,
+                    cfg.dram_bytes,
+                    cfg.ssd_bytes,
+                    ssd_dir,
+                    tcp_host=placement.tcp_host(sid),
+                )
+        self.client = KVStoreClient("pd-conductor")
+        for sid, handle in self.shards.items():
+            self.client.add_shard(sid, handle)
+
+    def live(self) -> dict[str, Any]:
+        """Handles of the shards not known dead."""
+        return {s: h for s, h in self.shards.items() if s in self.client.handles}
+
+    def home_shard(self, node_id: str, rank: int) -> str | None:
+        endpoints = self.client.endpoints
+        if not endpoints:
+            return None
+        shards = sorted(s for s, ep in endpoints.items() if ep.node_id == node_id)
+        shards = shards or sorted(endpoints)
+        return shards[rank % len(shards)]
+
+    def blocks_of(self, shard_id: str | None) -> set[int]:
+        return set(self.client.directory.blocks_of(shard_id)) if shard_id is not None else set()
+
+    def all_blocks(self) -> set[int]:
+        held: set[int] = set()
+        for sid in self.client.directory.shards:
+            held |= self.client.directory.blocks_of(sid)
+        return held
+
+    def refresh(self) -> list[str]:
+        """Apply shard events to the map; returns shards found dead."""
+        return self.client.refresh()
+
+    def copy_blocks(
+        self,
+        hashes: list[int],
+        dst: str,
+        src_home: str | None,
+        export: Callable[[list[int]], int],
+    ) -> int:
+        """Make ``dst`` hold ``hashes``: shard to shard from a holder (``src_home`` first),
+        ``export(rest)`` for blocks no shard holds. Returns blocks copied; best effort (a
+        block not copied is recomputed by whoever needs it)."""
+        directory = self.client.directory
+        by_source: dict[str, list[int]] = {}
+        from_cache: list[int] = []
+        for h in hashes:
+            holders = directory.holders(h)
+            if dst in holders:
+                continue
+            if not holders:
+                from_cache.append(h)
+            else:
+                src = src_home if src_home in holders else min(holders)
+                by_source.setdefault(src, []).append(h)
+        copied = 0
+        for src, run in by_source.items():
+            copied += len(self.client.change_replica(run, src, dst))
+        if from_cache:
+            copied += export(from_cache)
+            self.client.refresh()
+        return copied
+
+    def close(self) -> None:
+        for handle in self.shards.values():
+            try:
+                ray.get(handle.close.remote())
+            except DEAD:
+                pass
+            ray.kill(handle)
+        self.client.close()
