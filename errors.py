@@ -22,3 +22,20 @@ class ContextLengthError(InvalidRequestError):
 
 class ModelLoadError(MeridianError):
     """A model folder is missing files or holds an architecture we do not support."""
+
+
+class OverloadedError(MeridianError):
+    """The replica cannot take the request now; retry after a moment (HTTP 429).
+    ``retry_after``: seconds the engine suggests (None: the server's default)."""
+
+    http_status = 429
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailableError(MeridianError):
+    """The engine failed to take the request (a dead actor, a bug); retry it (HTTP 503)."""
+
+    http_status = 503

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.kv_store_shard import KVStoreClient
 from actors.node_placement import NodePlacement
@@ -49,7 +48,7 @@ from actors.outputs import RequestOutput, StreamDelta
 from actors.pd_conductor import RequestRejected, default_conductor
 from actors.pd_decode import DecodeReplica
 from actors.pd_prefill import PrefillReplica
-from actors.pd_store import PDStore, StoreConfig
+from actors.pd_store import DEAD, PDStore, StoreConfig
 from actors.sampling import SamplingParams
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
@@ -63,8 +62,6 @@ from policies.conductor import (
 )
 from policies.pd_costs import CostFitter
 from store.hashing import chained_block_hashes
-
-DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 @dataclass

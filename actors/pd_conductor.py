@@ -8,24 +8,22 @@ Retry-After.
 
 from __future__ import annotations
 
-from errors import MeridianError
+from errors import OverloadedError
 from policies.conductor import Conductor
 from policies.pd_costs import LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
 
 
-class RequestRejected(MeridianError):
+class RequestRejected(OverloadedError):
     """The deployment cannot meet its latency objectives for this request now; retry after
-    ``retry_after`` seconds (HTTP 429 with Retry-After)."""
-
-    http_status = 429
+    ``retry_after`` seconds (HTTP 429 with Retry-After). ``reason``: the Conductor's."""
 
     def __init__(self, reason: str, retry_after: float) -> None:
         super().__init__(
             f"overloaded ({reason}): the deployment cannot serve this request within its "
-            f"latency objectives now; retry after {retry_after:.1f} s"
+            f"latency objectives now; retry after {retry_after:.1f} s",
+            retry_after,
         )
         self.reason = reason
-        self.retry_after = retry_after
 
 
 def default_conductor(

@@ -24,12 +24,10 @@ from typing import Any
 
 from actors.outputs import RequestOutput, StreamDelta
 from actors.pd_cluster import PDCluster
-from actors.pd_conductor import RequestRejected
 from actors.pd_store import StoreConfig
 from actors.request_limits import RequestLimits
 from actors.sampling import SamplingParams
 from actors.serve_config import ConductorSectionConfig, ReplicaGroupConfig
-from actors.serve_engine import OverloadedError
 from models.config import read_model_config
 
 RETRY_WAIT_S = 0.05
@@ -88,12 +86,9 @@ class PDEngine:
         """Place the request now (Conductor); raises OverloadedError with the Conductor's
         ``retry_after`` when it rejects it."""
         self.validate(prompt_token_ids, params)
-        try:
-            rid = self.cluster.submit(
-                prompt_token_ids, params, request_id, salt=salt, arrival_time=arrival_time
-            )
-        except RequestRejected as e:
-            raise OverloadedError(str(e), retry_after=e.retry_after) from None
+        rid = self.cluster.submit(  # RequestRejected is an OverloadedError (429)
+            prompt_token_ids, params, request_id, salt=salt, arrival_time=arrival_time
+        )
         self._live.add(rid)
         return rid
 

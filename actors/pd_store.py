@@ -24,7 +24,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from actors.kv_store_shard import KVStoreClient, kv_store_shard_actor
 from actors.node_placement import NodePlacement
 
-DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
+DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)  # an actor that is gone
 
 
 @dataclass

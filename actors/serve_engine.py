@@ -35,30 +35,18 @@ from actors.outputs import RequestOutput, StreamDelta
 from actors.replica_controller import ReplicaController
 from actors.sampling import SamplingParams
 from actors.serve_metrics import ReplicaMetrics
-from errors import InvalidRequestError, MeridianError
+from errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    MeridianError,
+    OverloadedError,
+)
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[tuple], None]
 MAX_BUFFERED_EVENTS = 1 << 20  # beyond this, drop the deltas and resync the whole set
 IDLE_RELEASE_S = 2.0  # idle this long: let the workers stop polling
-
-
-class OverloadedError(MeridianError):
-    """The replica cannot take the request now; retry after a moment (HTTP 429).
-    ``retry_after``: seconds the engine suggests (None: the server's default)."""
-
-    http_status = 429
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineUnavailableError(MeridianError):
-    """The engine failed to take the request (a dead actor, a bug); retry it (HTTP 503)."""
-
-    http_status = 503
 
 
 class ServingEngine(Protocol):

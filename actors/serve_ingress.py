@@ -26,10 +26,9 @@ from ray import serve
 from actors import openai_protocol as oai
 from actors.outputs import RequestOutput
 from actors.serve_config import ApiKeyConfig, ServeConfig
-from actors.serve_engine import EngineUnavailableError, OverloadedError
 from actors.serve_metrics import render
 from actors.serve_router import own_request_id
-from errors import InvalidRequestError
+from errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from models import load_tokenizer, read_model_config, tiny_model_dir
 from store.hashing import chained_block_hashes
 
