@@ -1,11 +1,11 @@
 """The Ray Serve application: ``serve run serve_app:app`` starts the demo on localhost:8000.
 
-Three deployments, built from one ``ServeConfig`` (actors/serve_config.py):
+Three deployments, built from one ``ServeConfig`` (actors/serving/config.py):
 
-- ``Ingress``: the OpenAI-compatible FastAPI app (actors/serve_ingress.py);
-- ``Router``: the global cache-aware router holding ``RouterState`` (actors/serve_router.py);
+- ``Ingress``: the OpenAI-compatible FastAPI app (actors/serving/ingress.py);
+- ``Router``: the global cache-aware router holding ``RouterState`` (actors/serving/router.py);
 - ``Replica-<group>``: one deployment per replica group, each replica a ``ReplicaController``
-  in an engine thread (actors/serve_replica.py), routed by ``RankedRequestRouter``; in a
+  in an engine thread (actors/serving/replica.py), routed by ``RankedRequestRouter``; in a
   group with ``num_prefill`` / ``num_decode``, each replica owns a ``PDCluster`` of prefill
   and decode replica actors instead, and the Conductor's rejections become 429s.
 
@@ -22,10 +22,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
-from actors.serve_config import ServeConfig
-from actors.serve_ingress import Ingress
-from actors.serve_replica import ReplicaServer
-from actors.serve_router import RankedRequestRouter, RouterDeployment
+from actors.serving.config import ServeConfig
+from actors.serving.ingress import Ingress
+from actors.serving.replica import ReplicaServer
+from actors.serving.router import RankedRequestRouter, RouterDeployment
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -1,7 +1,7 @@
 """Thin runtime objects around the engine; ``from actors import LLM, SamplingParams``."""
 
+from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.sampling import SamplingParams
 from actors.llm import LLM
-from actors.outputs import RequestOutput, StreamDelta
-from actors.sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamDelta"]

@@ -6,7 +6,7 @@ Three ways to run, one ``generate``:
 - ``LLM(model, num_replicas=k)``: k replica actors on the Ray cluster (``ray.init`` of the
   current job, or a local one), each prompt routed by the cache-aware router;
 - ``LLM(model, num_prefill=p, num_decode=d)``: prefill and decode replica actors with KV
-  streamed between them (``actors/pd_cluster.py``);
+  streamed between them (``actors/disagg/cluster.py``);
 - ``LLM.attach("app-name" | "http://host:port")``: a running Serve app.
 
 Every prompt of a call is validated before any starts, so a bad prompt fails the call
@@ -19,9 +19,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from actors.outputs import RequestOutput, StreamDelta
-from actors.replica_controller import ReplicaController
-from actors.sampling import SamplingParams
+from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
 from errors import InvalidRequestError
 
 Prompts = str | Sequence[str] | None
@@ -43,14 +43,14 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         """``num_replicas=None``: in this process. Otherwise replica actors with
-        ``num_cpus`` each, routed by the ``routing`` policy (see actors/router_state.py),
+        ``num_cpus`` each, routed by the ``routing`` policy (see actors/serving/router_state.py),
         at most ``max_in_flight`` requests submitted at once. ``num_prefill`` /
         ``num_decode``: a disaggregated deployment instead (Conductor placement)."""
         self.remote: Any = None
         if num_prefill is not None or num_decode is not None:
             if num_replicas is not None:
                 raise InvalidRequestError("give num_replicas or num_prefill/num_decode, not both")
-            from actors.pd_cluster import PDCluster
+            from actors.disagg.cluster import PDCluster
 
             self.remote = _Disaggregated(
                 PDCluster(model, num_prefill or 1, num_decode or 1, **engine_options)
@@ -61,7 +61,7 @@ class LLM:
             self.engine = ReplicaController(model, **engine_options)
             self.tokenizer = self.engine.tokenizer
             return
-        from actors.serve_client import ReplicaPool
+        from actors.serving.client import ReplicaPool
 
         self.remote = ReplicaPool(
             None if model is None else str(model),
@@ -85,7 +85,7 @@ class LLM:
         """Attach to a running Serve app: by app name (this process must be connected to its
         Ray cluster) or by URL. ``model`` is the folder whose tokenizer encodes prompts here
         (default: the built-in tiny model); ``api_key`` selects the tenant."""
-        from actors.serve_client import HttpClient, ServeAppClient
+        from actors.serving.client import HttpClient, ServeAppClient
 
         self = cls.__new__(cls)
         if target.startswith(("http://", "https://")):

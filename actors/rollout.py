@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from actors.engine.sampling import SamplingParams
 from actors.llm import LLM
-from actors.sampling import SamplingParams
 
 LINE_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 

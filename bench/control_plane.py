@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray  # noqa: E402
 
-from actors.collectives import Layout  # noqa: E402
-from actors.ray_executor import CHANNEL_BYTES, RayExecutor  # noqa: E402
-from actors.step_plan import PlanEntry, StepPlan, StepResult  # noqa: E402
-from actors.worker import StageOutput, WorkerSpec  # noqa: E402
+from actors.engine.collectives import Layout  # noqa: E402
+from actors.engine.ray_executor import CHANNEL_BYTES, RayExecutor  # noqa: E402
+from actors.engine.step_plan import PlanEntry, StepPlan, StepResult  # noqa: E402
+from actors.engine.worker import StageOutput, WorkerSpec  # noqa: E402
 
 HIDDEN = 64  # activation width handed between stages (the tiny model's)
 

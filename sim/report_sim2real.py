@@ -42,7 +42,7 @@ def sim2real_section(path: Path) -> list[str]:
     lines += [
         f"From `python -m sim sim2real --requests {d['requests']} --repeats {d['repeats']}` "
         f"(`{path.name}`). Each repeat uses fresh engines of",
-        "`actors.replica_controller.ReplicaController` (the tiny model, torch with "
+        "`actors.engine.replica_controller.ReplicaController` (the tiny model, torch with "
         f"{d['torch_threads']} thread):",
         "",
         "1. **Warm-up.** Every step shape the replay can produce runs once first (each token count",

@@ -1,5 +1,5 @@
 """Sim-to-real: replay a trace slice on the live CPU engine (the tiny model on
-``actors.replica_controller.ReplicaController``) and in the simulator, and compare
+``actors.engine.replica_controller.ReplicaController``) and in the simulator, and compare
 per-request TTFT and TPOT.
 
 One repeat:
@@ -104,7 +104,7 @@ class _Recorder:
 
 
 def _engine() -> Any:
-    from actors.replica_controller import ReplicaController
+    from actors.engine.replica_controller import ReplicaController
 
     return ReplicaController(
         block_size=BLOCK, num_blocks=NUM_BLOCKS, token_budget=BUDGET, max_num_seqs=MAX_SEQS
@@ -112,7 +112,7 @@ def _engine() -> Any:
 
 
 def _params(max_tokens: int) -> Any:
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 

@@ -1,6 +1,6 @@
 """One KV store shard's logic: a DRAM tier over an SSD tier, pins, chained LRU, events.
 
-No Ray, no transfers: ``actors/kv_store_shard.py`` wraps this with a shared-memory segment
+No Ray, no transfers: ``actors/kvstore/shard.py`` wraps this with a shared-memory segment
 (the DRAM buffer) and a transfer engine. API (hashes are 64-bit ints from store.hashing; a
 block's bytes are any contiguous buffer of at most ``block_bytes`` bytes):
 

@@ -10,8 +10,8 @@ import pytest
 import ray
 import torch
 
-from actors.replica_controller import ReplicaController
-from actors.sampling import SamplingParams
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 4

@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from actors.kv_store_shard import KVStoreClient, kv_store_shard_actor
+from actors.kvstore.shard import KVStoreClient, kv_store_shard_actor
 from kernels.kv_cache import allocate_kv_cache
 from store.hashing import chained_block_hashes
 from store.kv_block_layout import KVBlockLayout

@@ -15,8 +15,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from actors.replica_controller import ReplicaController  # noqa: E402
-from actors.sampling import SamplingParams  # noqa: E402
+from actors.engine.replica_controller import ReplicaController  # noqa: E402
+from actors.engine.sampling import SamplingParams  # noqa: E402
 from models.tiny import tiny_model_dir  # noqa: E402
 
 CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}

@@ -12,10 +12,10 @@ import pytest
 import ray
 from pd_common import BS, OPTS, PARAMS, cluster, colocated, tokens  # noqa: F401
 
-from actors.pd_cluster import PDCluster
-from actors.pd_conductor import RequestRejected
-from actors.pd_store import StoreConfig
-from actors.sampling import SamplingParams
+from actors.disagg.cluster import PDCluster
+from actors.disagg.conductor import RequestRejected
+from actors.disagg.store_view import StoreConfig
+from actors.engine.sampling import SamplingParams
 from policies.conductor import Conductor
 from policies.pd_costs import LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
 from store.hashing import chained_block_hashes

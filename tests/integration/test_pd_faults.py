@@ -8,8 +8,8 @@ from __future__ import annotations
 import ray
 from pd_common import BS, OPTS, PARAMS, cluster, colocated, tokens  # noqa: F401
 
-from actors.pd_cluster import PDCluster
-from actors.pd_store import StoreConfig
+from actors.disagg.cluster import PDCluster
+from actors.disagg.store_view import StoreConfig
 from store.shared_segment import remove_stale_segments
 
 

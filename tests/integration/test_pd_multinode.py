@@ -11,8 +11,8 @@ import ray
 from pd_common import OPTS, PARAMS, REPO, colocated, tokens
 from ray.cluster_utils import Cluster
 
-from actors.pd_cluster import PDCluster
-from actors.pd_store import StoreConfig
+from actors.disagg.cluster import PDCluster
+from actors.disagg.store_view import StoreConfig
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from actors.detokenizer import IncrementalDetokenizer
+from actors.engine.detokenizer import IncrementalDetokenizer
 
 
 class CharTokenizer:

@@ -7,8 +7,8 @@ import threading
 
 import torch
 
-from actors.step_plan import PlanEntry, StepPlan
-from actors.worker_inputs import build_worker_inputs
+from actors.engine.step_plan import PlanEntry, StepPlan
+from actors.engine.worker_inputs import build_worker_inputs
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_torch import TorchAttentionBackend
 from kernels.kv_parallel_attention import KVParallelAttention

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from actors.kv_stream import blocks_to_stream, segment_offset
-from actors.pd_decode import DecodeReplica
-from actors.pd_prefill import PrefillReplica
-from actors.replica_controller import ReplicaController
-from actors.sampling import SamplingParams
+from actors.disagg.decode import DecodeReplica
+from actors.disagg.kv_stream import blocks_to_stream, segment_offset
+from actors.disagg.prefill import PrefillReplica
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
 from store.hashing import chained_block_hashes
 
 OPTS = dict(dtype=torch.float64, block_size=4, num_blocks=48, token_budget=16, chunk_size=8)

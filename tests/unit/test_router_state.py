@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.router_state import POLICY_NAMES, RouterState, make_policy
+from actors.serving.router_state import POLICY_NAMES, RouterState, make_policy
 from policies.routing import RouteRequest
 from store.block_pool import BlockPool
 from store.hashing import chained_block_hashes

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from actors.serve_config import ReplicaGroupConfig, ServeConfig
+from actors.serving.config import ReplicaGroupConfig, ServeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.kv_store_shard import KVStoreClient
+from actors.kvstore.shard import KVStoreClient
 from kernels.kv_cache import allocate_kv_cache
 from store.kv_block_layout import KVBlockLayout
 from store.kv_store_errors import BackendUnavailableError, InvalidBlockError, TransferError

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actors.step_plan import StepPlan, StepResult
+from actors.engine.step_plan import StepPlan, StepResult
 from store.shared_segment import SharedSegment
 from store.transfer import Endpoint, LocalMemory, TransferEngine
 
@@ -112,7 +112,7 @@ class SharedKVCache:
         return KVDestination(self.endpoint, self.num_blocks, self.piece_bytes, tuple(block_ids))
 
     def install(self, worker: Any) -> None:
-        """Make ``worker`` (an ``actors.worker.Worker`` after setup) use this cache."""
+        """Make ``worker`` (an ``actors.engine.worker.Worker`` after setup) use this cache."""
         old = worker.kv_caches
         if len(old) != len(self.kv_caches) or old[0][0].shape != self.kv_caches[0][0].shape:
             raise ValueError("the shared cache does not match the worker's cache geometry")

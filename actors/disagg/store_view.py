@@ -1,6 +1,6 @@
 """The KV store of a disaggregated deployment, as its Conductor uses it.
 
-``num_shards`` store shards on every node (``actors.kv_store_shard``), the client holding
+``num_shards`` store shards on every node (``actors.kvstore.shard``), the client holding
 the cluster-wide block -> shards map, and what the Conductor asks of them:
 
 - ``home_shard(node, rank)``: the shard a prefill replica on ``node`` writes to and counts
@@ -21,8 +21,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from actors.kv_store_shard import KVStoreClient, kv_store_shard_actor
-from actors.node_placement import NodePlacement
+from actors.kvstore.shard import KVStoreClient, kv_store_shard_actor
+from placement.nodes import NodePlacement
 
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)  # an actor that is gone
 

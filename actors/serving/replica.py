@@ -19,9 +19,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.sampling import SamplingParams
-from actors.serve_config import ReplicaGroupConfig, ServeConfig
-from actors.serve_engine import ColocatedEngine, EngineLoop, ServingEngine
+from actors.engine.sampling import SamplingParams
+from actors.serving.config import ReplicaGroupConfig, ServeConfig
+from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
 from errors import InvalidRequestError, MeridianError
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def _params(raw: list[dict[str, Any]]) -> list[SamplingParams]:
 
 def _engine(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> ServingEngine:
     if group.disaggregated:
-        from actors.pd_engine import PDEngine
+        from actors.disagg.engine import PDEngine
 
         return PDEngine.for_group(model, group, replica_id)
     return ColocatedEngine(model, **group.engine_options())

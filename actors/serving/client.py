@@ -19,9 +19,9 @@ import concurrent.futures
 from collections.abc import Iterator
 from typing import Any
 
-from actors.outputs import RequestOutput
-from actors.sampling import SamplingParams
-from actors.serve_router import make_router_state
+from actors.engine.outputs import RequestOutput
+from actors.engine.sampling import SamplingParams
+from actors.serving.router import make_router_state
 from errors import InvalidRequestError, MeridianError
 from policies.routing import RouteRequest
 from store.hashing import chained_block_hashes
@@ -49,7 +49,7 @@ class ReplicaPool:
     ) -> None:
         import ray
 
-        from actors.serve_replica import ReplicaActor
+        from actors.serving.replica import ReplicaActor
 
         if num_replicas < 1:
             raise InvalidRequestError(f"num_replicas must be at least 1, got {num_replicas}")

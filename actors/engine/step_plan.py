@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.sampling import SampleSpec
+from actors.engine.sampling import SampleSpec
 
 # (kvp rank, first token position it holds, its block ids in position order). A request's
 # shards cover positions [0, start + n) in order; every shard but the last holds exactly

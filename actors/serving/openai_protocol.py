@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from actors.sampling import SamplingParams
+from actors.engine.sampling import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 

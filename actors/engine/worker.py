@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.collectives import Collectives, Layout
-from actors.sampling import sample
-from actors.step_plan import StepPlan, StepResult
-from actors.worker_inputs import build_worker_inputs
+from actors.engine.collectives import Collectives, Layout
+from actors.engine.sampling import sample
+from actors.engine.step_plan import StepPlan, StepResult
+from actors.engine.worker_inputs import build_worker_inputs
 from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_cache import allocate_kv_cache
 from kernels.kv_parallel_attention import KVParallelAttention

@@ -1,4 +1,4 @@
-"""A ``PDCluster`` as a ``ServingEngine`` (actors/serve_engine.py), so a Serve replica runs a
+"""A ``PDCluster`` as a ``ServingEngine`` (actors/serving/engine_loop.py), so a Serve replica runs a
 prefill/decode-disaggregated deployment in the same ``EngineLoop`` as a colocated one.
 
 Placement (the Conductor) happens in ``add_request``, on the engine thread like every other
@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.outputs import RequestOutput, StreamDelta
-from actors.pd_cluster import PDCluster
-from actors.pd_store import StoreConfig
-from actors.request_limits import RequestLimits
-from actors.sampling import SamplingParams
-from actors.serve_config import ConductorSectionConfig, ReplicaGroupConfig
+from actors.disagg.cluster import PDCluster
+from actors.disagg.store_view import StoreConfig
+from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.request_limits import RequestLimits
+from actors.engine.sampling import SamplingParams
+from actors.serving.config import ConductorSectionConfig, ReplicaGroupConfig
 from models.config import read_model_config
 
 RETRY_WAIT_S = 0.05

@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from actors.kv_store_shard import current_node_id
-from actors.kv_stream import KVDestination, SharedKVCache
-from actors.outputs import StreamDelta
-from actors.replica_controller import ReplicaController
-from actors.sampling import SamplingParams
+from actors.disagg.kv_stream import KVDestination, SharedKVCache
+from actors.engine.outputs import StreamDelta
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from actors.kvstore.shard import current_node_id
 
 
 class DecodeReplica:

@@ -24,9 +24,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.executor import WorkerFailure
-from actors.step_plan import StepPlan, StepResult
-from actors.worker import Worker, WorkerSpec
+from actors.engine.executor import WorkerFailure
+from actors.engine.step_plan import StepPlan, StepResult
+from actors.engine.worker import Worker, WorkerSpec
 
 # Errors that mean a worker (or its node) is gone, not that the step itself was wrong.
 _DEATH = (

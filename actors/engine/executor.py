@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from actors.step_plan import StepPlan, StepResult
-from actors.worker import Worker, WorkerSpec
+from actors.engine.step_plan import StepPlan, StepResult
+from actors.engine.worker import Worker, WorkerSpec
 
 
 class WorkerFailure(RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.sampling import SamplingParams
+from actors.engine.sampling import SamplingParams
 from errors import ContextLengthError, InvalidRequestError
 
 

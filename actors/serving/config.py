@@ -22,7 +22,7 @@ class _Strict(BaseModel):
 
 
 class StoreSectionConfig(_Strict):
-    """KV store shards of a disaggregated group (``actors.pd_cluster.StoreConfig``), started
+    """KV store shards of a disaggregated group (``actors.disagg.cluster.StoreConfig``), started
     by each Serve replica of the group. ``ssd_dir`` is a folder on the replica's node; each
     replica uses a subfolder of it named after its replica id."""
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.sampling import SampleSpec
-from actors.step_plan import PlanEntry, Shard, StepPlan
+from actors.engine.sampling import SampleSpec
+from actors.engine.step_plan import PlanEntry, Shard, StepPlan
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_parallel_attention import KVExchange, KVParallelMetadata
 

@@ -17,13 +17,13 @@ streaming each layer's KV into them through the transfer layer (never through Ra
 once its last prefill step returned the request is admitted to the decode batch with its
 first token. Control messages (ids, block ids, endpoints, tokens) are all Ray carries.
 
-Store and replication (``actors.pd_store``): each prefill replica writes new blocks to,
+Store and replication (``actors.disagg.store_view``): each prefill replica writes new blocks to,
 and counts as its own, a home shard on its node; prefixes the Conductor wants on the chosen
 instance (``transfer_from``, ``replicate_blocks``) are copied there before its prefill.
 
 With ``fit_costs`` (default) the Conductor's estimates are refitted (``CostFitter``) from
 the steps and store loads this deployment measures. Replicas and shards spread over the
-cluster's nodes (``actors.node_placement``).
+cluster's nodes (``placement.nodes``).
 
 Faults: a dead store shard drops out of the map (its blocks are recomputed). A dead prefill
 replica's decode reservations are cancelled; a dead decode replica's requests run again
@@ -42,17 +42,17 @@ from typing import Any
 
 import ray
 
-from actors.kv_store_shard import KVStoreClient
-from actors.node_placement import NodePlacement
-from actors.outputs import RequestOutput, StreamDelta
-from actors.pd_conductor import RequestRejected, default_conductor
-from actors.pd_decode import DecodeReplica
-from actors.pd_prefill import PrefillReplica
-from actors.pd_store import DEAD, PDStore, StoreConfig
-from actors.sampling import SamplingParams
+from actors.disagg.conductor import RequestRejected, default_conductor
+from actors.disagg.decode import DecodeReplica
+from actors.disagg.prefill import PrefillReplica
+from actors.disagg.store_view import DEAD, PDStore, StoreConfig
+from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.sampling import SamplingParams
+from actors.kvstore.shard import KVStoreClient
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import read_model_config
+from placement.nodes import NodePlacement
 from policies.conductor import (
     Conductor,
     ConductorRequest,

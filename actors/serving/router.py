@@ -34,7 +34,7 @@ from typing import Any
 from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from actors.router_state import RouterState
+from actors.serving.router_state import RouterState
 from policies.routing import RouteRequest
 
 REPLICA_TIMEOUT_S = 30.0  # a replica silent this long is dropped from the view

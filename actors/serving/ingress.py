@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from actors import openai_protocol as oai
-from actors.outputs import RequestOutput
-from actors.serve_config import ApiKeyConfig, ServeConfig
-from actors.serve_metrics import render
-from actors.serve_router import own_request_id
+from actors.engine.outputs import RequestOutput
+from actors.serving import openai_protocol as oai
+from actors.serving.config import ApiKeyConfig, ServeConfig
+from actors.serving.metrics import render
+from actors.serving.router import own_request_id
 from errors import EngineUnavailableError, InvalidRequestError, OverloadedError
 from models import load_tokenizer, read_model_config, tiny_model_dir
 from store.hashing import chained_block_hashes

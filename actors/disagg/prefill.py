@@ -3,7 +3,7 @@ Ray actor).
 
 It runs a ``ReplicaController`` whose requests stop after their first token: each computes
 its prompt (chunked like any prefill, reusing a cached prefix), streams every layer's KV
-into the blocks its decode replica reserved (``actors.kv_stream``) and samples the first
+into the blocks its decode replica reserved (``actors.disagg.kv_stream``) and samples the first
 token. Around that, the KV store:
 
 - before a request runs, the longest prefix the store holds beyond what this replica's
@@ -20,11 +20,11 @@ import dataclasses
 import time
 from typing import Any
 
-from actors.kv_store_shard import KVStoreClient, current_node_id
-from actors.kv_stream import KVCaches, KVDestination, LayerStreamer, StreamingExecutor
-from actors.replica_controller import ReplicaController
-from actors.sampling import SamplingParams
-from actors.step_plan import StepPlan
+from actors.disagg.kv_stream import KVCaches, KVDestination, LayerStreamer, StreamingExecutor
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from actors.engine.step_plan import StepPlan
+from actors.kvstore.shard import KVStoreClient, current_node_id
 from store.hashing import chained_block_hashes
 from store.kv_store_errors import KVStoreError
 from store.transfer import TransferEngine

@@ -1,7 +1,7 @@
 """A serving engine driven by its own thread, with an asyncio-facing request API.
 
 An engine (``ServingEngine``: a ``ReplicaController`` as ``ColocatedEngine``, or a
-``PDCluster`` as ``actors.pd_engine.PDEngine``) blocks for a whole iteration in ``step()``
+``PDCluster`` as ``actors.disagg.engine.PDEngine``) blocks for a whole iteration in ``step()``
 and is not thread-safe, so it never runs on an event loop: one engine thread owns it (every
 call into it but ``validate``, which reads immutable sizes, happens on that thread, placement
 and ``shutdown`` included), and other threads talk to it through a command queue. Results
@@ -31,10 +31,10 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
-from actors.outputs import RequestOutput, StreamDelta
-from actors.replica_controller import ReplicaController
-from actors.sampling import SamplingParams
-from actors.serve_metrics import ReplicaMetrics
+from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from actors.serving.metrics import ReplicaMetrics
 from errors import (
     EngineUnavailableError,
     InvalidRequestError,

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from actors.collectives import Layout
-from actors.detokenizer import IncrementalDetokenizer
-from actors.executor import Executor, LocalExecutor, WorkerFailure
-from actors.outputs import RequestOutput, StreamDelta
-from actors.request_limits import RequestLimits
-from actors.sampling import SamplingParams
-from actors.step_plan import PlanEntry, StepPlan, StepResult
-from actors.worker import WorkerSpec
+from actors.engine.collectives import Layout
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.executor import Executor, LocalExecutor, WorkerFailure
+from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.request_limits import RequestLimits
+from actors.engine.sampling import SamplingParams
+from actors.engine.step_plan import PlanEntry, StepPlan, StepResult
+from actors.engine.worker import WorkerSpec
 from errors import InvalidRequestError
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
@@ -135,7 +135,7 @@ class ReplicaController:
             if self.layout.world_size == 1:
                 executor = LocalExecutor(self.worker_spec)
             else:
-                from actors.ray_executor import RayExecutor
+                from actors.engine.ray_executor import RayExecutor
 
                 executor = RayExecutor(self.worker_spec, use_compiled_graph=use_compiled_graph)
         self.executor: Executor = executor

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: prefill and decode replicas, the Conductor, KV streaming."""

@@ -1,0 +1,1 @@
+"""The replica engine: controller, workers, executors, sampling."""

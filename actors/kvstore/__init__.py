@@ -1,0 +1,1 @@
+"""The KV-store shard actor and its client."""

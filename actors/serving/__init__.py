@@ -1,0 +1,1 @@
+"""The Ray Serve application: ingress, router, replicas, config, metrics."""
