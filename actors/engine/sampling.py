@@ -8,52 +8,12 @@ Requests without a seed get a random one when they are added.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from errors import InvalidRequestError
+from policies.request import SampleSpec, SamplingParams
 
+__all__ = ["SampleSpec", "SamplingParams", "sample", "token_seed"]
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k cut
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] | str | None = None  # stop strings; not part of the returned text
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise InvalidRequestError("max_tokens must be an integer")
-        if self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def spec(self, seed: int, index: int) -> SampleSpec:
-        """What a worker needs to draw token ``index`` of this request."""
-        return (self.temperature, self.top_k, self.top_p, seed, index)
-
-
-# (temperature, top_k, top_p, seed, index of the token in the request's output)
-SampleSpec = tuple[float, int, float, int, int]
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, index) -> distinct seeds
 
