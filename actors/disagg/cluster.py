@@ -6,7 +6,13 @@
                         **controller_options)
     outs = cluster.generate(prompt_token_ids=[[...], ...], sampling_params=params)
     rid = cluster.submit(token_ids, params)   # raises RequestRejected (429) on overload
-    cluster.step() -> list[StreamDelta]; cluster.output(rid); cluster.shutdown()
+    cluster.poll(timeout) -> list[StreamDelta]; cluster.output(rid); cluster.shutdown()
+
+Every prefill and decode replica runs its own loop in its own actor; nothing here steps
+them. The Conductor (this object) places requests and reacts to what the replicas report:
+``poll`` waits on one outstanding long poll per replica (``report``) and applies the
+events that arrived (prefill done or failed, tokens, finished requests, measured steps,
+cache events, stats), and a replica whose poll fails is dead.
 
 Per request: the Conductor (``policies.conductor``) picks the prefill instance with the
 lowest estimated TTFT (queue + prefill time, the cached prefix being what the instance's
@@ -14,8 +20,11 @@ own prefix cache and the KV store on its node hold) and the decode instance with
 lowest predicted TBT among those with room for the request's lifetime KV, or rejects it.
 The decode replica reserves the blocks, the prefill replica computes the prompt while
 streaming each layer's KV into them through the transfer layer (never through Ray), and
-once its last prefill step returned the request is admitted to the decode batch with its
-first token. Control messages (ids, block ids, endpoints, tokens) are all Ray carries.
+once its last prefill step returned it tells the decode replica to admit the request with
+its first token (directly), which joins the decode batch at that replica's next step.
+Control messages (ids, block ids, endpoints, tokens) are all Ray carries. Each attempt at a
+request has its own key (``<request id>#<attempt>``), so what a replica reports about an
+attempt that was given up is dropped.
 
 Store and replication (``actors.disagg.store_view``): each prefill replica writes new blocks to,
 and counts as its own, a home shard on its node; prefixes the Conductor wants on the chosen
@@ -33,6 +42,7 @@ Either is replaced by a fresh actor and its requests are placed again.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import deque
@@ -43,10 +53,25 @@ from typing import Any
 import ray
 
 from actors.disagg.conductor import RequestRejected, default_conductor
-from actors.disagg.decode import DecodeReplica
+from actors.disagg.decode import DecodeReplica, RemoteDecode
+from actors.disagg.messages import (
+    CacheEvent,
+    DecodeStats,
+    DecodeStep,
+    Finished,
+    PrefillDone,
+    PrefillFailed,
+    PrefillStats,
+    PrefillStep,
+    PrefillTask,
+    Report,
+    StoreLoad,
+    TokenDelta,
+)
 from actors.disagg.prefill import PrefillReplica
 from actors.disagg.store_view import DEAD, PDStore, StoreConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams
 from actors.kvstore.shard import KVStoreClient
 from kernels.kv_cache import kv_cache_bytes_per_block
@@ -61,27 +86,45 @@ from policies.conductor import (
     apply_decision,
 )
 from policies.pd_costs import CostFitter
+from policies.request import Request
 from store.hashing import chained_block_hashes
+
+REPORT_WAIT_S = 0.25  # a replica's long poll returns at the latest after this long
 
 
 @dataclass
 class _Req:
-    request_id: str
-    tokens: list[int]
-    params: SamplingParams
-    seed: int
-    salt: str | None
+    request: Request
+    key: str | None = None  # the live attempt's key; None while waiting to be placed
+    attempts: int = 0
     prefill_id: str | None = None
     decode_id: str | None = None
-    attempts: int = 0
+    in_prefill: bool = False
     deltas: list[StreamDelta] = field(default_factory=list)
     output: RequestOutput | None = None
-    loaded_blocks: int = 0
     cached_tokens: int = 0
     emitted: int = 0  # tokens streamed to the caller over every attempt
-    arrival_time: float = 0.0  # this process's monotonic clock, like the two below
-    first_token_time: float | None = None
     replayed: int = 0  # tokens this attempt produced (a re-run replays emitted ones)
+    first_token_time: float | None = None  # this process's monotonic clock
+    token_times: list[float] = field(default_factory=list)  # when decode produced each
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def split_cores(num_prefill: int, num_decode: int) -> dict[str, list[int]]:
+    """Cores of this machine for each replica when they share one node: prefill replicas
+    on the lower half, decode replicas on the upper half, so a prefill never takes a
+    decode's core. Empty when the machine has one core."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return {}
+    half = len(cores) // 2
+    pre, dec = cores[:half], cores[half:]
+    out = {f"p{i}": pre for i in range(num_prefill)}
+    out.update({f"d{j}": dec for j in range(num_decode)})
+    return out
 
 
 class PDCluster:
@@ -96,8 +139,11 @@ class PDCluster:
         conductor_options: dict[str, Any] | None = None,
         fit_costs: bool = True,
         max_prefill_attempts: int = 3,
+        pin_cores: bool = False,
         **controller_options: Any,
     ) -> None:
+        """``pin_cores``: on a one-node cluster, bind prefill and decode replicas to
+        disjoint cores with one torch thread each (``split_cores``)."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
         self.model_dir = str(model_dir) if model_dir is not None else str(tiny_model_dir("dense"))
@@ -130,26 +176,38 @@ class PDCluster:
         self._prefill_ids = [f"p{i}" for i in range(num_prefill)]
         for i, rid in enumerate(self._prefill_ids + [f"d{j}" for j in range(num_decode)]):
             self.placement_plan.assign(rid, i)
+        one_node = len(self.placement_plan.nodes) == 1
+        self._cores = split_cores(num_prefill, num_decode) if pin_cores and one_node else {}
         self.store = PDStore(store, self.block_bytes, self.placement_plan) if store else None
         self.shards: dict[str, Any] = self.store.shards if self.store else {}
         self.store_client: KVStoreClient | None = self.store.client if self.store else None
         # On a GPU cluster each prefill and decode replica holds one GPU (its worker runs
         # there); on CPU they take no CPU reservation (the machine's cores are shared).
+        # Threaded: the Conductor's long poll waits in one thread while others are served.
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        self._prefill_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(PrefillReplica)
-        self._decode_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(DecodeReplica)
+        actor = dict(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4)
+        self._prefill_cls = ray.remote(**actor)(PrefillReplica)
+        self._decode_cls = ray.remote(**actor)(DecodeReplica)
         self.prefills: dict[str, Any] = {}
         self.prefill_views: dict[str, PrefillInstance] = {}
+        self.prefill_reports: dict[str, PrefillStats] = {}
         self._local_cached: dict[str, set[int]] = {}
         self._prefill_nodes: dict[str, str] = {}
-        for i in range(num_prefill):
-            self._start_prefill(f"p{i}")
+        self._polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
+        for pid in self._prefill_ids:
+            self._start_prefill(pid)
         self.decodes: dict[str, Any] = {}
         self.decode_views: dict[str, DecodeInstance] = {}
-        for i in range(num_decode):
-            self._start_decode(f"d{i}")
+        for j in range(num_decode):
+            self._start_decode(f"d{j}")
+        max_len = min(
+            controller_options.get("max_model_len") or cfg.max_position_embeddings,
+            cfg.max_position_embeddings,
+        )
+        smallest = min(v.total_blocks for v in self.decode_views.values())
+        self.limits = RequestLimits(cfg.vocab_size, max_len, smallest * self.block_size)
         self._reqs: dict[str, _Req] = {}
-        self._in_prefill: dict[str, set[str]] = {p: set() for p in self.prefills}
+        self._by_key: dict[str, _Req] = {}
         self._retry: deque[str] = deque()
         self._ids = 0
         self._seeds = random.Random()
@@ -158,14 +216,19 @@ class PDCluster:
         self.replicated_blocks = 0  # blocks copied into a chosen instance's home shard
 
     # -- set-up -----------------------------------------------------------------------------
+    def _pinning(self, rid: str) -> dict[str, Any]:
+        cores = self._cores.get(rid)
+        return {"cpus": cores, "threads": len(cores)} if cores else {}
+
     def _start_prefill(self, pid: str) -> None:
         live = self.store.live() if self.store else {}
         cls = self.placement_plan.options(self._prefill_cls, pid, restart=pid in self.prefills)
-        handle = cls.remote(pid, self.model_dir, live, **self.options)
+        handle = cls.remote(pid, self.model_dir, live, **self._pinning(pid), **self.options)
         self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
         self._local_cached[pid] = set()
         self._prefill_nodes[pid] = ray.get(handle.node.remote())
+        self._watch(pid, handle)
 
     def _start_decode(self, did: str) -> None:
         plan = self.placement_plan
@@ -174,11 +237,18 @@ class PDCluster:
             self.model_dir,
             serve_tcp=plan.apart(did, self._prefill_ids),  # prefill elsewhere: over TCP
             tcp_host=plan.tcp_host(did),
+            **self._pinning(did),
             **self.options,
         )
         self.decodes[did] = handle
         self.decode_views[did] = DecodeInstance(did)
-        self._update_decode(did, ray.get(handle.stats.remote()))
+        report = ray.get(handle.report.remote(0.0))
+        self._apply_stats(did, report.stats)
+        self._watch(did, handle)
+
+    def _watch(self, rid: str, handle: Any) -> None:
+        """Keep one long poll outstanding on a live replica."""
+        self._polls[handle.report.remote(REPORT_WAIT_S)] = (rid, handle)
 
     def home_shard(self, pid: str) -> str | None:
         """The live store shard prefill replica ``pid`` writes to and counts as its own:
@@ -190,6 +260,33 @@ class PDCluster:
         return self.store.home_shard(node, peers.index(pid))
 
     # -- requests ---------------------------------------------------------------------------
+    def build_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """The typed record of a new request: limits checked and block hashes computed,
+        once."""
+        tokens = list(prompt_token_ids)
+        self.limits.validate(tokens, params)
+        if request_id is None:
+            request_id = f"pd-{self._ids}"
+            self._ids += 1
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return Request(
+            request_id,
+            tokens,
+            params,
+            seed,
+            self.block_size,
+            chained_block_hashes(tokens, self.block_size, salt),
+            salt,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
+
     def submit(
         self,
         prompt_token_ids: list[int],
@@ -198,31 +295,34 @@ class PDCluster:
         salt: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Place a request (validated, Conductor-scheduled, KV reserved on decode, prefill
-        queued); raises RequestRejected when the SLOs cannot be met now. ``arrival_time``
-        (``time.monotonic()``, default now) starts the output's TTFT."""
-        tokens = list(prompt_token_ids)
-        first_decode = next(iter(self.decodes.values()))
-        ray.get(first_decode.validate.remote(tokens, params))
-        if request_id is None:
-            request_id = f"pd-{self._ids}"
-            self._ids += 1
-        if request_id in self._reqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = _Req(request_id, tokens, params, seed, salt)
-        req.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._place(req)
-        self._reqs[request_id] = req
-        return request_id
+        """Validate and place a request (``submit_request``); returns its id."""
+        request = self.build_request(prompt_token_ids, params, request_id, salt, arrival_time)
+        return self.submit_request(request)
+
+    def submit_request(self, request: Request) -> str:
+        """Place a request (Conductor-scheduled, KV reserved on decode, prefill queued);
+        raises RequestRejected when the SLOs cannot be met now."""
+        if request.block_size != self.block_size:
+            raise ValueError(f"the request was hashed in blocks of {request.block_size}")
+        if request.request_id in self._reqs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        req = _Req(request)
+        self._reqs[request.request_id] = req  # a replica death while placing requeues it
+        try:
+            self._place(req)
+        except RequestRejected:
+            del self._reqs[request.request_id]
+            raise
+        return request.request_id
 
     def _place(self, req: _Req) -> None:
         now = time.monotonic()
+        request = req.request
         creq = ConductorRequest(
-            req.request_id,
-            chained_block_hashes(req.tokens, self.block_size, req.salt),
-            len(req.tokens),
-            req.params.max_tokens,
+            request.request_id,
+            request.block_hashes,
+            request.num_prompt_tokens,
+            request.params.max_tokens,
             self.block_size,
         )
         if self.store is not None:
@@ -237,12 +337,10 @@ class PDCluster:
             raise RequestRejected(decision.reason, decision.retry_after or 1.0)
         pid, did = decision.prefill_id, decision.decode_id
         assert pid is not None and did is not None
+        key = f"{request.request_id}#{req.attempts + 1}"
         decode = self.decodes[did]
         try:
-            dest = ray.get(
-                decode.reserve.remote(req.request_id, req.tokens, req.params, req.seed, req.salt)
-            )
-            self._update_decode(did, ray.get(decode.stats.remote()))
+            dest = ray.get(decode.reserve.remote(key, request))
         except DEAD:
             self._decode_died(did)
             raise RequestRejected("decode_restarting", self.conductor.min_retry_after) from None
@@ -251,23 +349,26 @@ class PDCluster:
         wanted = decision.replicate_blocks
         if decision.transfer_from is not None:  # this request reads the copied prefix
             mine = self.prefill_views[pid].cached
-            wanted = [h for h in creq.block_hashes[: decision.cached_blocks] if h not in mine]
+            hashes = request.block_hashes[: decision.cached_blocks]
+            wanted = [h for h in hashes if h not in mine]
         source = decision.replicate_from or decision.transfer_from
         apply_decision(decision, creq, prefills, decodes, now)
         if wanted and source is not None:
-            self._copy_blocks(req, wanted, source, pid)
-        req.prefill_id, req.decode_id = pid, did
+            self._copy_blocks(request, wanted, source, pid)
+        req.key, req.prefill_id, req.decode_id, req.in_prefill = key, pid, did, True
         req.attempts += 1
         req.replayed = 0
-        self._in_prefill[pid].add(req.request_id)
-        self.prefills[pid].prefill.remote(
-            req.request_id, req.tokens, req.params, req.seed, dest, req.salt, self.home_shard(pid)
-        )
+        self._by_key[key] = req
+        task = PrefillTask(key, request, dest, RemoteDecode(decode), self.home_shard(pid))
+        try:
+            ray.get(self.prefills[pid].submit.remote(task))
+        except DEAD:
+            self._prefill_died(pid)  # places this request again
 
     def _home_blocks(self, pid: str) -> set[int]:
         return self.store.blocks_of(self.home_shard(pid)) if self.store else set()
 
-    def _copy_blocks(self, req: _Req, hashes: list[int], src_pid: str, dst_pid: str) -> None:
+    def _copy_blocks(self, request: Request, hashes: list[int], src_pid: str, dst_pid: str) -> None:
         """Copy blocks the Conductor wants on ``dst_pid`` into its home shard, from a shard
         (``src_pid``'s home first) or out of ``src_pid``'s own cache."""
         dst = self.home_shard(dst_pid)
@@ -275,13 +376,14 @@ class PDCluster:
             return  # no store: nowhere to copy to
 
         def export(rest: list[int]) -> int:
+            handle = self.prefills[src_pid]
             try:
-                n: int = ray.get(
-                    self.prefills[src_pid].export_blocks.remote(req.tokens, req.salt, rest, dst)
+                ref = handle.export_blocks.remote(
+                    request.block_hashes, request.prompt_token_ids, rest, dst
                 )
-                return n
+                return int(ray.get(ref))
             except DEAD:
-                return 0  # its death is handled at the next step
+                return 0  # its death is handled when its poll fails
 
         home = self.home_shard(src_pid)
         self.replicated_blocks += self.store.copy_blocks(hashes, dst, home, export)
@@ -297,6 +399,10 @@ class PDCluster:
     def output(self, request_id: str) -> RequestOutput | None:
         return self._reqs[request_id].output
 
+    def token_times(self, request_id: str) -> list[float]:
+        """When the decode side produced each token streamed so far (``time.monotonic``)."""
+        return list(self._reqs[request_id].token_times)
+
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (queued for a retry, in prefill, or decoding); its
         output keeps the tokens streamed so far, finish reason ``"abort"``. Unknown or
@@ -306,21 +412,36 @@ class PDCluster:
             return
         if request_id in self._retry:
             self._retry.remove(request_id)
-        if req.prefill_id is not None and request_id in self._in_prefill.get(req.prefill_id, ()):
-            self._in_prefill[req.prefill_id].discard(request_id)
-            try:
-                ray.get(self.prefills[req.prefill_id].abort.remote(request_id))
-            except DEAD:
-                pass  # its death is handled at the next step
-        if req.decode_id is not None:
-            decode = self.decodes[req.decode_id]
-            ray.get(decode.abort.remote(request_id))
-            self._update_decode(req.decode_id, ray.get(decode.stats.remote()))
+        self._stop_attempt(req)
         tokens = [t for d in req.deltas for t in d.token_ids]
         text = "".join(d.text for d in req.deltas)
         req.output = RequestOutput(
-            request_id, req.tokens, tokens, text, True, "abort", req.cached_tokens
+            request_id,
+            req.request.prompt_token_ids,
+            tokens,
+            text,
+            True,
+            "abort",
+            req.cached_tokens,
+            req.request.arrival_time,
+            req.first_token_time,
+            time.monotonic(),
         )
+
+    def _stop_attempt(self, req: _Req) -> None:
+        """Abort the live attempt on its replicas (each frees what it holds for it)."""
+        key = req.key
+        if key is None:
+            return
+        for rid, handles in ((req.prefill_id, self.prefills), (req.decode_id, self.decodes)):
+            if rid is None or (handles is self.prefills and not req.in_prefill):
+                continue
+            try:
+                ray.get(handles[rid].abort.remote(key))  # queued before any later call
+            except DEAD:
+                pass  # its death is handled when its poll fails
+        self._by_key.pop(key, None)
+        req.key, req.in_prefill = None, False
 
     def release(self, request_id: str) -> RequestOutput:
         out = self._reqs[request_id].output
@@ -329,189 +450,192 @@ class PDCluster:
         del self._reqs[request_id]
         return out
 
-    # -- one round --------------------------------------------------------------------------
-    def step(self) -> list[StreamDelta]:
-        """One step on every replica with work (in parallel); returns the decode deltas."""
-        calls: list[tuple[str, str, Any, Any]] = []  # (kind, replica id, handle, ref)
-        for pid, rids in self._in_prefill.items():
-            if rids:
-                handle = self.prefills[pid]
-                calls.append(("p", pid, handle, handle.step.remote()))
-        busy = {r.decode_id for r in self._reqs.values() if r.output is None and r.decode_id}
-        for did in sorted(d for d in busy if d is not None):
-            handle = self.decodes[did]
-            calls.append(("d", did, handle, handle.step.remote()))
+    # -- reacting to the replicas -----------------------------------------------------------
+    def poll(self, timeout: float = REPORT_WAIT_S) -> list[StreamDelta]:
+        """Wait up to ``timeout`` s for replica reports, apply every one that arrived, place
+        requests waiting for a retry; returns the tokens streamed meanwhile."""
+        refs = list(self._polls)
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         deltas: list[StreamDelta] = []
-        for kind, iid, handle, ref in calls:
+        for ref in ready:
+            rid, handle = self._polls.pop(ref)
             try:
                 report = ray.get(ref)
-            except DEAD:
-                if kind == "p" and self.prefills.get(iid) is handle:
-                    self._prefill_died(iid)
-                elif kind == "d" and self.decodes.get(iid) is handle:  # not replaced yet
-                    self._decode_died(iid)
+            except Exception:  # the actor died, or its loop failed
+                self._replica_died(rid, handle)
                 continue
-            if kind == "p":
-                deltas += self._on_prefill(iid, report)
-            else:
-                deltas += self._on_decode(iid, report)
+            self._watch(rid, handle)
+            deltas += self._apply(report)
         self._retry_pending()
         if self.fitter is not None:
             self.fitter.refit(self.conductor)
         return deltas
 
-    def _on_prefill(self, pid: str, report: dict[str, Any]) -> list[StreamDelta]:
-        self._update_prefill(pid, report["stats"])
-        if self.fitter is not None:
-            for chunks, seconds in report["costs"]["prefill_steps"]:
-                self.fitter.add_prefill_step(chunks, seconds)
-            for blocks, seconds in report["costs"]["transfers"]:
-                self.fitter.add_transfer(blocks, seconds)
+    def _apply(self, report: Report) -> list[StreamDelta]:
+        rid = report.replica_id
         deltas: list[StreamDelta] = []
-        for rid, first_token, cached in report["done"]:
-            if rid not in self._in_prefill[pid]:
-                continue  # aborted, or placed again since
-            self._in_prefill[pid].discard(rid)
-            req = self._reqs[rid]
-            req.cached_tokens = cached
-            assert req.decode_id is not None
-            did = req.decode_id
-            try:
-                admitted = ray.get(self.decodes[did].admit.remote(rid, first_token))
-            except DEAD:
-                self._decode_died(did)
+        fitter = self.fitter
+        for e in report.events:
+            if isinstance(e, TokenDelta):
+                d = self._on_tokens(e)
+                if d is not None:
+                    deltas.append(d)
+            elif isinstance(e, Finished):
+                self._on_finished(e)
+            elif isinstance(e, PrefillDone):
+                self._on_prefill_done(e)
+            elif isinstance(e, PrefillFailed):
+                self._on_prefill_failed(e)
+            elif isinstance(e, CacheEvent):
+                cached = self._local_cached[rid]
+                (cached.add if e.stored else cached.discard)(e.block_hash)
+            elif fitter is None:
                 continue
-            deltas += self._on_decode(did, admitted)
-        for rid, _why in report["failed"]:  # its stream broke: the decode side is gone
-            if rid not in self._in_prefill[pid]:
-                continue
-            req = self._reqs[rid]
-            assert req.decode_id is not None
-            if not self._alive(self.decodes[req.decode_id]):
-                self._decode_died(req.decode_id)  # places this request again
-            else:  # a broken transfer to a live replica: free its side, run it again
-                self._in_prefill[pid].discard(rid)
-                ray.get(self.decodes[req.decode_id].cancel.remote(rid))
-                self._requeue(req)
+            elif isinstance(e, PrefillStep):
+                fitter.add_prefill_step(e.chunks, e.seconds)
+            elif isinstance(e, StoreLoad):
+                fitter.add_transfer(e.blocks, e.seconds)
+            elif isinstance(e, DecodeStep):
+                fitter.add_decode_step(e.batch, e.blocks, e.seconds)
+        self._apply_stats(rid, report.stats)
         return deltas
 
-    def _on_decode(self, did: str, report: dict[str, Any]) -> list[StreamDelta]:
-        self._update_decode(did, report["stats"])
-        if self.fitter is not None:
-            for batch, blocks, seconds in report["costs"]["decode_steps"]:
-                self.fitter.add_decode_step(batch, blocks, seconds)
-        # A request placed elsewhere since (its replica was replaced) ignores this report.
-        deltas: list[StreamDelta] = []
-        for d in report["deltas"]:
-            req = self._reqs.get(d.request_id)
-            if req is None or req.decode_id != did:
-                continue
-            # A re-run replays the tokens already streamed: pass on only new ones.
-            old = max(0, min(len(d.token_ids), req.emitted - req.replayed))
-            req.replayed += len(d.token_ids)
-            if old == len(d.token_ids) and not d.finished:
-                continue
-            if old:
-                d = StreamDelta(d.request_id, d.token_ids[old:], "", d.finished, d.finish_reason)
-            req.emitted += len(d.token_ids)
-            if req.first_token_time is None and d.token_ids:
-                req.first_token_time = time.monotonic()
-            req.deltas.append(d)
-            deltas.append(d)
-        for out in report["finished"]:
-            req = self._reqs.get(out.request_id)
-            if req is not None and req.decode_id == did:
-                # Times on this process's clock (the replicas' may differ), prefix reuse
-                # as the prefill side saw it.
-                out.num_cached_tokens = req.cached_tokens
-                out.arrival_time, out.first_token_time = req.arrival_time, req.first_token_time
-                out.finish_time = time.monotonic()
-                req.output = out
-        return deltas
+    def _apply_stats(self, rid: str, stats: PrefillStats | DecodeStats) -> None:
+        if isinstance(stats, PrefillStats):
+            self.prefill_reports[rid] = stats
+            self.prefill_views[rid].queued_tokens = stats.queued_tokens
+            return
+        view = self.decode_views[rid]
+        view.num_running = stats.num_running
+        view.used_blocks = stats.used_blocks
+        view.pending = stats.pending
+        view.pending_blocks = stats.pending_blocks
+        view.total_blocks = stats.total_blocks
 
-    @staticmethod
-    def _alive(handle: Any) -> bool:
+    def _on_prefill_done(self, e: PrefillDone) -> None:
+        req = self._by_key.get(e.key)
+        if req is not None:
+            req.in_prefill = False
+            req.cached_tokens = e.cached_tokens
+
+    def _on_prefill_failed(self, e: PrefillFailed) -> None:
+        """Its stream broke: the decode side is gone (its poll fails too and places its
+        requests again) or unreachable (free its side, run the request again)."""
+        req = self._by_key.get(e.key)
+        if req is None or req.decode_id is None:
+            return
+        req.in_prefill = False
         try:
-            ray.get(handle.ping.remote())
+            ray.get(self.decodes[req.decode_id].cancel.remote(e.key))
         except DEAD:
-            return False
-        return True
+            return
+        self._requeue(req)
+
+    def _on_tokens(self, e: TokenDelta) -> StreamDelta | None:
+        req = self._by_key.get(e.key)
+        if req is None:
+            return None
+        d = e.delta
+        # A re-run replays the tokens already streamed: pass on only new ones.
+        old = max(0, min(len(d.token_ids), req.emitted - req.replayed))
+        req.replayed += len(d.token_ids)
+        if old == len(d.token_ids) and not d.finished:
+            return None
+        rid = req.request_id
+        out = StreamDelta(
+            rid, d.token_ids[old:], d.text if not old else "", d.finished, d.finish_reason
+        )
+        req.emitted += len(out.token_ids)
+        req.token_times += [e.time] * len(out.token_ids)
+        if req.first_token_time is None and out.token_ids:
+            req.first_token_time = time.monotonic()
+        req.deltas.append(out)
+        return out
+
+    def _on_finished(self, e: Finished) -> None:
+        req = self._by_key.pop(e.key, None)
+        if req is None:
+            return
+        out = e.output
+        # Times on this process's clock (the replicas' may differ), prefix reuse as the
+        # prefill side saw it; the caller's request id.
+        out.request_id = req.request_id
+        out.num_cached_tokens = req.cached_tokens
+        out.arrival_time, out.first_token_time = req.request.arrival_time, req.first_token_time
+        out.finish_time = time.monotonic()
+        req.output, req.key = out, None
 
     def _requeue(self, req: _Req) -> None:
         """Place a request again from its prompt (aborted after ``max_prefill_attempts``)."""
-        req.prefill_id = req.decode_id = None
+        if req.key is not None:
+            self._by_key.pop(req.key, None)
+        req.key = req.prefill_id = req.decode_id = None
+        req.in_prefill = False
         if req.attempts >= self.max_prefill_attempts:
             tokens = [t for d in req.deltas for t in d.token_ids]
-            req.output = RequestOutput(req.request_id, req.tokens, tokens, "", True, "abort")
+            req.output = RequestOutput(
+                req.request_id, req.request.prompt_token_ids, tokens, "", True, "abort"
+            )
         else:
             self._retry.append(req.request_id)
+
+    def _replica_died(self, rid: str, handle: Any) -> None:
+        if rid in self.prefills and self.prefills[rid] is handle:
+            self._prefill_died(rid)
+        elif rid in self.decodes and self.decodes[rid] is handle:
+            self._decode_died(rid)
 
     def _decode_died(self, did: str) -> None:
         """Replace the replica; every request bound to it runs again from its prompt (those
         still in prefill are stopped there first)."""
         lost = [r for r in self._reqs.values() if r.decode_id == did and r.output is None]
         for req in lost:
-            pid = req.prefill_id
-            if pid is not None and req.request_id in self._in_prefill.get(pid, ()):
-                self._in_prefill[pid].discard(req.request_id)
+            if req.in_prefill and req.prefill_id is not None and req.key is not None:
                 try:
-                    ray.get(self.prefills[pid].abort.remote(req.request_id))
+                    ray.get(self.prefills[req.prefill_id].abort.remote(req.key))
                 except DEAD:
-                    pass  # its death is handled at its next step
-        try:
-            ray.kill(self.decodes[did])
-        except DEAD:
-            pass
+                    pass  # its death is handled when its poll fails
+        self._forget_replica(self.decodes[did])
         self.num_decode_restarts += 1
         self._start_decode(did)
         for req in lost:
             self._requeue(req)
 
     def _prefill_died(self, pid: str) -> None:
-        """Cancel the decode reservations of its requests, replace it, schedule them again."""
-        lost = sorted(self._in_prefill.pop(pid, set()))
-        for rid in lost:
-            req = self._reqs[rid]
-            assert req.decode_id is not None
-            decode = self.decodes[req.decode_id]
+        """Cancel the decode reservations of its requests, replace it, place them again."""
+        lost = [r for r in self._reqs.values() if r.prefill_id == pid and r.in_prefill]
+        for req in lost:
+            assert req.decode_id is not None and req.key is not None
             try:
-                ray.get(decode.cancel.remote(rid))
-                self._update_decode(req.decode_id, ray.get(decode.stats.remote()))
+                ray.get(self.decodes[req.decode_id].cancel.remote(req.key))
             except DEAD:
-                self._decode_died(req.decode_id)  # places its requests (this one) again
+                pass  # its death is handled when its poll fails
+        self._forget_replica(self.prefills[pid])
         self.num_prefill_restarts += 1
         self._start_prefill(pid)
-        self._in_prefill[pid] = set()
-        for rid in lost:
-            req = self._reqs[rid]
-            if req.decode_id is not None:  # not placed again by a decode restart above
-                self._requeue(req)
+        for req in lost:
+            self._requeue(req)
+
+    def _forget_replica(self, handle: Any) -> None:
+        for ref in [r for r, (_, h) in self._polls.items() if h is handle]:
+            del self._polls[ref]
+        try:
+            ray.kill(handle)
+        except DEAD:
+            pass
 
     def _retry_pending(self) -> None:
         for _ in range(len(self._retry)):
             rid = self._retry.popleft()
+            req = self._reqs.get(rid)
+            if req is None or req.output is not None:
+                continue
             try:
-                self._place(self._reqs[rid])
+                self._place(req)
             except RequestRejected:
                 self._retry.append(rid)
-
-    def _update_prefill(self, pid: str, stats: dict[str, Any]) -> None:
-        view = self.prefill_views[pid]
-        view.queued_tokens = stats["queued_tokens"]
-        cached = self._local_cached[pid]
-        for kind, h in stats["pool_events"]:
-            if kind == "stored":
-                cached.add(h)
-            else:
-                cached.discard(h)
-
-    def _update_decode(self, did: str, stats: dict[str, Any]) -> None:
-        view = self.decode_views[did]
-        view.num_running = stats["num_running"]
-        view.used_blocks = stats["used_blocks"]
-        view.pending = stats["pending"]
-        view.pending_blocks = stats["pending_blocks"]
-        view.total_blocks = stats["total_blocks"]
 
     # -- batch API --------------------------------------------------------------------------
     def generate(
@@ -546,7 +670,7 @@ class PDCluster:
                         raise
                     break
                 backlog.popleft()
-            self.step()
+            self.poll()
         return [self.release(rid) for rid in ids]
 
     # -- observation and faults -------------------------------------------------------------
@@ -556,8 +680,9 @@ class PDCluster:
         refs = [h.check_blocks.remote() for h in handles.values()]
         return dict(zip(handles, ray.get(refs), strict=True))
 
-    def prefill_stats(self) -> dict[str, dict[str, Any]]:
-        refs = [h.stats.remote() for h in self.prefills.values()]
+    def prefill_stats(self) -> dict[str, PrefillStats]:
+        """Each prefill replica's state as of now (asked, not the last report)."""
+        refs = [h.report_stats.remote() for h in self.prefills.values()]
         return dict(zip(self.prefills, ray.get(refs), strict=True))
 
     def stats(self) -> dict[str, Any]:
@@ -567,7 +692,7 @@ class PDCluster:
         free = sum(d.total_blocks - d.used_blocks - d.pending_blocks for d in decodes)
         return {
             "num_running": sum(d.num_running for d in decodes),
-            "num_waiting": sum(len(r) for r in self._in_prefill.values()) + len(self._retry),
+            "num_waiting": sum(r.in_prefill for r in self._reqs.values()) + len(self._retry),
             "queued_prefill_tokens": sum(p.queued_tokens for p in self.prefill_views.values()),
             "free_blocks": free,
             "total_blocks": total,

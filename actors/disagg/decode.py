@@ -1,16 +1,20 @@
 """A decode replica of a disaggregated deployment (plain class; ``PDCluster`` makes it a
-Ray actor).
+threaded Ray actor).
 
-Its worker's paged KV cache lives in a shared-memory segment (``SharedKVCache``) so a
-prefill replica writes a request's KV straight into the blocks reserved for it here. A
-request goes through three states:
+It runs its own loop (``ReplicaLoop``): whenever requests are decoding it steps, whatever
+the prefill side is doing. Its worker's paged KV cache lives in a shared-memory segment
+(``SharedKVCache``, passed to the worker as its KV-cache provider), so a prefill replica
+writes a request's KV straight into the blocks reserved for it here. A request goes:
 
-    reserve(...) -> KVDestination | None   blocks for its whole life (prompt + max_tokens)
-    admit(request_id, first_token)         all prompt KV arrived: joins the decode batch
-    cancel(request_id)                     its prefill died: the reservation is freed
+    reserve(key, request) -> KVDestination | None   blocks for its whole life (Conductor)
+    admit(key, first_token)                         from the prefill replica, once all of
+                                                    the prompt's KV arrived: it joins the
+                                                    batch at the next step
+    cancel(key) / abort(key)                        its prefill died / the caller gave up
 
 Reserving the whole life up front means a decoding request is never preempted here (the
-Conductor only picks an instance with that much room).
+Conductor only picks an instance with that much room). Every token goes out as a
+``TokenDelta`` stamped with the time it was produced, then a ``Finished`` with the output.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import time
 from typing import Any
 
 from actors.disagg.kv_stream import KVDestination, SharedKVCache
-from actors.engine.outputs import StreamDelta
+from actors.disagg.messages import DecodeStats, DecodeStep, Finished, Report, TokenDelta
+from actors.disagg.replica_loop import ReplicaLoop
 from actors.engine.replica_controller import ReplicaController
-from actors.engine.sampling import SamplingParams
+from actors.engine.worker_hooks import WorkerHooks
 from actors.kvstore.shard import current_node_id
+from policies.request import Request
 
 
 class DecodeReplica:
@@ -32,31 +38,23 @@ class DecodeReplica:
         model_dir: str | None = None,
         serve_tcp: bool = False,
         tcp_host: str = "127.0.0.1",
+        cpus: list[int] | None = None,
+        threads: int | None = None,
         **controller_options: Any,
     ) -> None:
         """``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
-        ``tcp_host`` (this node's address); same-node ones always use shared memory."""
+        ``tcp_host`` (this node's address); same-node ones always use shared memory.
+        ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads."""
         self.replica_id = replica_id
-        self.controller = ReplicaController(model_dir, **controller_options)
-        c = self.controller
-        if c.layout.world_size != 1:
-            raise ValueError("a decode replica runs one in-process worker (tp=spp=kvp=1)")
-        worker = c.executor.worker  # type: ignore[attr-defined]
-        shard = worker.shard
-        self.cache = SharedKVCache(
-            f"decode-{replica_id}",
-            current_node_id(),
-            shard.num_layers,
-            c.num_blocks,
-            c.block_size,
-            shard.num_kv_heads,
-            shard.config.head_dim,
-            c.dtype,
-            serve_tcp=serve_tcp,
-            tcp_host=tcp_host,
+        self.cache = SharedKVCache(f"decode-{replica_id}", current_node_id(), serve_tcp, tcp_host)
+        self.controller = ReplicaController(
+            model_dir, worker_hooks=WorkerHooks(kv_cache=self.cache), **controller_options
         )
-        self.cache.install(worker)
+        if self.controller.layout.world_size != 1:
+            raise ValueError("a decode replica runs one in-process worker (tp=spp=kvp=1)")
         self._reserved_blocks: dict[str, int] = {}
+        self.stats = self._stats()
+        self.loop = ReplicaLoop(self._iterate, f"decode-{replica_id}", cpus=cpus, threads=threads)
 
     def ping(self) -> str:
         return self.replica_id
@@ -64,75 +62,107 @@ class DecodeReplica:
     def node(self) -> str:
         return self.cache.endpoint.node_id
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.controller.validate(prompt_token_ids, params)
+    # -- the Conductor and the prefill side (any thread: through the loop) -------------------
+    def reserve(self, key: str, request: Request) -> KVDestination | None:
+        return self.loop.call(lambda: self._reserve(key, request)).result()
 
-    def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        seed: int,
-        salt: str | None = None,
-    ) -> KVDestination | None:
-        blocks = self.controller.reserve_prefilled(
-            prompt_token_ids, params, request_id, seed, salt=salt
-        )
-        if blocks is None:
-            return None
-        self._reserved_blocks[request_id] = len(blocks)
-        return self.cache.destination(blocks)
+    def admit(self, key: str, first_token: int) -> None:
+        self.loop.post(lambda: self._admit(key, first_token))
 
-    def cancel(self, request_id: str) -> bool:
-        self._reserved_blocks.pop(request_id, None)
-        return self.controller.cancel_reservation(request_id)
+    def cancel(self, key: str) -> None:
+        self.loop.post(lambda: self._cancel(key))
 
-    def admit(self, request_id: str, first_token: int) -> dict[str, Any]:
-        self._reserved_blocks.pop(request_id, None)
-        delta = self.controller.admit_prefilled(request_id, first_token)
-        return self._report([delta])
+    def abort(self, key: str) -> None:
+        """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""
+        self.loop.post(lambda: self._abort(key))
 
-    def step(self) -> dict[str, Any]:
-        """One decode iteration; ``costs["decode_steps"]`` is its (batch size, context
-        blocks, seconds), for the Conductor's TBT model."""
-        c = self.controller
-        if not c.has_unfinished():
-            return self._report([])
-        batch = c.scheduler.num_running
-        blocks = c.pool.num_in_use - sum(self._reserved_blocks.values())
-        start = time.perf_counter()
-        deltas = c.step()
-        return self._report(deltas, [(batch, blocks, time.perf_counter() - start)])
+    def report(self, timeout: float) -> Report:
+        """The Conductor's long poll: events since the last report (waiting up to
+        ``timeout`` s for one), then the replica's state."""
+        events = self.loop.take(timeout)
+        if self.loop.error is not None:
+            raise RuntimeError(f"decode replica {self.replica_id} failed") from self.loop.error
+        return Report(self.replica_id, events, self.stats)
 
-    def _report(
-        self, deltas: list[StreamDelta], samples: list[tuple[int, int, float]] | None = None
-    ) -> dict[str, Any]:
-        finished = [self.controller.release(d.request_id) for d in deltas if d.finished]
-        costs = {"decode_steps": samples or []}
-        return {"deltas": deltas, "finished": finished, "stats": self.stats(), "costs": costs}
-
-    def abort(self, request_id: str) -> None:
-        """Drop a reserved or decoding request and free its blocks (unknown ids: no-op)."""
-        if not self.cancel(request_id) and self.controller.has_request(request_id):
-            self.controller.abort(request_id)
-            self.controller.release(request_id)
-
-    def stats(self) -> dict[str, Any]:
-        c = self.controller
-        reserved = sum(self._reserved_blocks.values())
-        return {
-            "num_running": c.scheduler.num_running,
-            "used_blocks": c.pool.num_in_use - reserved,
-            "pending": len(self._reserved_blocks),
-            "pending_blocks": reserved,
-            "total_blocks": c.num_blocks,
-        }
+    def report_stats(self) -> DecodeStats:
+        return self.stats
 
     def check_blocks(self) -> int:
         """Blocks in use (0 when idle), after the pool's integrity check."""
-        self.controller.pool.check_integrity()
-        return self.controller.pool.num_in_use
+
+        def check() -> int:
+            pool = self.controller.pool
+            pool.check_integrity()
+            return pool.num_in_use
+
+        return int(self.loop.call(check).result())
 
     def shutdown(self) -> None:
+        self.loop.stop()
         self.controller.shutdown()
         self.cache.close()
+
+    # -- the loop thread --------------------------------------------------------------------
+    def _reserve(self, key: str, request: Request) -> KVDestination | None:
+        blocks = self.controller.reserve_prefilled(request.with_id(key))
+        if blocks is None:
+            return None
+        self._reserved_blocks[key] = len(blocks)
+        self.stats = self._stats()
+        return self.cache.destination(blocks)
+
+    def _admit(self, key: str, first_token: int) -> None:
+        if self._reserved_blocks.pop(key, None) is None:
+            return  # cancelled or aborted meanwhile
+        delta = self.controller.admit_prefilled(key, first_token)
+        self._emit([delta])
+
+    def _cancel(self, key: str) -> bool:
+        self._reserved_blocks.pop(key, None)
+        return self.controller.cancel_reservation(key)
+
+    def _abort(self, key: str) -> None:
+        if not self._cancel(key) and self.controller.has_request(key):
+            self.controller.abort(key)
+            self.controller.release(key)
+
+    def _iterate(self) -> bool:
+        c = self.controller
+        ran = c.has_unfinished()
+        if ran:
+            batch = c.scheduler.num_running
+            blocks = c.pool.num_in_use - sum(self._reserved_blocks.values())
+            start = time.perf_counter()
+            deltas = c.step()
+            self.loop.emit(DecodeStep(batch, blocks, time.perf_counter() - start))
+            self._emit(deltas)
+        self.stats = self._stats()
+        return ran
+
+    def _emit(self, deltas: list[Any]) -> None:
+        now = time.monotonic()
+        for d in deltas:
+            self.loop.emit(TokenDelta(d.request_id, d, now))
+            if d.finished:
+                self.loop.emit(Finished(d.request_id, self.controller.release(d.request_id)))
+
+    def _stats(self) -> DecodeStats:
+        c = self.controller
+        reserved = sum(self._reserved_blocks.values())
+        return DecodeStats(
+            num_running=c.scheduler.num_running,
+            used_blocks=c.pool.num_in_use - reserved,
+            pending=len(self._reserved_blocks),
+            pending_blocks=reserved,
+            total_blocks=c.num_blocks,
+        )
+
+
+class RemoteDecode:
+    """How a prefill replica reaches a decode replica actor (``PrefillTask.decode``)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def admit(self, key: str, first_token: int) -> None:
+        self.handle.admit.remote(key, first_token)

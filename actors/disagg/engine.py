@@ -25,24 +25,16 @@ from typing import Any
 from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
-from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams
 from actors.serving.config import ConductorSectionConfig, ReplicaGroupConfig
-from models.config import read_model_config
 
-RETRY_WAIT_S = 0.05
+POLL_WAIT_S = 0.05  # the engine thread applies new commands at least this often
 
 
 class PDEngine:
     def __init__(self, cluster: PDCluster) -> None:
         self.cluster = cluster
-        cfg = read_model_config(Path(cluster.model_dir))
-        limit = cluster.options.get("max_model_len") or cfg.max_position_embeddings
-        # One request may hold at most what the smallest decode pool holds.
-        blocks = min(v.total_blocks for v in cluster.decode_views.values())
-        self.limits = RequestLimits(
-            cfg.vocab_size, min(limit, cfg.max_position_embeddings), blocks * cluster.block_size
-        )
+        self.limits = cluster.limits
         self._live: set[str] = set()  # added, no finished delta yet
         self._cached: set[int] = set()  # the snapshot the last drain reported
         self._prompt_tokens = 0
@@ -85,7 +77,6 @@ class PDEngine:
     ) -> str:
         """Place the request now (Conductor); raises OverloadedError with the Conductor's
         ``retry_after`` when it rejects it."""
-        self.validate(prompt_token_ids, params)
         rid = self.cluster.submit(  # RequestRejected is an OverloadedError (429)
             prompt_token_ids, params, request_id, salt=salt, arrival_time=arrival_time
         )
@@ -93,9 +84,8 @@ class PDEngine:
         return rid
 
     def step(self) -> list[StreamDelta]:
-        deltas = self.cluster.step()
-        if not deltas and self._only_retries():
-            time.sleep(RETRY_WAIT_S)  # nothing ran: do not spin on re-placing them
+        """React to the replicas: waits up to ``POLL_WAIT_S`` for their reports."""
+        deltas = self.cluster.poll(POLL_WAIT_S)
         for d in deltas:
             if d.finished:
                 self._live.discard(d.request_id)
@@ -105,12 +95,6 @@ class PDEngine:
                 self._live.discard(rid)
                 deltas.append(StreamDelta(rid, [], "", True, out.finish_reason or "abort"))
         return deltas
-
-    def _only_retries(self) -> bool:
-        """No request is in prefill or decode: what is unfinished waits to be placed again
-        (its replica failed and the Conductor has no room for it yet)."""
-        stats = self.cluster.stats()
-        return stats["num_running"] == 0 and stats["queued_prefill_tokens"] == 0
 
     def abort(self, request_id: str) -> None:
         self._live.discard(request_id)
@@ -126,7 +110,9 @@ class PDEngine:
         return self.cluster.has_unfinished()
 
     def on_idle(self) -> None:
-        """Apply the store shards' events (evictions included) to the Conductor's map."""
+        """Apply what the replicas and the store shards reported meanwhile (cache events,
+        evictions included) to the Conductor's map."""
+        self.cluster.poll(0)
         self.cluster.refresh_store()
 
     def shutdown(self) -> None:

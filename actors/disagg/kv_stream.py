@@ -14,29 +14,25 @@ K and V tensors are registered with the transfer layer once per step (``LocalMem
 every piece is a ``(remote offset, local offset, nbytes)`` range of them, so a step's copies
 cost integer arithmetic plus the memcpy; consecutive blocks on both sides merge into one.
 
-``LayerStreamer`` wraps each decoder layer of the prefill worker: as soon as layer ``l``
-has written a step's KV, the copies of layer ``l``'s pieces for the requests in that step
-start on a background thread while layer ``l + 1`` computes (Mooncake, section 3.1 step 3).
+``LayerStreamer`` runs inside the prefill worker's ``StepHook`` (see
+``actors.engine.worker_hooks``): as soon as layer ``l`` has written a step's KV, the copies
+of layer ``l``'s pieces for the requests in that step start on a background thread while
+layer ``l + 1`` computes (Mooncake, section 3.1 step 3).
 ``end_step`` waits for every copy of the step, so once a request's last prefill step
 returned, all of its KV has arrived and it may join the decode batch.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch import nn
 
-from actors.engine.step_plan import StepPlan, StepResult
+from actors.engine.step_plan import StepPlan
+from actors.engine.worker_hooks import CacheGeometry, KVCaches
 from store.shared_segment import SharedSegment
 from store.transfer import Endpoint, LocalMemory, TransferEngine
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -69,74 +65,65 @@ def piece_bytes_of(block_size: int, num_kv_heads: int, head_dim: int, dtype: tor
 
 
 class SharedKVCache:
-    """A paged KV cache that lives in a shared-memory segment, served by a transfer engine
-    (the decode side). ``install(worker)`` swaps it in for the worker's private cache."""
+    """A ``KVCacheProvider`` (``actors.engine.worker_hooks``) whose paged KV cache lives in a
+    shared-memory segment served by a transfer engine: the decode side. The segment is made
+    at the first ``allocate`` and handed out again after a worker restart, so a prefill
+    replica's writes keep landing in the cache the decode worker reads."""
 
     def __init__(
-        self,
-        endpoint_id: str,
-        node_id: str,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        serve_tcp: bool = False,
-        tcp_host: str = "127.0.0.1",
+        self, endpoint_id: str, node_id: str, serve_tcp: bool = False, tcp_host: str = "127.0.0.1"
     ) -> None:
         """``serve_tcp``: also serve the cache over TCP on ``tcp_host`` (an address other
         nodes reach), for prefill replicas on other nodes."""
-        self.num_blocks = num_blocks
-        self.piece_bytes = piece_bytes_of(block_size, num_kv_heads, head_dim, dtype)
-        self.segment = SharedSegment.create(2 * num_layers * num_blocks * self.piece_bytes)
+        self._where = (endpoint_id, node_id, serve_tcp, tcp_host)
+        self.geometry: CacheGeometry | None = None
+        self.kv_caches: KVCaches = []
+        self.num_blocks = 0
+        self.piece_bytes = 0
+        self.segment: SharedSegment | None = None
+        self.engine: TransferEngine | None = None
+
+    def allocate(self, geometry: CacheGeometry) -> KVCaches:
+        if self.geometry is not None:
+            if geometry != self.geometry:
+                raise ValueError("the shared cache does not match the worker's cache geometry")
+            return self.kv_caches
+        g = geometry
+        endpoint_id, node_id, serve_tcp, tcp_host = self._where
+        self.num_blocks = g.num_blocks
+        self.piece_bytes = piece_bytes_of(g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
+        self.segment = SharedSegment.create(2 * g.num_layers * g.num_blocks * self.piece_bytes)
         self.engine = TransferEngine(
             endpoint_id, node_id, self.segment, serve_tcp=serve_tcp, tcp_host=tcp_host
         )
-        flat = torch.frombuffer(self.segment.array, dtype=dtype)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        per = num_blocks * block_size * num_kv_heads * head_dim
-        self.kv_caches: KVCaches = [
+        flat = torch.frombuffer(self.segment.array, dtype=g.dtype)
+        shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        per = g.num_blocks * g.block_size * g.num_kv_heads * g.head_dim
+        self.kv_caches = [
             (
                 flat[(2 * i) * per : (2 * i + 1) * per].view(shape),
                 flat[(2 * i + 1) * per : (2 * i + 2) * per].view(shape),
             )
-            for i in range(num_layers)
+            for i in range(g.num_layers)
         ]
+        self.geometry = geometry
+        return self.kv_caches
 
     @property
     def endpoint(self) -> Endpoint:
+        if self.engine is None:
+            raise RuntimeError("the shared cache is allocated when its worker starts")
         return self.engine.endpoint
 
     def destination(self, block_ids: list[int]) -> KVDestination:
         return KVDestination(self.endpoint, self.num_blocks, self.piece_bytes, tuple(block_ids))
 
-    def install(self, worker: Any) -> None:
-        """Make ``worker`` (an ``actors.engine.worker.Worker`` after setup) use this cache."""
-        old = worker.kv_caches
-        if len(old) != len(self.kv_caches) or old[0][0].shape != self.kv_caches[0][0].shape:
-            raise ValueError("the shared cache does not match the worker's cache geometry")
-        worker.kv_caches = self.kv_caches
-
     def close(self) -> None:
         self.kv_caches = []
-        self.engine.close()
-        self.segment.close()
-
-
-class _StreamingLayer(nn.Module):
-    """A decoder layer that tells the streamer when its KV for the step is written."""
-
-    def __init__(self, inner: nn.Module, index: int, streamer: LayerStreamer) -> None:
-        super().__init__()
-        self.inner = inner
-        self.index = index
-        self.streamer = streamer
-
-    def forward(self, x: torch.Tensor, positions: Any, rope: Any, kv_cache: Any, meta: Any) -> Any:
-        out = self.inner(x, positions, rope, kv_cache, meta)
-        self.streamer.after_layer(self.index, kv_cache)
-        return out
+        if self.engine is not None:
+            self.engine.close()
+        if self.segment is not None:
+            self.segment.close()
 
 
 @dataclass
@@ -161,13 +148,6 @@ class LayerStreamer:
         self.failed: dict[str, str] = {}  # request id -> why its stream broke
         self.bytes_sent = 0
         self.layers_sent = 0
-        self.crash_after_layers: int | None = None  # fault injection: exit mid-stream
-
-    def install(self, shard: Any) -> None:
-        """Wrap every layer of a ``ModelShard`` (idempotent)."""
-        for i, layer in enumerate(shard.layers):
-            if not isinstance(layer, _StreamingLayer):
-                shard.layers[i] = _StreamingLayer(layer, i, self)
 
     def expect(self, request_id: str, dest: KVDestination) -> None:
         self.destinations[request_id] = dest
@@ -178,6 +158,8 @@ class LayerStreamer:
         self.failed.pop(request_id, None)
 
     def begin_step(self, plan: StepPlan) -> None:
+        """Work out which blocks of which requests this step sends (none for requests
+        without a destination: a replica's own prefills stay local)."""
         bs = self.block_size
         self._items = []
         for e in plan.entries:
@@ -214,15 +196,16 @@ class LayerStreamer:
             future = self._threads.submit(self._write, d, local, ranges)
             self._futures.append((item.request_id, future))
         self.layers_sent += 1
-        if self.crash_after_layers is not None and self.layers_sent >= self.crash_after_layers:
-            for _, f in self._futures:
-                f.exception()  # let the copies already started land, then die mid-stream
-            os._exit(1)
 
     def _write(
         self, dest: KVDestination, local: LocalMemory, ranges: list[tuple[int, int, int]]
     ) -> int:
         return self.engine.write_ranges(dest.endpoint, local, ranges)
+
+    def wait_started(self) -> None:
+        """Block until every copy started so far has finished (or failed)."""
+        for _, f in self._futures:
+            f.exception()
 
     def end_step(self) -> None:
         """Wait for every copy of this step; a failed one marks its request ``failed``."""
@@ -235,44 +218,3 @@ class LayerStreamer:
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
-
-
-class StreamingExecutor:
-    """Wraps a replica's in-process executor: every step streams its KV per layer, then
-    ``after_step(plan, caches)`` runs while the step's blocks are still held."""
-
-    def __init__(
-        self,
-        inner: Any,
-        streamer: LayerStreamer,
-        after_step: Callable[[StepPlan, KVCaches], None] | None = None,
-    ) -> None:
-        self.inner = inner
-        self.streamer = streamer
-        self.after_step = after_step
-        self.depth = 1
-        streamer.install(inner.worker.shard)
-
-    def submit(self, plan: StepPlan) -> StepResult:
-        self.streamer.begin_step(plan)
-        try:
-            out: StepResult = self.inner.submit(plan)
-        finally:
-            self.streamer.end_step()
-        if self.after_step is not None:
-            self.after_step(plan, self.inner.worker.kv_caches)
-        return out
-
-    def result(self, handle: StepResult) -> StepResult:
-        return handle
-
-    def restart(self) -> None:
-        self.inner.restart()
-        self.streamer.install(self.inner.worker.shard)
-
-    def on_idle(self) -> None:
-        self.inner.on_idle()
-
-    def shutdown(self) -> None:
-        self.streamer.close()
-        self.inner.shutdown()

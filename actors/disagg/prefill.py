@@ -1,17 +1,21 @@
 """A prefill replica of a disaggregated deployment (plain class; ``PDCluster`` makes it a
-Ray actor).
+threaded Ray actor).
 
-It runs a ``ReplicaController`` whose requests stop after their first token: each computes
-its prompt (chunked like any prefill, reusing a cached prefix), streams every layer's KV
-into the blocks its decode replica reserved (``actors.disagg.kv_stream``) and samples the first
-token. Around that, the KV store:
+It runs its own loop (``ReplicaLoop``) over a ``ReplicaController`` whose requests stop
+after their first token: each computes its prompt (chunked like any prefill, reusing a
+cached prefix), streams every layer's KV into the blocks its decode replica reserved (the
+worker's step hook, ``PrefillHook``) and samples the first token. Once a request's last
+step returned, all its KV has arrived: the replica tells the decode replica to admit it
+(directly, not through the Conductor) and reports ``PrefillDone`` to the Conductor.
+
+Around that, the KV store:
 
 - before a request runs, the longest prefix the store holds beyond what this replica's
   own prefix cache has is loaded straight into free cache blocks (one copy out of the
   store shard's segment, from DRAM or promoted from SSD) and published in the local prefix
   cache, so the scheduler's ordinary prefix match picks it up; a dead shard reads as a miss;
 - after the step that completes a prompt, its full blocks that no shard holds yet are
-  written to the store shard on this node (a dead shard drops out of the map).
+  written to the store shard the Conductor chose (a dead shard drops out of the map).
 """
 
 from __future__ import annotations
@@ -20,21 +24,49 @@ import dataclasses
 import time
 from typing import Any
 
-from actors.disagg.kv_stream import KVCaches, KVDestination, LayerStreamer, StreamingExecutor
+import torch
+
+from actors.disagg.fault_injection import ExitAfterLayers
+from actors.disagg.kv_stream import LayerStreamer
+from actors.disagg.messages import (
+    CacheEvent,
+    PrefillDone,
+    PrefillFailed,
+    PrefillStats,
+    PrefillStep,
+    PrefillTask,
+    Report,
+    StoreLoad,
+)
+from actors.disagg.replica_loop import ReplicaLoop
 from actors.engine.replica_controller import ReplicaController
-from actors.engine.sampling import SamplingParams
 from actors.engine.step_plan import StepPlan
+from actors.engine.worker_hooks import KVCaches, PrivateKVCache, WorkerHooks
 from actors.kvstore.shard import KVStoreClient, current_node_id
-from store.hashing import chained_block_hashes
 from store.kv_store_errors import KVStoreError
 from store.transfer import TransferEngine
 
 
-@dataclasses.dataclass
-class _Meta:
-    tokens: list[int]
-    hashes: list[int]  # chained hashes of the prompt's full blocks
-    store_shard: str | None  # where its new blocks are written (the Conductor's choice)
+class PrefillHook:
+    """The prefill worker's ``StepHook``: streams each layer's KV as it is written, then,
+    once the step's copies landed, hands the step to ``after_step`` (timing, store writes)."""
+
+    def __init__(self, streamer: LayerStreamer, after_step: Any) -> None:
+        self.streamer = streamer
+        self.after_step = after_step
+        self.faults: ExitAfterLayers | None = None  # tests only: die mid-stream
+
+    def begin_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
+        self.streamer.begin_step(plan)
+
+    def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.streamer.after_layer(layer, kv_cache)
+        if self.faults is not None:
+            self.faults.after_layer(self.streamer)
+
+    def end_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
+        self.streamer.end_step()
+        self.after_step(plan, kv_caches)
 
 
 class PrefillReplica:
@@ -43,37 +75,34 @@ class PrefillReplica:
         replica_id: str,
         model_dir: str | None = None,
         store_shards: dict[str, Any] | None = None,
+        cpus: list[int] | None = None,
+        threads: int | None = None,
         **controller_options: Any,
     ) -> None:
         self.replica_id = replica_id
-        self.controller = ReplicaController(model_dir, **controller_options)
-        c = self.controller
-        if c.layout.world_size != 1:
-            raise ValueError("a prefill replica runs one in-process worker (tp=spp=kvp=1)")
-        self.block_size = c.block_size
         self.node_id = current_node_id()
         self.engine = TransferEngine(f"prefill-{replica_id}", self.node_id)
-        self.streamer = LayerStreamer(self.engine, self.block_size)
-        c.executor = StreamingExecutor(c.executor, self.streamer, self._after_step)
+        self.cache = PrivateKVCache()
+        self.streamer = LayerStreamer(self.engine, controller_options.get("block_size", 16))
+        self.hook = PrefillHook(self.streamer, self._after_step)
+        self.controller = ReplicaController(
+            model_dir, worker_hooks=WorkerHooks(self.cache, self.hook), **controller_options
+        )
+        if self.controller.layout.world_size != 1:
+            raise ValueError("a prefill replica runs one in-process worker (tp=spp=kvp=1)")
+        self.block_size = self.controller.block_size
         self.client: KVStoreClient | None = None
         if store_shards:
             self.client = KVStoreClient(f"prefill-{replica_id}", node_id=self.node_id)
             for shard_id, handle in store_shards.items():
                 self.client.add_shard(shard_id, handle)
-        self._meta: dict[str, _Meta] = {}
+        self._tasks: dict[str, PrefillTask] = {}
         self.loaded_blocks = 0  # blocks brought in from the store
         self.stored_blocks = 0  # blocks written to the store
-        # Measurements for the Conductor's cost model, drained by each ``step`` report:
-        # (chunks (new tokens, context tokens) of a step, seconds) and (blocks loaded, s).
-        self._prefill_samples: list[tuple[list[tuple[int, int]], float]] = []
-        self._transfer_samples: list[tuple[int, float]] = []
         self._step_chunks: list[tuple[int, int]] = []
         self._step_end = 0.0
-
-    @property
-    def kv_caches(self) -> KVCaches:
-        caches: KVCaches = self.controller.executor.inner.worker.kv_caches  # type: ignore[attr-defined]
-        return caches
+        self.stats = self._stats()
+        self.loop = ReplicaLoop(self._iterate, f"prefill-{replica_id}", cpus=cpus, threads=threads)
 
     def ping(self) -> str:
         return self.replica_id
@@ -81,72 +110,115 @@ class PrefillReplica:
     def node(self) -> str:
         return self.node_id
 
-    # -- requests -------------------------------------------------------------------------
-    def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        seed: int,
-        dest: KVDestination,
-        salt: str | None = None,
-        store_shard: str | None = None,
-    ) -> int:
-        """Queue a request's prefill; returns the prefix blocks loaded from the store. Its
-        new full blocks go to ``store_shard`` (default: a shard on this node)."""
-        tokens = list(prompt_token_ids)
-        hashes = chained_block_hashes(tokens, self.block_size, salt)
-        self._meta[request_id] = _Meta(tokens, hashes, store_shard)
-        loaded = self._load_prefix(request_id, tokens, hashes)
-        first = dataclasses.replace(params, max_tokens=1, seed=seed, stop=[])
-        self.streamer.expect(request_id, dest)
-        self.controller.add_request(tokens, first, request_id, salt=salt)
-        return loaded
+    # -- the Conductor (any thread: through the loop) ---------------------------------------
+    def submit(self, task: PrefillTask) -> None:
+        """Queue a request's prefill; its new full blocks go to ``task.store_shard``."""
+        self.loop.post(lambda: self._start(task))
 
-    def step(self) -> dict[str, Any]:
-        """One iteration. ``done``: (request id, first token, cached prompt tokens) of the
-        requests whose KV has fully arrived at their decode replica; ``failed``: (request
-        id, why) of those whose stream broke (their decode side is gone)."""
-        deltas = []
-        if self.controller.has_unfinished():
+    def abort(self, key: str) -> None:
+        self.loop.post(lambda: self._drop(key))
+
+    def export_blocks(
+        self, request_hashes: list[int], tokens: list[int], wanted: list[int], shard_id: str
+    ) -> int:
+        """Write the blocks of a prompt whose hashes are in ``wanted`` from this replica's
+        prefix cache to a store shard (replication); returns blocks written."""
+        return int(
+            self.loop.call(lambda: self._export(request_hashes, tokens, wanted, shard_id)).result()
+        )
+
+    def report(self, timeout: float) -> Report:
+        """The Conductor's long poll: events since the last report (waiting up to
+        ``timeout`` s for one), then the replica's state."""
+        events = self.loop.take(timeout)
+        if self.loop.error is not None:
+            raise RuntimeError(f"prefill replica {self.replica_id} failed") from self.loop.error
+        return Report(self.replica_id, events, self.stats)
+
+    def report_stats(self) -> PrefillStats:
+        return self.stats
+
+    def check_blocks(self) -> int:
+        """Blocks in use (0 when idle), after the pool's integrity check."""
+
+        def check() -> int:
+            pool = self.controller.pool
+            pool.check_integrity()
+            return pool.num_in_use
+
+        return int(self.loop.call(check).result())
+
+    def drop_local_cache(self) -> int:
+        """Forget this replica's own cached prefixes (so a hit must come from the store)."""
+        return int(self.loop.call(self.controller.pool.evict_all_cached).result())
+
+    def crash_after_layers(self, layers: int) -> None:
+        """Fault injection for tests: the process exits after streaming ``layers`` more
+        layers of KV (mid-stream)."""
+        self.hook.faults = ExitAfterLayers(self.streamer.layers_sent + layers)
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.controller.shutdown()
+        if self.client is not None:
+            self.client.close()
+        self.streamer.close()
+        self.engine.close()
+
+    # -- the loop thread --------------------------------------------------------------------
+    def _start(self, task: PrefillTask) -> None:
+        req = task.request
+        self._tasks[task.key] = task
+        loaded = self._load_prefix(task.key, req.prompt_token_ids, req.block_hashes)
+        self.loaded_blocks += loaded
+        first = dataclasses.replace(req.params, max_tokens=1, stop=[])
+        self.streamer.expect(task.key, task.dest)
+        self.controller.add_request(dataclasses.replace(req, request_id=task.key, params=first))
+
+    def _drop(self, key: str) -> None:
+        if key in self._tasks:
+            self.controller.abort(key)
+            self.controller.release(key)
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        self._tasks.pop(key, None)
+        self.streamer.forget(key)
+
+    def _iterate(self) -> bool:
+        c = self.controller
+        ran = c.has_unfinished()
+        if ran:
             self._step_chunks = []
             start = time.perf_counter()
-            deltas = self.controller.step()
+            deltas = c.step()
             if self._step_chunks:
-                self._prefill_samples.append((self._step_chunks, self._step_end - start))
-        done, failed = [], []
-        for d in deltas:
-            if not d.finished:
-                continue
-            out = self.controller.release(d.request_id)
-            why = self.streamer.failed.get(d.request_id)
-            if why is None:
-                done.append((d.request_id, out.token_ids[0], out.num_cached_tokens))
-            else:
-                failed.append((d.request_id, why))
-            self._forget(d.request_id)
-        for rid, why in list(self.streamer.failed.items()):  # still running: stop it
-            if rid in self._meta:
-                self.controller.abort(rid)
-                self.controller.release(rid)
-                failed.append((rid, why))
-                self._forget(rid)
-        costs = {"prefill_steps": self._prefill_samples, "transfers": self._transfer_samples}
-        self._prefill_samples, self._transfer_samples = [], []
-        return {"done": done, "failed": failed, "stats": self.stats(), "costs": costs}
+                self.loop.emit(PrefillStep(self._step_chunks, self._step_end - start))
+            for d in deltas:
+                if d.finished:
+                    self._finished(d.request_id)
+            for key, why in list(self.streamer.failed.items()):  # still running: stop it
+                if key in self._tasks:
+                    self._drop(key)
+                    self.loop.emit(PrefillFailed(key, why))
+        for kind, h in c.pool.drain_events():
+            self.loop.emit(CacheEvent(kind == "stored", h))
+        self.stats = self._stats()
+        return ran
 
-    def abort(self, request_id: str) -> None:
-        if request_id in self._meta:
-            self.controller.abort(request_id)
-            self.controller.release(request_id)
-            self._forget(request_id)
-
-    def _forget(self, request_id: str) -> None:
-        self._meta.pop(request_id, None)
-        self.streamer.forget(request_id)
+    def _finished(self, key: str) -> None:
+        out = self.controller.release(key)
+        task = self._tasks[key]
+        why = self.streamer.failed.get(key)
+        if why is None:
+            task.decode.admit(key, out.token_ids[0])
+            self.loop.emit(PrefillDone(key, out.token_ids[0], out.num_cached_tokens))
+        else:
+            self.loop.emit(PrefillFailed(key, why))
+        self._forget(key)
 
     # -- the KV store -----------------------------------------------------------------------
-    def _load_prefix(self, request_id: str, tokens: list[int], hashes: list[int]) -> int:
+    def _load_prefix(self, key: str, tokens: list[int], hashes: list[int]) -> int:
         client = self.client
         pool = self.controller.pool
         bs = self.block_size
@@ -171,8 +243,8 @@ class PrefillReplica:
         try:
             if blocks:
                 start = time.perf_counter()
-                n = client.load_into_cache(request_id, rest[:want], self.kv_caches, blocks)
-                self._transfer_samples.append((n, time.perf_counter() - start))
+                n = client.load_into_cache(key, rest[:want], self.cache.kv_caches, blocks)
+                self.loop.emit(StoreLoad(n, time.perf_counter() - start))
         except KVStoreError:
             n = 0  # a broken transfer: recompute
         finally:
@@ -180,7 +252,6 @@ class PrefillReplica:
             for i in range(n):
                 pool.register(blocks[i], rest[i], tokens[(k + i) * bs : (k + i + 1) * bs])
             pool.release(blocks[::-1] + held[::-1])
-        self.loaded_blocks += n
         return n
 
     def _store_shard(self, wanted: str | None = None) -> str | None:
@@ -193,18 +264,13 @@ class PrefillReplica:
         local = [s for s, ep in client.endpoints.items() if ep.node_id == self.node_id]
         return sorted(local or client.endpoints)[0]
 
-    def export_blocks(
-        self, prompt_token_ids: list[int], salt: str | None, wanted: list[int], shard_id: str
+    def _export(
+        self, hashes: list[int], tokens: list[int], wanted: list[int], shard_id: str
     ) -> int:
-        """Write the blocks of a prompt whose hashes are in ``wanted`` from this replica's
-        prefix cache to a store shard (replication); returns blocks written. Blocks no
-        longer cached here are skipped."""
         client = self.client
         if client is None or shard_id not in client.endpoints:
             return 0
         bs, pool, want = self.block_size, self.controller.pool, set(wanted)
-        tokens = list(prompt_token_ids)
-        hashes = chained_block_hashes(tokens, bs, salt)
         picked: list[tuple[int, int, int | None]] = []  # (hash, block id, parent hash)
         for i, h in enumerate(hashes):
             if h not in want:
@@ -218,7 +284,7 @@ class PrefillReplica:
             stored = client.store_from_cache(
                 shard_id,
                 [h for h, _, _ in picked],
-                self.kv_caches,
+                self.cache.kv_caches,
                 [b for _, b, _ in picked],
                 [p for _, _, p in picked],
             )
@@ -239,14 +305,14 @@ class PrefillReplica:
         if client is None:
             return
         for e in plan.entries:
-            meta = self._meta.get(e.request_id)
-            if e.sample is None or meta is None:
+            task = self._tasks.get(e.request_id)
+            if e.sample is None or task is None:
                 continue  # the prompt is not complete yet
-            hashes = meta.hashes
+            hashes = task.request.block_hashes
             blocks = e.shards[0][2][: len(hashes)]
             todo = [i for i, h in enumerate(hashes) if not client.directory.holders(h)]
             while todo:
-                shard = self._store_shard(meta.store_shard)
+                shard = self._store_shard(task.store_shard)
                 if shard is None:
                     return
                 i0 = todo[0]
@@ -262,36 +328,14 @@ class PrefillReplica:
                 if shard in client.endpoints:
                     break  # written (or the shard is full): done with this request
 
-    # -- observation ----------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        c = self.controller
-        return {
-            "queued_tokens": c.scheduler.queued_prefill_tokens(),
-            "queued_requests": c.scheduler.num_waiting + c.scheduler.num_running,
-            "pool_events": c.pool.drain_events(),
-            "loaded_blocks": self.loaded_blocks,
-            "stored_blocks": self.stored_blocks,
-            "bytes_streamed": self.streamer.bytes_sent,
-            "layers_streamed": self.streamer.layers_sent,
-            "backends": self.engine.chosen_backends(),  # decode endpoint -> shm / tcp
-        }
-
-    def check_blocks(self) -> int:
-        """Blocks in use (0 when idle), after the pool's integrity check."""
-        self.controller.pool.check_integrity()
-        return self.controller.pool.num_in_use
-
-    def drop_local_cache(self) -> int:
-        """Forget this replica's own cached prefixes (so a hit must come from the store)."""
-        return self.controller.pool.evict_all_cached()
-
-    def crash_after_layers(self, layers: int) -> None:
-        """Fault injection for tests: exit the process after streaming ``layers`` more
-        layers of KV (mid-stream)."""
-        self.streamer.crash_after_layers = self.streamer.layers_sent + layers
-
-    def shutdown(self) -> None:
-        self.controller.shutdown()
-        if self.client is not None:
-            self.client.close()
-        self.engine.close()
+    def _stats(self) -> PrefillStats:
+        s = self.controller.scheduler
+        return PrefillStats(
+            queued_tokens=s.queued_prefill_tokens(),
+            queued_requests=s.num_waiting + s.num_running,
+            loaded_blocks=self.loaded_blocks,
+            stored_blocks=self.stored_blocks,
+            bytes_streamed=self.streamer.bytes_sent,
+            layers_streamed=self.streamer.layers_sent,
+            backends=self.engine.chosen_backends(),
+        )

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker import Worker, WorkerSpec
+from actors.engine.worker_hooks import WorkerHooks
 
 
 class WorkerFailure(RuntimeError):
@@ -41,11 +42,12 @@ class LocalExecutor:
 
     depth = 1
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, hooks: WorkerHooks | None = None) -> None:
         if spec.layout.world_size != 1:
             raise ValueError("the in-process executor runs exactly one worker; use RayExecutor")
         self.spec = spec
-        self.worker = Worker(spec)
+        self.hooks = hooks
+        self.worker = Worker(spec, hooks=hooks)
         self.worker.setup()
 
     def submit(self, plan: StepPlan) -> StepResult:
@@ -57,7 +59,7 @@ class LocalExecutor:
         return handle
 
     def restart(self) -> None:
-        self.worker = Worker(self.spec)
+        self.worker = Worker(self.spec, hooks=self.hooks)
         self.worker.setup()
 
     def on_idle(self) -> None:

@@ -10,6 +10,7 @@ tokens only and block ids, never KV bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from actors.engine.sampling import SampleSpec
 
@@ -69,3 +70,6 @@ class StepResult:
     tokens: dict[str, int]  # request id -> sampled token, for the entries it computed
     # (stage, start, end) wall-clock seconds of each stage that handled the step
     timings: list[tuple[int, float, float]] = field(default_factory=list)
+    hook_report: Any = (
+        None  # what the worker's StepHook.end_step returned (actors.engine.worker_hooks)
+    )

@@ -20,9 +20,9 @@ import torch
 from actors.engine.collectives import Collectives, Layout
 from actors.engine.sampling import sample
 from actors.engine.step_plan import StepPlan, StepResult
+from actors.engine.worker_hooks import CacheGeometry, PrivateKVCache, WorkerHooks
 from actors.engine.worker_inputs import build_worker_inputs
 from kernels.cpu_linear import can_pack, pack_linears
-from kernels.kv_cache import allocate_kv_cache
 from kernels.kv_parallel_attention import KVParallelAttention
 from models import load_model
 from models.sharding import ModelShard
@@ -53,8 +53,14 @@ class StageOutput:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, coords: tuple[int, int, int] = (0, 0, 0)) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        coords: tuple[int, int, int] = (0, 0, 0),
+        hooks: WorkerHooks | None = None,
+    ) -> None:
         self.spec = spec
+        self.hooks = hooks or WorkerHooks()
         self.tp_rank, self.stage, self.kvp_rank = coords
         self.coords = coords
         self.layout = spec.layout
@@ -87,25 +93,26 @@ class Worker:
         spec = self.spec
         model = load_model(Path(spec.model_dir), self.dtype, self.device, spec.attention_backend)
         reduce = self.collectives.all_reduce_tp if self.collectives else None
-        shard = ModelShard(model, self.stage, layout.spp, self.tp_rank, layout.tp, reduce)
-        del model
-        if spec.pack_weights if spec.pack_weights is not None else can_pack(shard):
-            pack_linears(shard)  # fp32 CPU: oneDNN-prepacked weights, same arithmetic
+        backend = None
         if layout.kvp > 1:
             assert self.collectives is not None
             backend = KVParallelAttention(self.collectives.all_gather_kvp)
-            for layer in shard.layers:
-                layer.self_attn.backend = backend  # type: ignore[assignment]
-        cfg = shard.config
-        self.kv_caches = allocate_kv_cache(
+        shard = ModelShard(model, self.stage, layout.spp, self.tp_rank, layout.tp, reduce, backend)
+        del model
+        if spec.pack_weights if spec.pack_weights is not None else can_pack(shard):
+            pack_linears(shard)  # fp32 CPU: oneDNN-prepacked weights, same arithmetic
+        geometry = CacheGeometry(
             shard.num_layers,
             spec.num_blocks,
             spec.block_size,
             shard.num_kv_heads,
-            cfg.head_dim,
+            shard.config.head_dim,
             self.dtype,
             self.device,
         )
+        self.kv_caches = (self.hooks.kv_cache or PrivateKVCache()).allocate(geometry)
+        if self.hooks.step is not None:
+            shard.set_layer_hook(self.hooks.step)
         self.shard = shard
         return self.coords
 
@@ -125,6 +132,9 @@ class Worker:
             plan, self.kvp_rank, self.layout.kvp, self.spec.block_size, self.device
         )
         exchange = getattr(inputs.meta, "exchange", None)
+        step_hook = self.hooks.step
+        if step_hook is not None:
+            step_hook.begin_step(plan, self.kv_caches)
         if inputs.entries or exchange is not None:
             hidden_in = None
             if incoming is not None:
@@ -135,6 +145,7 @@ class Worker:
         else:  # nothing of this step runs on this KVP rank
             hidden = torch.zeros(0, shard.config.hidden_size, dtype=self.dtype)
         timings.append((self.stage, began, time.time()))
+        report = step_hook.end_step(plan, self.kv_caches) if step_hook is not None else None
         if not shard.is_last:
             return StageOutput(plan.step_id, hidden.cpu().numpy(), timings)
         tokens: dict[str, int] = {}
@@ -143,7 +154,7 @@ class Worker:
             logits = shard.compute_logits(hidden.index_select(0, rows))
             sampled = sample(logits, inputs.sample_specs)
             tokens = dict(zip(inputs.sample_ids, sampled, strict=True))
-        return StepResult(plan.step_id, tokens, timings)
+        return StepResult(plan.step_id, tokens, timings, report)
 
     def shutdown(self) -> None:
         if self.collectives is not None:

@@ -38,7 +38,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def colocated(prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:
     ref = ReplicaController(None, **OPTS)
-    ids = [ref.add_request(p, params) for p in prompts]
+    build = ref.request_builder()
+    ids = [ref.add_request(build.build(p, params)) for p in prompts]
     while ref.has_unfinished():
         ref.step()
     out = [ref.release(i).token_ids for i in ids]

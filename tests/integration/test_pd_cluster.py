@@ -39,7 +39,7 @@ def test_pd_output_equals_colocated():
         assert o.first_token_time is not None and o.finish_time is not None
         assert o.arrival_time <= o.first_token_time <= o.finish_time
     stats = pd.prefill_stats()
-    assert sum(s["layers_streamed"] for s in stats.values()) > 0
+    assert sum(s.layers_streamed for s in stats.values()) > 0
     finish(pd)
 
 
@@ -60,14 +60,14 @@ def test_conductor_prefers_the_prefill_instance_holding_the_prefix():
     pd = PDCluster(None, num_prefill=2, num_decode=1, **OPTS)
     first = pd.submit(shared + tokens(7, 3), PARAMS)
     while pd.has_unfinished():
-        pd.step()
+        pd.poll()
     holder = pd.placement(first)[0]
     pd.release(first)
-    pd.step()  # nothing runs; the views already hold the holder's cached blocks
+    pd.poll()  # nothing runs; the views already hold the holder's cached blocks
     second = pd.submit(shared + tokens(8, 5), PARAMS)
     assert pd.placement(second)[0] == holder
     while pd.has_unfinished():
-        pd.step()
+        pd.poll()
     out = pd.release(second)
     assert out.token_ids == colocated([shared + tokens(8, 5)])[0]
     finish(pd)
@@ -119,9 +119,9 @@ def run_after_dropping_local_cache(pd: PDCluster, prompt: list[int]) -> tuple[li
     """Run one prompt on a prefill replica that forgot its own cache; returns its tokens
     and how many blocks it loaded from the store for it."""
     ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
-    before = sum(s["loaded_blocks"] for s in pd.prefill_stats().values())
+    before = sum(s.loaded_blocks for s in pd.prefill_stats().values())
     (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
-    after = sum(s["loaded_blocks"] for s in pd.prefill_stats().values())
+    after = sum(s.loaded_blocks for s in pd.prefill_stats().values())
     return out.token_ids, after - before
 
 
@@ -213,7 +213,7 @@ def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
         first = pd.submit(shared + tokens(70, 3), PARAMS)
         assert pd.placement(first)[0] == "p0"  # idle instances tie: the first
         while pd.has_unfinished():
-            pd.step()
+            pd.poll()
         pd.release(first)
         hashes = chained_block_hashes(shared, BS)
         if drop_from_store:  # only p0's own cache holds the prefix now
@@ -225,20 +225,20 @@ def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
         # before p1 prefills, the prefix was copied into p1's home shard
         assert ray.get(pd.shards["s1"].match_prefix.remote(hashes)) == len(hashes)
         while pd.has_unfinished():
-            pd.step()
+            pd.poll()
         pd.release(busy)
         out = pd.release(second)
         assert out.token_ids == colocated([second_prompt])[0]
         assert out.num_cached_tokens == len(shared)  # the copied prefix, not recomputed
         return hashes
 
-    loaded = pd.prefill_stats()["p1"]["loaded_blocks"]
+    loaded = pd.prefill_stats()["p1"].loaded_blocks
     hashes = run_shared_prefix_on_p1(tokens(73, 16), drop_from_store=False)  # shard to shard
     assert pd.replicated_blocks == len(hashes) == 4
-    assert pd.prefill_stats()["p1"]["loaded_blocks"] == loaded + 4  # not recomputed
+    assert pd.prefill_stats()["p1"].loaded_blocks == loaded + 4  # not recomputed
     hashes = run_shared_prefix_on_p1(tokens(74, 16), drop_from_store=True)  # from p0's cache
     assert pd.replicated_blocks == 8
-    assert pd.prefill_stats()["p1"]["loaded_blocks"] == loaded + 8
+    assert pd.prefill_stats()["p1"].loaded_blocks == loaded + 8
     finish(pd)
 
 
@@ -247,7 +247,7 @@ def test_abort_in_prefill_and_in_decode_frees_every_block():
     long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     decoding = pd.submit(tokens(80, 6), long)
     while not pd.output(decoding) and not any(
-        d.request_id == decoding and d.token_ids for d in pd.step()
+        d.request_id == decoding and d.token_ids for d in pd.poll()
     ):
         pass
     prefilling = pd.submit(tokens(81, 30), long)  # 30 tokens: several prefill steps
@@ -258,5 +258,5 @@ def test_abort_in_prefill_and_in_decode_frees_every_block():
         out = pd.release(rid)
         assert out.finished and out.finish_reason == "abort" and len(out.token_ids) < 20
     assert not pd.has_unfinished()
-    pd.step()  # the aborted prefill leaves nothing behind
+    pd.poll()  # the aborted prefill leaves nothing behind
     finish(pd)

@@ -43,11 +43,11 @@ def test_prefill_and_decode_on_two_nodes_stream_kv_over_tcp():
     assert [o.token_ids for o in outs] == colocated(prompts)
     stats = pd.prefill_stats()["p0"]
     assert list(stats["backends"].values()) == ["tcp"]  # the decode cache, across nodes
-    assert stats["layers_streamed"] > 0
+    assert stats.layers_streamed > 0
     # new blocks went to the prefill replica's own node, and the shared prefix came back
     home = pd.home_shard("p0")
     assert home is not None and pd.store_client is not None
     assert pd.store_client.endpoints[home].node_id == prefill_node
-    assert stats["stored_blocks"] > 0 and outs[2].num_cached_tokens == len(shared)
+    assert stats.stored_blocks > 0 and outs[2].num_cached_tokens == len(shared)
     assert set(pd.check_blocks().values()) == {0}
     pd.shutdown()

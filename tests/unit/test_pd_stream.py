@@ -11,9 +11,11 @@ import torch
 
 from actors.disagg.decode import DecodeReplica
 from actors.disagg.kv_stream import blocks_to_stream, segment_offset
+from actors.disagg.messages import Finished, PrefillDone, PrefillTask
 from actors.disagg.prefill import PrefillReplica
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
+from policies.request import Request
 from store.hashing import chained_block_hashes
 
 OPTS = dict(dtype=torch.float64, block_size=4, num_blocks=48, token_budget=16, chunk_size=8)
@@ -49,28 +51,37 @@ def prompts():
 @pytest.fixture(scope="module")
 def colocated(prompts):
     ref = ReplicaController(None, **OPTS)
-    ids = [ref.add_request(p, PARAMS) for p in prompts]
+    build = ref.request_builder()
+    ids = [ref.add_request(build.build(p, PARAMS)) for p in prompts]
     while ref.has_unfinished():
         ref.step()
     return [ref.release(i).token_ids for i in ids]
 
 
-def run_pd(prefill, decode, prompts, params=PARAMS):
+def request(key, prompt, params=PARAMS):
+    return Request(key, prompt, params, 1, 4, chained_block_hashes(prompt, 4))
+
+
+def wait_for(replica, kind, keys):
+    """Events of ``kind`` from a replica's reports until one arrived for every key."""
     got = {}
-    for i, p in enumerate(prompts):
-        dest = decode.reserve(f"r{i}", p, params, seed=1)
+    while set(got) != set(keys):
+        for e in replica.report(5.0).events:
+            if isinstance(e, kind):
+                got[e.key] = e
+    return got
+
+
+def run_pd(prefill, decode, prompts, params=PARAMS):
+    """Both replicas run their own loops; the prefill replica admits into the decode one."""
+    keys = [f"r{i}" for i in range(len(prompts))]
+    for key, p in zip(keys, prompts, strict=True):
+        dest = decode.reserve(key, request(key, p, params))
         assert dest is not None
-        prefill.prefill(f"r{i}", p, params, 1, dest)
-        while prefill.controller.has_unfinished():  # one at a time: the third hits the cache
-            report = prefill.step()
-            assert not report["failed"]
-            for rid, token, _cached in report["done"]:
-                for out in decode.admit(rid, token)["finished"]:
-                    got[out.request_id] = out
-    while decode.controller.has_unfinished():
-        for out in decode.step()["finished"]:
-            got[out.request_id] = out
-    return [got[f"r{i}"] for i in range(len(prompts))]
+        prefill.submit(PrefillTask(key, request(key, p, params), dest, decode))
+        wait_for(prefill, PrefillDone, [key])  # one at a time: the third hits the cache
+    finished = wait_for(decode, Finished, keys)
+    return [finished[k].output for k in keys]
 
 
 def test_pd_in_process_equals_colocated(prompts, colocated):
@@ -86,25 +97,29 @@ def test_pd_in_process_equals_colocated(prompts, colocated):
 def test_streamed_blocks_equal_the_prefill_cache(prompts):
     prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
     prompt = prompts[3]
-    dest = decode.reserve("r", prompt, PARAMS, seed=1)
-    prefill.prefill("r", prompt, PARAMS, 1, dest)
-    while prefill.controller.has_unfinished():
-        prefill.step()
+    dest = decode.reserve("r", request("r", prompt))
+    prefill.submit(PrefillTask("r", request("r", prompt), dest, NoAdmission()))
+    wait_for(prefill, PrefillDone, ["r"])
     full = len(prompt) // 4
     hashes = chained_block_hashes(prompt, 4)
     pool = prefill.controller.pool  # the finished prompt's blocks stay cached there
     src_blocks = [pool.lookup(h, prompt[i * 4 : (i + 1) * 4]) for i, h in enumerate(hashes)]
     assert None not in src_blocks and len(src_blocks) == full
-    src = prefill.kv_caches
+    src = prefill.cache.kv_caches
     dst = decode.cache.kv_caches
     for layer in range(len(src)):
         for kind in (0, 1):
             for s, d in zip(src_blocks[:full], dest.block_ids[:full], strict=True):
                 assert torch.equal(src[layer][kind][s], dst[layer][kind][d])
-    assert decode.cancel("r")
+    decode.cancel("r")
     assert decode.check_blocks() == 0
     prefill.shutdown()
     decode.shutdown()
+
+
+class NoAdmission:
+    def admit(self, key, first_token):
+        pass  # the test reads the streamed blocks; the request is cancelled afterwards
 
 
 def test_first_token_may_finish_at_admission(prompts):

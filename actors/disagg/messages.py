@@ -1,0 +1,128 @@
+"""Typed messages between a disaggregated deployment's Conductor and its replicas.
+
+Every attempt at a request has its own ``key`` (request id and attempt number), so a
+message from an attempt the Conductor has given up on (its replica died, it was placed
+again) is recognised and dropped.
+
+    Conductor -> prefill:  PrefillTask          (prefill.submit)
+    prefill  -> decode:    admit(key, token)    (directly, once the KV has arrived)
+    replica  -> Conductor: Report               (the Conductor's long poll, replica.report)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from actors.disagg.kv_stream import KVDestination
+from actors.engine.outputs import RequestOutput, StreamDelta
+from policies.request import Request
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    key: str
+    request: Request
+    dest: KVDestination  # the decode replica's blocks reserved for the whole request
+    decode: Any  # has admit(key, first_token): the decode replica, or a RemoteDecode
+    store_shard: str | None = None  # where the prompt's new full blocks are written
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """The prompt's KV has arrived at the decode replica, which was told to admit it."""
+
+    key: str
+    first_token: int
+    cached_tokens: int  # prompt tokens reused (own prefix cache or the KV store)
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    """The KV stream broke (the decode side is gone or unreachable); nothing was admitted."""
+
+    key: str
+    why: str
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    key: str
+    delta: StreamDelta
+    time: float  # time.monotonic() on the decode replica when the token was produced
+
+
+@dataclass(frozen=True)
+class Finished:
+    key: str
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    queued_tokens: int
+    queued_requests: int
+    loaded_blocks: int
+    stored_blocks: int
+    bytes_streamed: int
+    layers_streamed: int
+    backends: dict[str, str]  # decode endpoint -> transfer backend (shm / tcp)
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    num_running: int
+    used_blocks: int  # held by admitted requests
+    pending: int  # reservations whose prefill has not delivered yet
+    pending_blocks: int
+    total_blocks: int
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """One measured prefill step, for the Conductor's cost model."""
+
+    chunks: list[tuple[int, int]]  # (new tokens, context tokens) of each request
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StoreLoad:
+    blocks: int  # loaded from the KV store into the prefill replica's cache
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    batch: int  # running requests
+    blocks: int  # their context blocks
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A prefill replica's prefix cache stored or evicted a block."""
+
+    stored: bool
+    block_hash: int
+
+
+Event = (
+    PrefillDone
+    | PrefillFailed
+    | TokenDelta
+    | Finished
+    | PrefillStep
+    | StoreLoad
+    | DecodeStep
+    | CacheEvent
+)
+
+
+@dataclass
+class Report:
+    """What a replica tells the Conductor: its events in order, then its state now."""
+
+    replica_id: str
+    events: list[Event]
+    stats: PrefillStats | DecodeStats

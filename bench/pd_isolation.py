@@ -1,0 +1,150 @@
+"""Does decode keep its pace while a long prompt prefills? Colocated against prefill/decode.
+
+The 8-layer/hidden-512 bench model (random weights, HF format, fp32). Eight short requests
+decode; once each has 8 tokens, a 3,072-token prompt arrives (prefill chunk 512). For the
+short requests we take the gaps between consecutive tokens, as produced (the replica's
+clock): "before" while only they run, "during" from the long prompt's arrival to its first
+token. Two deployments, interleaved (A, B, A, B, ...), the median of each figure reported:
+
+- colocated: one replica (in this process, every core) runs everything; its mixed steps
+  carry a 512-token chunk next to the decodes, so decode waits for the chunk;
+- P/D: one prefill and one decode replica, each a Ray actor running its own loop on its
+  own core (``pin_cores``): the decode replica never waits for a prefill step.
+
+Target: P/D p99 during the long prefill at most 1.3x its p50 before. The last line is
+``isolation: <P/D p99 during / P/D p50 before>``.
+
+    python bench/pd_isolation.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from actors.disagg.cluster import PDCluster  # noqa: E402
+from actors.engine.replica_controller import ReplicaController  # noqa: E402
+from actors.engine.sampling import SamplingParams  # noqa: E402
+from models import write_tiny_model  # noqa: E402
+
+MODEL = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1536,
+    vocab_size=8192,
+    max_position_embeddings=8192,
+)
+ENGINE = dict(block_size=16, chunk_size=512, token_budget=1024, max_num_seqs=32)
+SHORT, SHORT_PROMPT, LONG_PROMPT = 8, 64, 3072
+BEFORE_TOKENS = 8
+SHORT_PARAMS = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+LONG_PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def prompts(seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    short = [[rng.randrange(3, 8000) for _ in range(SHORT_PROMPT)] for _ in range(SHORT)]
+    return short, [rng.randrange(3, 8000) for _ in range(LONG_PROMPT)]
+
+
+def gaps(times: list[list[float]], start: float, end: float) -> tuple[list[float], list[float]]:
+    """Inter-token gaps (s) of each request, split by when the later token came."""
+    before, during = [], []
+    for ts in times:
+        for a, b in zip(ts, ts[1:], strict=False):
+            if b < start:
+                before.append(b - a)
+            elif b <= end:
+                during.append(b - a)
+    return before, during
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def colocated_run(engine: ReplicaController, seed: int) -> tuple[list[float], list[float]]:
+    engine.pool.evict_all_cached()
+    short, long = prompts(seed)
+    build = engine.request_builder()
+    ids = [engine.add_request(build.build(p, SHORT_PARAMS)) for p in short]
+    times: dict[str, list[float]] = {rid: [] for rid in ids}
+    long_id, arrival, first = None, 0.0, None
+    while first is None:
+        for d in engine.step():
+            now = time.monotonic()
+            if d.request_id in times:
+                times[d.request_id] += [now] * len(d.token_ids)
+            elif d.request_id == long_id and first is None:
+                first = now
+        if long_id is None and min(len(t) for t in times.values()) >= BEFORE_TOKENS:
+            long_id = engine.add_request(build.build(long, LONG_PARAMS))
+            arrival = time.monotonic()
+    for rid in [*ids, long_id]:
+        engine.abort(rid)
+        engine.release(rid)
+    return gaps(list(times.values()), arrival, first)
+
+
+def pd_run(pd: PDCluster, seed: int) -> tuple[list[float], list[float]]:
+    short, long = prompts(seed)
+    ids = [pd.submit(p, SHORT_PARAMS) for p in short]
+    long_id, arrival, first = None, 0.0, None
+    while first is None:
+        pd.poll(0.01)
+        if long_id is None and min(len(pd.token_times(r)) for r in ids) >= BEFORE_TOKENS:
+            long_id, arrival = pd.submit(long, LONG_PARAMS), time.monotonic()
+        if long_id is not None and pd.token_times(long_id):
+            first = pd.token_times(long_id)[0]
+    times = [pd.token_times(r) for r in ids]
+    for rid in [*ids, long_id]:
+        pd.abort(rid)
+        pd.release(rid)
+    return gaps(times, arrival, first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "bench", seed=0, **MODEL)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    colocated = ReplicaController(model_dir, dtype=torch.float32, **ENGINE)
+    pd = PDCluster(model_dir, 1, 1, pin_cores=True, dtype=torch.float32, **ENGINE)
+    runs: dict[str, list[tuple[float, float, float, float]]] = {"colocated": [], "P/D": []}
+    colocated_run(colocated, 99)  # warm-up: first-use costs stay out of the figures
+    pd_run(pd, 99)
+    for i in range(args.repeats):
+        for name, run in (("colocated", colocated_run), ("P/D", pd_run)):
+            before, during = run(colocated if name == "colocated" else pd, i)  # type: ignore[arg-type]
+            figs = (pct(before, 0.5), pct(before, 0.99), pct(during, 0.5), pct(during, 0.99))
+            runs[name].append(figs)
+            print(f"run {i} {name:9s} " + " ".join(f"{x * 1e3:7.1f}" for x in figs), flush=True)
+    print(f"\ndecode inter-token time of {SHORT} short requests, ms (median of {args.repeats})")
+    print(
+        f"{'':10s} {'p50 before':>11s} {'p99 before':>11s} {'p50 during':>11s} {'p99 during':>11s}"
+    )
+    med: dict[str, list[float]] = {}
+    for name, rows in runs.items():
+        med[name] = [statistics.median(r[k] for r in rows) for k in range(4)]
+        print(f"{name:10s} " + " ".join(f"{x * 1e3:11.1f}" for x in med[name]))
+    pd.shutdown()
+    colocated.shutdown()
+    print(f"isolation: {med['P/D'][3] / med['P/D'][0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
