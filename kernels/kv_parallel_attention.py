@@ -83,7 +83,9 @@ def _padded_gather(
 
 
 class KVParallelAttention:
-    """An ``AttentionBackend`` for one KV-parallel rank (per TP rank and pipeline stage)."""
+    """An ``AttentionBackend`` for one KV-parallel rank (per TP rank and pipeline stage),
+    given to that worker's ``ModelShard`` as the backend of all its layers. With TP, K/V rows
+    carry only the rank's KV heads (``k_cache.shape[2]``: one when TP replicates KV heads)."""
 
     name = "kv_parallel"
 
@@ -114,10 +116,13 @@ class KVParallelAttention:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: KVParallelMetadata,  # type: ignore[override]
+        meta: AttentionMetadata | KVParallelMetadata,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q: [T, Hq, D]`` own rows -> exact ``(out [T, Hq, D], lse [T, Hq])``."""
+        """``q: [T, Hq, D]`` own rows -> exact ``(out [T, Hq, D], lse [T, Hq])``. ``meta`` is
+        always the step's ``KVParallelMetadata``; the union keeps this an ``AttentionBackend``
+        (models pass the step's metadata through to their backend as is)."""
+        assert isinstance(meta, KVParallelMetadata)
         if meta.local.num_seqs:
             out, lse = self._local.attention(q, k_cache, v_cache, meta.local, scale)
             out, lse = out.clone(), lse.clone()

@@ -3,7 +3,9 @@
 Inputs are flat: a step's ``T`` tokens from any number of sequences, described by
 ``AttentionMetadata``. Projections are fused for speed: ``qkv_proj: [(Hq + 2 Hkv) * D, H]``
 (q rows, then k, then v) and ``gate_up_proj: [2 * I, H]`` (gate rows, then up); the loader
-concatenates the Hugging Face tensors into them.
+concatenates the Hugging Face tensors into them. Layers hold weights only: the RoPE tables
+and the attention backend belong to the model (or a ``ModelShard``), which passes them to
+every layer call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, Hkv
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -31,7 +33,6 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.backend = backend
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
@@ -42,6 +43,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
+        backend: AttentionBackend,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -53,8 +55,8 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(q, k, positions)
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out, _ = self.backend.attention(q, k_cache, v_cache, meta, self.scale)
+        backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out, _ = backend.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -73,10 +75,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = SparseMoeBlock(config) if config.is_moe else MLP(config)
 
@@ -85,10 +87,12 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
+        backend: AttentionBackend,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, positions, rope, backend, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,9 +104,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.attention_backend = get_attention_backend(attention_backend)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.attention_backend) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(
             config.head_dim,
@@ -132,7 +134,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, positions, self.rope, self.attention_backend, kv_cache, meta)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -3,24 +3,69 @@
 Sequence-pipeline stage ``s`` of ``spp`` holds layers ``layer_range(L, spp, s)`` (earlier
 stages take the remainder); the first stage also holds the embedding, the last the final
 norm and LM head. Tensor-parallel rank ``r`` of ``tp`` holds query heads
-``[r * Hq / tp, (r + 1) * Hq / tp)`` and the matching KV heads, and columns
-``[r * I / tp, (r + 1) * I / tp)`` of every MLP (of every expert for MoE). The attention output
-projection and the MLP's down projection then produce partial sums, which ``all_reduce`` adds
-up across the TP group (Megatron-style: one reduction after attention, one after the MLP).
-Their biases live on rank 0 only, so the sum counts them once.
+``[r * Hq / tp, (r + 1) * Hq / tp)``, the KV heads ``kv_head_range(Hkv, tp, r)`` those query
+heads use, and columns ``[r * I / tp, (r + 1) * I / tp)`` of every MLP (of every expert for
+MoE). When ``tp > Hkv`` (``tp`` a multiple of ``Hkv``) each KV head is replicated on the
+``tp / Hkv`` consecutive ranks that share it, so every rank holds exactly one. The attention
+output projection and the MLP's down projection produce partial sums, which ``all_reduce``
+adds up across the TP group (Megatron-style: one reduction after attention, one after the
+MLP). Their biases live on rank 0 only, so the sum counts them once.
+
+A shard runs its layers with one attention backend (the model's unless the constructor gets
+another, e.g. KV-parallel attention) and, when given a ``LayerHook``, calls it after each layer
+has written the step's K/V.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from kernels.registry import AttentionBackend
 from models.decoder import MLP, Attention, CausalLM, KVCache
 from models.moe_block import SparseMoeBlock
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor in place over the TP group
+
+
+class LayerHook(Protocol):
+    def after_layer(self, layer: int, kv_cache: KVCache) -> None:
+        """Called right after decoder layer ``layer`` (the model's global layer index, not
+        the stage-local one) ran for the step and wrote its K/V into ``kv_cache``, that
+        layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv_rank, D]``;
+        the next layer has not started."""
+        ...
+
+
+def kv_head_range(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """``[lo, hi)`` of the global KV heads TP rank ``rank`` of ``tp`` holds.
+
+    ``tp <= num_kv_heads``: ``tp`` must divide them, each rank holds ``num_kv_heads / tp``.
+    ``tp > num_kv_heads``: ``tp`` must be a multiple of them; rank ``r`` holds the one head
+    ``r // (tp / num_kv_heads)``, replicated on the ranks that share it."""
+    if tp < 1 or not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is not in [0, tp={tp})")
+    if tp <= num_kv_heads:
+        if num_kv_heads % tp:
+            raise ValueError(f"tp={tp} must divide the {num_kv_heads} KV heads")
+        per_rank = num_kv_heads // tp
+        return rank * per_rank, (rank + 1) * per_rank
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"tp={tp} is larger than the {num_kv_heads} KV heads, so it must be a multiple "
+            f"of them (each KV head is then replicated on tp / {num_kv_heads} ranks)"
+        )
+    head = rank // (tp // num_kv_heads)
+    return head, head + 1
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads each TP rank holds (and caches): ``num_kv_heads / tp``, at least 1."""
+    lo, hi = kv_head_range(num_kv_heads, tp, 0)
+    return hi - lo
 
 
 def layer_range(num_layers: int, spp: int, stage: int) -> tuple[int, int]:
@@ -61,14 +106,17 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 def _shard_attention(attn: Attention, rank: int, tp: int, all_reduce: AllReduce) -> None:
     hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if hq % tp or hkv % tp:
-        raise ValueError(f"tp={tp} must divide both {hq} query heads and {hkv} KV heads")
-    lq, lkv = hq // tp, hkv // tp
+    if hq % tp:
+        raise ValueError(f"tp={tp} must divide the {hq} query heads")
+    kv_lo, kv_hi = kv_head_range(hkv, tp, rank)
+    # Query head h uses KV head h // (hq / hkv), so this rank's contiguous query heads all
+    # use KV heads in [kv_lo, kv_hi) (one head when tp > hkv).
+    lq, lkv = hq // tp, kv_hi - kv_lo
     rows = torch.cat(
         [
             torch.arange(rank * lq * d, (rank + 1) * lq * d),
-            hq * d + torch.arange(rank * lkv * d, (rank + 1) * lkv * d),
-            (hq + hkv) * d + torch.arange(rank * lkv * d, (rank + 1) * lkv * d),
+            hq * d + torch.arange(kv_lo * d, kv_hi * d),
+            (hq + hkv) * d + torch.arange(kv_lo * d, kv_hi * d),
         ]
     )
     qkv = attn.qkv_proj
@@ -109,7 +157,11 @@ def _shard_moe(moe: SparseMoeBlock, rank: int, tp: int) -> None:
 
 
 class ModelShard(nn.Module):
-    """The layers of one (stage, TP rank); same call shape as ``CausalLM.forward``."""
+    """The layers of one (stage, TP rank); same call shape as ``CausalLM.forward``.
+
+    ``attention_backend``: what the layers attend with (default: the model's).
+    ``layer_hook``: called after each layer (see ``LayerHook``); ``set_layer_hook`` sets or
+    clears it later."""
 
     def __init__(
         self,
@@ -119,6 +171,8 @@ class ModelShard(nn.Module):
         tp_rank: int = 0,
         tp: int = 1,
         all_reduce: AllReduce | None = None,
+        attention_backend: AttentionBackend | None = None,
+        layer_hook: LayerHook | None = None,
     ) -> None:
         super().__init__()
         if tp > 1 and all_reduce is None:
@@ -131,6 +185,10 @@ class ModelShard(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.rope = model.rope
+        self.attention_backend = (
+            attention_backend if attention_backend is not None else model.attention_backend
+        )
+        self.layer_hook = layer_hook
         if tp > 1:
             assert all_reduce is not None
             for layer in self.layers:
@@ -140,11 +198,15 @@ class ModelShard(nn.Module):
                     layer.mlp = ReduceAfter(layer.mlp, all_reduce)
                 else:
                     _shard_mlp(layer.mlp, tp_rank, tp, all_reduce)
-        self.num_kv_heads = model.config.num_key_value_heads // tp
+        self.num_kv_heads = kv_heads_per_rank(model.config.num_key_value_heads, tp)
 
     @property
     def num_layers(self) -> int:
         return self.hi - self.lo
+
+    def set_layer_hook(self, hook: LayerHook | None) -> None:
+        """Call ``hook.after_layer`` after each layer from the next forward on (None: stop)."""
+        self.layer_hook = hook
 
     @torch.inference_mode()
     def forward(
@@ -163,8 +225,11 @@ class ModelShard(nn.Module):
         else:
             assert hidden is not None
             x = hidden
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+        hook, backend = self.layer_hook, self.attention_backend
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, positions, self.rope, backend, kv_cache, meta)
+            if hook is not None:
+                hook.after_layer(self.lo + index, kv_cache)
         return self.norm(x) if self.norm is not None else x
 
     @torch.inference_mode()

@@ -157,18 +157,23 @@ def write_tiny_model(
     return path
 
 
-def tiny_model_dir(kind: str = "dense") -> Path:
+def tiny_model_dir(kind: str = "dense", num_key_value_heads: int | None = None) -> Path:
     """The built-in tiny model, written once into ``$MERIDIAN_CACHE`` (default
-    ``~/.cache/meridian``) as ``tiny-<kind>-v1``; safe when processes race to write it."""
+    ``~/.cache/meridian``) as ``tiny-<kind>-v1``; safe when processes race to write it.
+
+    ``num_key_value_heads`` (default 2) gives a variant with that many KV heads (and
+    different random weights), written as ``tiny-<kind>-kv<n>-v1``."""
     root = Path(os.environ.get("MERIDIAN_CACHE") or Path.home() / ".cache" / "meridian")
-    final = root / f"tiny-{kind}-{TINY_VERSION}"
+    name = f"tiny-{kind}" if num_key_value_heads is None else f"tiny-{kind}-kv{num_key_value_heads}"
+    final = root / f"{name}-{TINY_VERSION}"
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=root))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is shared read-only
+    overrides = {} if num_key_value_heads is None else {"num_key_value_heads": num_key_value_heads}
     try:
-        write_tiny_model(staging, kind=kind)
+        write_tiny_model(staging, kind=kind, **overrides)
         try:
             os.rename(staging, final)  # atomic; fails if another process got there first
         except OSError:

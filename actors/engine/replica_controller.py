@@ -31,6 +31,7 @@ from errors import InvalidRequestError
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
+from models.sharding import kv_heads_per_rank
 from policies.chunking import ChunkRule, FixedChunk
 from policies.ordering import Ordering
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -94,7 +95,7 @@ class ReplicaController:
             per_block = kv_cache_bytes_per_block(
                 -(-cfg.num_hidden_layers // spp),
                 block_size,
-                max(cfg.num_key_value_heads // tp, 1),
+                kv_heads_per_rank(cfg.num_key_value_heads, tp),
                 cfg.head_dim,
                 self.dtype,
             )

@@ -34,9 +34,12 @@ def cluster():
     ray.shutdown()
 
 
-def generate(controller: ReplicaController, watch=None) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    ids = [controller.add_request(p, params) for p in PROMPTS]
+def generate(
+    controller: ReplicaController, watch=None, prompts=PROMPTS, max_tokens=MAX_TOKENS
+) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    builder = controller.request_builder()
+    ids = [controller.add_request(builder.build(p, params)) for p in prompts]
     while controller.has_unfinished():
         controller.step()
         if watch is not None:
@@ -80,6 +83,22 @@ def test_layout_matches_single_process(cluster, reference, tp, spp, kvp):
         pool.check_integrity()
 
 
+def test_tensor_parallel_beyond_kv_heads_matches_single_process(cluster):
+    """tp=2 on a one-KV-head model: each rank holds a replica of the KV head."""
+    model_dir = tiny_model_dir("dense", num_key_value_heads=1)
+    options = dict(dtype=torch.float64, chunk_size=20, num_blocks=16)
+    outputs = []
+    for tp in (1, 2):
+        controller = ReplicaController(model_dir, tp=tp, **options)
+        try:
+            outputs.append(generate(controller, prompts=PROMPTS[:2], max_tokens=4))
+        finally:
+            controller.shutdown()
+    reference, sharded = outputs
+    assert all(len(t) == 4 for t in reference)
+    assert sharded == reference
+
+
 def test_sequence_pipeline_overlaps_prefill_chunks(cluster):
     """Chunk k+1 starts on stage 0 before chunk k leaves the last stage."""
     controller = ReplicaController(
@@ -87,7 +106,10 @@ def test_sequence_pipeline_overlaps_prefill_chunks(cluster):
     )
     controller.record_timings = True
     try:
-        rid = controller.add_request(list(range(3, 3 + 160)), SamplingParams(max_tokens=2))
+        request = controller.request_builder().build(
+            list(range(3, 3 + 160)), SamplingParams(max_tokens=2)
+        )
+        rid = controller.add_request(request)
         while controller.has_unfinished():
             controller.step()
         assert len(controller.release(rid).token_ids) == 2
