@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
@@ -59,6 +60,7 @@ class LLM:
             return
         if num_replicas is None:
             self.engine = ReplicaController(model, **engine_options)
+            self.builder = self.engine.request_builder()
             self.tokenizer = self.engine.tokenizer
             return
         from actors.serving.client import ReplicaPool
@@ -68,7 +70,7 @@ class LLM:
             num_replicas,
             routing,
             num_cpus,
-            engine_options,
+            EngineConfig.from_options(**engine_options),
             max_in_flight,
         )
         self.tokenizer = _load_tokenizer(model)
@@ -116,13 +118,8 @@ class LLM:
             for i, out in self.remote.run(token_lists, params, salt):
                 outs[i] = out
             return outs
-        for i, (tokens, p) in enumerate(zip(token_lists, params, strict=True)):
-            try:
-                self.engine.validate(tokens, p)
-            except InvalidRequestError as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-        pairs = zip(token_lists, params, strict=True)
-        ids = [self.engine.add_request(t, p, salt=salt) for t, p in pairs]
+        requests = self.builder.build_each(token_lists, params, salt=salt)
+        ids = [self.engine.add_request(r) for r in requests]
         try:
             while self.engine.has_unfinished():
                 self.engine.step()
@@ -169,7 +166,8 @@ class LLM:
         if prompt is not None and prompt_token_ids is not None:
             raise InvalidRequestError("give either prompt or prompt_token_ids, not both")
         (ids,) = self._token_lists(prompt, [prompt_token_ids] if prompt_token_ids else None)
-        rid = self.engine.add_request(ids, sampling_params or SamplingParams(), salt=salt)
+        request = self.builder.build(ids, sampling_params or SamplingParams(), salt=salt)
+        rid = self.engine.add_request(request)
         sent_tokens, sent_text = 0, 0
         try:
             while True:

@@ -60,6 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from policies.replica_stats import ReplicaStats  # noqa: E402
 from policies.routing import ClusterView, PrefixAware, RouteRequest  # noqa: E402
 from sim.tokens import prompt_tokens  # noqa: E402
 from sim.traces import load_mooncake  # noqa: E402
@@ -217,8 +218,17 @@ class Ours:
         self._stats(k, now)
 
     def _stats(self, k: int, now: float) -> None:
-        snapshot = {"num_running": self.sim.replicas[k].running, "num_waiting": 0, "time": now}
-        snapshot["queued_prefill_tokens"] = 0
+        view = self.view.replica(self.ids[k])
+        snapshot = ReplicaStats(
+            num_running=self.sim.replicas[k].running,
+            num_waiting=0,
+            queued_prefill_tokens=0,
+            free_blocks=view.free_blocks,
+            total_blocks=view.total_blocks,
+            kv_usage=0.0,
+            cache_hit_ratio=0.0,
+            time=now,
+        )
         self.view.update_stats(self.ids[k], snapshot, now)
 
 

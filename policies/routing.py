@@ -16,13 +16,14 @@ import bisect
 import hashlib
 import random
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import takewhile
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Protocol
 
 from policies.prefix_index import PrefixIndex
+from policies.replica_stats import ReplicaStats
 
 # A running request costs this many prefill-token equivalents in ``replica_load``: each
 # running request takes one slot of every iteration's token budget until it finishes, so
@@ -411,30 +412,29 @@ class ClusterView:
     def update_stats(
         self,
         replica_id: str,
-        stats: Mapping[str, Any],
+        stats: ReplicaStats,
         now: float,
         snapshot_time: float | None = None,
     ) -> None:
-        """Apply a stats snapshot whose keys are ``ReplicaView`` counter names
-        (``num_running``, ``num_waiting``, ``queued_prefill_tokens``, ``free_blocks``,
-        ``total_blocks``, optionally ``region``; missing keys keep their value).
+        """Apply a stats snapshot: it sets the view's counters (``num_running``,
+        ``num_waiting``, ``queued_prefill_tokens``, ``free_blocks``, ``total_blocks``) and
+        its region if given; ``kv_usage`` and ``cache_hit_ratio`` are for metrics only.
 
-        ``snapshot_time`` (or ``stats["time"]``) is when the replica took it, on the
-        router's clock; without one the snapshot counts as taken ``now``. Routed requests
-        newer than the snapshot are added back on top of it.
+        ``snapshot_time`` (or ``stats.time``) is when the replica took it, on the router's
+        clock. Routed requests newer than the snapshot are added back on top of it.
         """
         view = self._views.get(replica_id) or self.add_replica(replica_id)
-        taken = snapshot_time if snapshot_time is not None else stats.get("time", now)
+        taken = snapshot_time if snapshot_time is not None else stats.time
         pending = self._pending[replica_id]
         while pending and (pending[0][0] <= taken or pending[0][0] < now - self.pending_ttl):
             pending.popleft()
-        for name in ("num_running", "num_waiting", "queued_prefill_tokens", "free_blocks"):
-            if name in stats:
-                setattr(view, name, int(stats[name]))
-        if "total_blocks" in stats:
-            view.total_blocks = max(1, int(stats["total_blocks"]))
-        if "region" in stats:
-            view.region = str(stats["region"])
+        view.num_running = stats.num_running
+        view.num_waiting = stats.num_waiting
+        view.queued_prefill_tokens = stats.queued_prefill_tokens
+        view.free_blocks = stats.free_blocks
+        view.total_blocks = max(1, stats.total_blocks)
+        if stats.region is not None:
+            view.region = stats.region
         for _, tokens, blocks in pending:
             view.queued_prefill_tokens += tokens
             view.num_waiting += 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from policies.request import Request
+
 
 class SeqStatus(Enum):
     WAITING = "waiting"
@@ -45,11 +47,30 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    block_hashes: list[int] = field(default_factory=list)  # of full blocks, maintained by KV
+    # Chained hashes of the full blocks of ``token_ids`` known so far: a prefix of them, from
+    # the request; the KV manager extends them as blocks fill and never recomputes one.
+    block_hashes: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)  # prompt followed by output
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @classmethod
+    def from_request(
+        cls, request: Request, stop_token_ids: frozenset[int] = frozenset(), priority: float = 0.0
+    ) -> Sequence:
+        """The scheduler's view of ``request``. ``block_hashes`` start as a copy of the
+        request's (computed once, at the edge); the KV manager only extends that copy."""
+        return cls(
+            request.request_id,
+            list(request.prompt_token_ids),
+            request.params.max_tokens,
+            arrival_time=request.arrival_time,
+            stop_token_ids=stop_token_ids,
+            salt=request.salt,
+            priority=priority,
+            block_hashes=list(request.block_hashes),
+        )
 
     @property
     def num_tokens(self) -> int:

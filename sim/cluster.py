@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from placement.cost_model import CostModel
+from policies.request import Request, SamplingParams
 from policies.sequence import Sequence
 from sim.events import Event, EventLoop
 from sim.instance import SimInstance
@@ -89,11 +90,19 @@ class ClusterBase:
     def dispatch(self, a: Arrival, now: float) -> list[Event]:
         raise NotImplementedError
 
-    @staticmethod
-    def new_sequence(a: Arrival, max_tokens: int) -> Sequence:
-        seq = Sequence(a.req.request_id, a.tokens, max_tokens, arrival_time=a.req.arrival)
-        seq.block_hashes = list(a.hashes)  # the KV manager extends, never recomputes, these
-        return seq
+    def new_sequence(self, a: Arrival, max_tokens: int) -> Sequence:
+        """The arrival as the request record the live engine takes (its hashes, computed
+        once at arrival, are extended by the KV manager, never recomputed)."""
+        request = Request(
+            a.req.request_id,
+            a.tokens,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            0,
+            self.block_size,
+            a.hashes,
+            arrival_time=a.req.arrival,
+        )
+        return Sequence.from_request(request)
 
     # -- InstanceListener ----------------------------------------------------------------
     def on_token(self, inst: SimInstance, seq: Sequence, now: float) -> None:

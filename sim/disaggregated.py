@@ -319,6 +319,7 @@ class DisaggregatedCluster(ClusterBase):
         st.decode_instance = d.index
         tokens = pend.arrival.tokens + [DUMMY_TOKEN]
         dseq = Sequence(st.request_id, tokens, st.output_len - 1, arrival_time=st.arrival)
+        dseq.block_hashes = list(pend.arrival.hashes)  # a prefix of the hashes of ``tokens``
         dseq.num_computed_tokens = len(tokens) - 1  # the prompt's KV arrives from prefill
         pend.arrival.tokens = []  # the prefill side is done with them
         arrive = now + self.stream_tail(st.input_len, st.cached_tokens)

@@ -103,6 +103,11 @@ class _Recorder:
         engine.scheduler.schedule = schedule
 
 
+def _add(engine: Any, prompt: list[int], params: Any, request_id: str) -> None:
+    """Queue a request on ``engine``, built (checked and hashed) as the edge builds it."""
+    engine.add_request(engine.request_builder().build(prompt, params, request_id=request_id))
+
+
 def _engine() -> Any:
     from actors.engine.replica_controller import ReplicaController
 
@@ -145,13 +150,13 @@ def shape_sweep(
     for t in range(1, BUDGET + 1):
         # Distinct first tokens: no sweep prompt hits another's cached prefix.
         prompt = [1 + (t * 31 + j) % (VOCAB - 1) for j in range(t)]
-        engine.add_request(prompt, _params(1), request_id=f"{tag}-{k}")
+        _add(engine, prompt, _params(1), f"{tag}-{k}")
         k += 1
         drain()
     for b in range(1, MAX_SEQS + 1):
         for j in range(b):
             prompt = [1 + (b * 37 + j * 5 + i) % (VOCAB - 1) for i in range(3)]
-            engine.add_request(prompt, _params(3), request_id=f"{tag}-{k}")
+            _add(engine, prompt, _params(3), f"{tag}-{k}")
             k += 1
         drain()
     for i in range(k):
@@ -201,7 +206,7 @@ def replay_live(
     while i < len(reqs) or engine.has_unfinished():
         while i < len(reqs) and reqs[i].arrival <= vt:
             r = reqs[i]
-            engine.add_request(tiny_tokens(r, i), _params(r.output_len), request_id=r.request_id)
+            _add(engine, tiny_tokens(r, i), _params(r.output_len), r.request_id)
             i += 1
         if engine.has_unfinished():
             engine.step()

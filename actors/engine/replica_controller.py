@@ -1,39 +1,42 @@
 """The replica controller: one model replica's scheduler, block tables and requests.
 
-Each ``step`` is schedule -> run -> postprocess. The controller validates requests, owns
-their sampling state and detokenizers, builds each iteration's compact plan and hands it to
-its executor: in process for a single worker, or worker actors on Ray driven through a
-compiled graph for a ``tp x spp x kvp`` layout. With pipeline stages it keeps up to ``spp``
-steps in flight. When a worker dies, it rebuilds the worker group and recomputes the KV of
-every running request from its tokens, so no request is lost and no token changes.
+Each ``step`` is schedule -> run -> postprocess. The controller takes requests as built at
+the edge (``RequestBuilder``: validated and hashed once), owns their detokenizers, builds
+each iteration's compact plan and hands it to its executor: in process for a single
+worker, or worker actors on Ray driven through a compiled graph for a ``tp x spp x kvp``
+layout. With pipeline stages it keeps up to ``spp`` steps in flight. When a worker dies,
+it rebuilds the worker group and recomputes the KV of every running request from its
+tokens, so no request is lost and no token changes.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from actors.engine.collectives import Layout
+from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.executor import Executor, LocalExecutor, WorkerFailure
 from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
-from actors.engine.sampling import SamplingParams
 from actors.engine.step_plan import PlanEntry, StepPlan, StepResult
 from actors.engine.worker import WorkerSpec
+from actors.engine.worker_hooks import HooksFactory, WorkerHooks
 from errors import InvalidRequestError
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
 from models.sharding import kv_heads_per_rank
-from policies.chunking import ChunkRule, FixedChunk
-from policies.ordering import Ordering
+from policies.chunking import FixedChunk
+from policies.request import Request
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
 from store.block_pool import BlockPool
@@ -43,54 +46,53 @@ from store.kv_sharded_manager import ShardedKVManager
 
 @dataclass
 class _Request:
+    request: Request
     seq: Sequence
-    params: SamplingParams
-    seed: int
     detok: IncrementalDetokenizer
+    kv_dest: Any = None  # where its KV is streamed as it is computed (a prefill replica's)
+
+
+def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype given by name (``"bfloat16"``, from a config file) as the torch dtype."""
+    if not isinstance(dtype, str):
+        return dtype
+    resolved = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+    return resolved
 
 
 class ReplicaController:
     def __init__(
         self,
         model_dir: str | Path | None = None,
-        *,
-        dtype: torch.dtype | None = None,
-        device: str | None = None,
-        attention_backend: str | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int = 1 << 30,
-        token_budget: int = 2048,
-        max_num_seqs: int = 256,
-        chunk_size: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        ordering: Ordering | None = None,
-        chunk_rule: ChunkRule | None = None,
-        pack_weights: bool | None = None,
-        tp: int = 1,
-        spp: int = 1,
-        kvp: int = 1,
-        kvp_rank_tokens: int | None = None,
-        use_compiled_graph: bool = True,
+        config: EngineConfig | None = None,
         executor: Executor | None = None,
+        worker_hooks: WorkerHooks | HooksFactory | None = None,
+        **options: Any,
     ) -> None:
-        """``num_blocks`` and ``kv_cache_memory`` are per worker (per KVP rank: each holds
-        its own pool). ``kvp_rank_tokens``: most tokens of one request one KVP rank holds
-        before it spills to the next (a multiple of ``block_size``; default: what the rank's
-        pool holds, split evenly so a full-context request fits across the ranks)."""
+        """``config`` holds the engine options (``EngineConfig``); keyword ``options``
+        instead are converted through ``EngineConfig.from_options`` (not both)."""
+        if config is None:
+            config = EngineConfig.from_options(**options)
+        elif options:
+            raise ValueError(f"give config or keyword options, not both: {sorted(options)}")
+        self.engine_config = config
+        tp, spp, kvp = config.tp, config.spp, config.kvp
+        block_size = config.block_size
         self.model_dir = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
         self.layout = Layout(tp, spp, kvp)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         on_gpu = self.device.type == "cuda"
-        self.dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+        self.dtype = _torch_dtype(config.dtype) or (torch.bfloat16 if on_gpu else torch.float32)
         self.config: ModelConfig = read_model_config(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.config
-        self.max_model_len = min(
-            max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
+        self.max_model_len = config.context_len(cfg.max_position_embeddings)
         self.block_size = block_size
+        num_blocks = config.num_blocks
         if num_blocks is None:
             per_block = kv_cache_bytes_per_block(
                 -(-cfg.num_hidden_layers // spp),
@@ -100,28 +102,29 @@ class ReplicaController:
                 self.dtype,
             )
             # Enough for every running request at full context, within the memory budget.
-            wanted = max_num_seqs * -(-self.max_model_len // block_size)
-            num_blocks = max(1, min(wanted, kv_cache_memory // per_block))
+            wanted = config.max_num_seqs * -(-self.max_model_len // block_size)
+            num_blocks = max(1, min(wanted, config.kv_cache_memory // per_block))
         self.num_blocks = num_blocks
         self.pools = [BlockPool(num_blocks, block_size) for _ in range(kvp)]
         self.kv: KVCacheManager | ShardedKVManager
         if kvp == 1:
-            self.kv = KVCacheManager(self.pools[0], enable_prefix_caching)
+            self.kv = KVCacheManager(self.pools[0], config.enable_prefix_caching)
         else:
+            kvp_rank_tokens = config.kvp_rank_tokens
             if kvp_rank_tokens is None:
                 per_rank = -(-self.max_model_len // kvp)
                 kvp_rank_tokens = min(
                     -(-per_rank // block_size) * block_size, num_blocks * block_size
                 )
-            self.kv = ShardedKVManager(self.pools, kvp_rank_tokens, enable_prefix_caching)
+            self.kv = ShardedKVManager(self.pools, kvp_rank_tokens, config.enable_prefix_caching)
         self.pool = self.pools[0]
         self.scheduler = Scheduler(
-            SchedulerConfig(token_budget, max_num_seqs),
+            SchedulerConfig(config.token_budget, config.max_num_seqs),
             self.kv,
-            ordering=ordering,
-            chunk_rule=chunk_rule or FixedChunk(chunk_size),
+            ordering=config.ordering,
+            chunk_rule=config.chunk_rule or FixedChunk(config.chunk_size),
         )
-        backend = attention_backend or ("flashinfer" if on_gpu else "torch")
+        backend = config.attention_backend or ("flashinfer" if on_gpu else "torch")
         self.worker_spec = WorkerSpec(
             model_dir=str(self.model_dir),
             dtype=str(self.dtype).removeprefix("torch."),
@@ -130,35 +133,39 @@ class ReplicaController:
             block_size=block_size,
             num_blocks=num_blocks,
             layout=self.layout,
-            pack_weights=pack_weights,
+            pack_weights=config.pack_weights,
         )
         if executor is None:
             if self.layout.world_size == 1:
-                executor = LocalExecutor(self.worker_spec)
+                executor = LocalExecutor(self.worker_spec, worker_hooks)
             else:
                 from actors.engine.ray_executor import RayExecutor
 
-                executor = RayExecutor(self.worker_spec, use_compiled_graph=use_compiled_graph)
+                if isinstance(worker_hooks, WorkerHooks):
+                    raise ValueError(
+                        "a multi-worker layout takes worker hooks as a picklable factory "
+                        "(HooksFactory), built in each worker's process"
+                    )
+                executor = RayExecutor(
+                    self.worker_spec, use_compiled_graph=config.use_compiled_graph
+                )
         self.executor: Executor = executor
         self.eos_token_ids = frozenset(
             t for t in (cfg.eos_token_ids or [self.tokenizer.eos_token_id]) if t is not None
         )
         self._requests: dict[str, _Request] = {}
         self._reserved: dict[str, _Request] = {}  # KV reserved, prompt computed elsewhere
-        self._ids = itertools.count()
         self._step_ids = itertools.count()
         self._inflight: deque[tuple[ScheduledStep, object]] = deque()
-        self._seeds = random.Random()
         self.num_recoveries = 0
         self.step_timings: list[tuple[int, list[tuple[int, float, float]]]] = []
         self.record_timings = False
+        self.hook_reports: list[Any] = []  # the workers' step-hook reports, until taken
 
     # -- requests ---------------------------------------------------------------------------
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
-
     @property
     def limits(self) -> RequestLimits:
+        """What a request must fit to run here; an edge ``RequestBuilder`` checks them."""
         capacity = (
             self.kv.max_tokens
             if isinstance(self.kv, ShardedKVManager)
@@ -166,74 +173,51 @@ class ReplicaController:
         )
         return RequestLimits(self.config.vocab_size, self.max_model_len, capacity)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError (a 400) if this request can never run here."""
-        self.limits.validate(prompt_token_ids, params)
+    def request_builder(self) -> RequestBuilder:
+        """A builder of requests for this replica (its block size and limits)."""
+        return RequestBuilder(self.block_size, self.limits)
 
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        salt: str | None = None,
-    ) -> str:
-        request_id = request_id or self.new_request_id()
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        r = self._new_request(prompt_token_ids, params, request_id, seed, arrival_time, salt)
-        self._requests[request_id] = r
+    def add_request(self, request: Request, kv_dest: Any = None) -> str:
+        """Queue ``request`` (built by a ``RequestBuilder``: not validated or hashed again).
+        ``kv_dest``: stream its KV there as it is computed (``PlanEntry.kv_dest``)."""
+        r = self._new_request(request)
+        r.kv_dest = kv_dest
+        self._requests[request.request_id] = r
         self.scheduler.add(r.seq)
-        return request_id
+        return request.request_id
 
-    def _new_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        seed: int,
-        arrival_time: float | None,
-        salt: str | None,
-    ) -> _Request:
-        """A validated request with its sequence and detokenizer; not yet scheduled."""
-        self.validate(prompt_token_ids, params)
-        if request_id in self._requests or request_id in self._reserved:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+    def _new_request(self, request: Request) -> _Request:
+        """The request's sequence and detokenizer; not yet scheduled."""
+        rid = request.request_id
+        if rid in self._requests or rid in self._reserved:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        if request.block_size != self.block_size:  # its hashes would not match our blocks
+            raise InvalidRequestError(
+                f"request {rid!r} was hashed in blocks of {request.block_size} tokens; "
+                f"this replica's blocks hold {self.block_size}"
+            )
+        params = request.params
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            params.max_tokens,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            stop_token_ids=stop_ids,
-            salt=salt,
-        )
+        seq = Sequence.from_request(request, stop_ids)
         assert isinstance(params.stop, list)
-        return _Request(seq, params, seed, IncrementalDetokenizer(self.tokenizer, params.stop))
+        return _Request(request, seq, IncrementalDetokenizer(self.tokenizer, params.stop))
 
     # -- disaggregated decode: requests whose prompt KV is computed elsewhere ----------------
-    def reserve_prefilled(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        seed: int,
-        arrival_time: float | None = None,
-        salt: str | None = None,
-    ) -> list[int] | None:
+    def reserve_prefilled(self, request: Request) -> list[int] | None:
         """Reserve KV blocks for a request's whole life (prompt + max_tokens) and return
         their ids, or None if they are not free now. The request is not scheduled until
         ``admit_prefilled``: a prefill replica writes its prompt KV into these blocks first.
         Single KV-parallel rank only."""
         if isinstance(self.kv, ShardedKVManager):
             raise InvalidRequestError("disaggregated decode needs kvp=1")
-        r = self._new_request(prompt_token_ids, params, request_id, seed, arrival_time, salt)
-        if not self.kv.allocate(r.seq, len(prompt_token_ids) + params.max_tokens):
+        r = self._new_request(request)
+        if not self.kv.allocate(r.seq, request.num_prompt_tokens + request.params.max_tokens):
             self.kv.free(r.seq)
             return None
-        self._reserved[request_id] = r
-        return list(self.kv.block_table(request_id))
+        self._reserved[request.request_id] = r
+        return list(self.kv.block_table(request.request_id))
 
     def cancel_reservation(self, request_id: str) -> bool:
         """Free a reservation whose prefill will not deliver (its prefill replica died)."""
@@ -318,7 +302,13 @@ class ReplicaController:
             return []
         if self.record_timings:
             self.step_timings.append((result.step_id, result.timings))
+        self.hook_reports += result.hook_reports
         return self._postprocess(scheduled, result)
+
+    def take_hook_reports(self) -> list[Any]:
+        """The workers' step-hook reports since the last take (``StepHook.end_step``)."""
+        reports, self.hook_reports = self.hook_reports, []
+        return reports
 
     def _plan(self, scheduled: ScheduledStep) -> StepPlan:
         plan = StepPlan(next(self._step_ids))
@@ -334,12 +324,14 @@ class ReplicaController:
                 if first < end
             ]
             spec = None
+            r = self._requests[seq.request_id]
             if samples:
-                r = self._requests[seq.request_id]
-                spec = r.params.spec(r.seed, len(seq.output_token_ids))
-            plan.entries.append(
-                PlanEntry(seq.request_id, start, seq.token_ids[start:end], shards, spec)
-            )
+                spec = r.request.params.spec(r.request.seed, len(seq.output_token_ids))
+            entry = PlanEntry(seq.request_id, start, seq.token_ids[start:end], shards, spec)
+            if r.kv_dest is not None:
+                entry.kv_dest = r.kv_dest
+                entry.stream_from_block = 0 if start <= seq.num_cached_tokens else start // bs
+            plan.entries.append(entry)
         return plan
 
     def _postprocess(self, scheduled: ScheduledStep, result: StepResult) -> list[StreamDelta]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.engine.sampling import SamplingParams
 from errors import ContextLengthError, InvalidRequestError
+from policies.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,15 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int  # prompt + generated tokens
     kv_capacity_tokens: int  # the most KV one request may hold on the replica
+
+    @staticmethod
+    def tightest(limits: list[RequestLimits]) -> RequestLimits:
+        """Limits every one of ``limits`` admits (replica groups behind one ingress)."""
+        return RequestLimits(
+            min(x.vocab_size for x in limits),
+            min(x.max_model_len for x in limits),
+            min(x.kv_capacity_tokens for x in limits),
+        )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError (a 400) if this request can never run here."""

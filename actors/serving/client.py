@@ -1,9 +1,10 @@
 """Remote backends of the Python API (``actors.LLM``).
 
 - ``ReplicaPool``: ``LLM(model, num_replicas=k)`` starts k ``ReplicaActor``s on the Ray
-  cluster and routes each prompt itself with a ``RouterState`` (the same policies as the
-  Serve app), fed by the replicas' block events and stats pulled before each submission
-  window and updated by its own decisions.
+  cluster, builds each prompt's ``Request`` (limits checked, block hashes computed, once)
+  and routes it itself with a ``RouterState`` (the same policies as the Serve app), fed by
+  the replicas' block events and stats pulled before each submission window and updated by
+  its own decisions.
 - ``ServeAppClient``: ``LLM.attach("app-name")`` calls a running Serve app's ingress
   through a ``DeploymentHandle`` (same routing, tenants and limits as HTTP).
 - ``HttpClient``: ``LLM.attach("http://host:8000")`` talks to any running server over its
@@ -19,12 +20,14 @@ import concurrent.futures
 from collections.abc import Iterator
 from typing import Any
 
+from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput
-from actors.engine.sampling import SamplingParams
+from actors.engine.request_builder import RequestBuilder
+from actors.engine.request_limits import RequestLimits
 from actors.serving.router import make_router_state
 from errors import InvalidRequestError, MeridianError
+from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
-from store.hashing import chained_block_hashes
 
 Results = Iterator[tuple[int, RequestOutput]]
 
@@ -44,27 +47,30 @@ class ReplicaPool:
         num_replicas: int,
         routing: str = "prefix_aware",
         num_cpus: float = 0.0,
-        engine_options: dict[str, Any] | None = None,
+        engine_config: EngineConfig | None = None,
         max_in_flight: int = 64,
     ) -> None:
         import ray
 
-        from actors.serving.replica import ReplicaActor
+        from actors.serving.replica import ReplicaActor, ReplicaInfo
 
         if num_replicas < 1:
             raise InvalidRequestError(f"num_replicas must be at least 1, got {num_replicas}")
         if not ray.is_initialized():
             ray.init()  # the cluster of RAY_ADDRESS / the job, else a local one
         actor = ray.remote(ReplicaActor).options(num_cpus=num_cpus)
-        self.actors = [actor.remote(model, engine_options or {}) for _ in range(num_replicas)]
-        infos = ray.get([a.ready.remote() for a in self.actors])
-        self.block_size = infos[0]["block_size"]
+        config = engine_config or EngineConfig()
+        self.actors = [actor.remote(model, config) for _ in range(num_replicas)]
+        infos: list[ReplicaInfo] = ray.get([a.ready.remote() for a in self.actors])
+        self.block_size = config.block_size
+        self.builder = RequestBuilder(
+            self.block_size, RequestLimits.tightest([i.limits for i in infos])
+        )
         self.ids = [f"replica-{i}" for i in range(num_replicas)]
         self.state = make_router_state(routing, self.block_size, {})
         for rid, info in zip(self.ids, infos, strict=True):
-            self.state.add_replica(rid, total_blocks=info["total_blocks"])
+            self.state.add_replica(rid, total_blocks=info.total_blocks)
         self.max_in_flight = max_in_flight
-        self._seq = 0
 
     def refresh(self) -> None:
         """Pull every replica's events and stats into the routing view."""
@@ -82,10 +88,7 @@ class ReplicaPool:
     ) -> Results:
         import ray
 
-        try:
-            ray.get(self.actors[0].validate.remote(token_lists, params))
-        except ray.exceptions.RayTaskError as e:
-            _raise_cause(e)
+        requests = self.builder.build_each(token_lists, params, salt=salt)
         pending: dict[Any, int] = {}
         todo = iter(range(len(token_lists)))
         try:
@@ -93,7 +96,7 @@ class ReplicaPool:
                 if len(pending) < self.max_in_flight:
                     self.refresh()
                     for i in todo:
-                        pending[self._submit(token_lists[i], params[i], salt)] = i
+                        pending[self._submit(requests[i])] = i
                         if len(pending) >= self.max_in_flight:
                             break
                 if not pending:
@@ -101,7 +104,7 @@ class ReplicaPool:
                 done, _ = ray.wait(list(pending), num_returns=1)
                 i = pending.pop(done[0])
                 try:
-                    (out,) = ray.get(done[0])
+                    out = ray.get(done[0])
                 except ray.exceptions.RayTaskError as e:
                     _raise_cause(e)
                 yield i, out
@@ -109,12 +112,11 @@ class ReplicaPool:
             for ref in pending:
                 ray.cancel(ref)  # cancelling the actor task aborts its request
 
-    def _submit(self, tokens: list[int], p: SamplingParams, salt: str | None) -> Any:
-        self._seq += 1
-        hashes = chained_block_hashes(tokens, self.block_size, salt)
-        ranking = self.state.route(RouteRequest(f"llm-{self._seq}", hashes, len(tokens)))
+    def _submit(self, request: Request) -> Any:
+        route = RouteRequest(request.request_id, request.block_hashes, request.num_prompt_tokens)
+        ranking = self.state.route(route)
         actor = self.actors[self.ids.index(ranking[0])]
-        return actor.generate.remote(tokens, [p], salt)
+        return actor.generate.remote(request)
 
     def shutdown(self) -> None:
         import ray
@@ -124,9 +126,10 @@ class ReplicaPool:
         self.actors = []
 
 
-def _param_dict(p: SamplingParams) -> dict[str, Any]:
+def _json_params(p: SamplingParams) -> dict[str, Any]:
+    """The OpenAI body fields of ``p`` (HTTP only; a Serve app takes SamplingParams)."""
     if p.stop_token_ids:
-        raise InvalidRequestError("stop_token_ids cannot be sent to a Serve app; use stop")
+        raise InvalidRequestError("stop_token_ids cannot be sent over HTTP; use stop")
     fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
     return {f: getattr(p, f) for f in fields}
 
@@ -143,8 +146,7 @@ class ServeAppClient:
     ) -> Results:
         if salt is not None:
             raise InvalidRequestError("an attached app salts by API key; pass api_key instead")
-        dicts = [_param_dict(p) for p in params]
-        response = self.handle.generate_tokens.remote(token_lists, dicts, self.api_key)
+        response = self.handle.generate_tokens.remote(token_lists, list(params), self.api_key)
         try:
             outs = response.result()
         except Exception as e:
@@ -167,7 +169,7 @@ class HttpClient:
 
     def _one(self, i: int, tokens: list[int], p: SamplingParams) -> RequestOutput:
         body = {"model": self.model_name, "prompt": tokens, "return_token_ids": True}
-        body.update(_param_dict(p))
+        body.update(_json_params(p))
         r = self.http.post("/v1/completions", json=body)
         if r.status_code != 200:
             try:

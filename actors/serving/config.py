@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.engine.config import EngineConfig
+
 RoutingPolicyName = Literal[
     "round_robin", "least_loaded", "power_of_two", "prefix_aware", "consistent_hash"
 ]
@@ -58,8 +60,9 @@ class ReplicaGroupConfig(_Strict):
 
     ``tp`` / ``spp`` / ``kvp`` are the tensor, sequence-pipeline and KV parallel degrees of
     each replica; degrees of 1 are not passed to the engine (the single-process layout).
-    ``engine`` holds any other ``ReplicaController`` keyword (block_size, num_blocks,
-    kv_cache_memory, token_budget, max_num_seqs, chunk_size, max_model_len, ...).
+    ``engine`` holds any other ``EngineConfig`` option (block_size, num_blocks,
+    kv_cache_memory, token_budget, max_num_seqs, chunk_size, max_model_len, ...); an
+    unknown one is an error.
 
     Disaggregated group: ``num_prefill`` and ``num_decode`` (both, or neither) make each
     Serve replica of the group own one ``PDCluster`` of that many prefill and decode replica
@@ -93,6 +96,10 @@ class ReplicaGroupConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> ReplicaGroupConfig:
         where = f"group {self.name!r}"
+        try:
+            self.engine_config()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: engine: {e}") from None
         if (self.num_prefill is None) != (self.num_decode is None):
             raise ValueError(
                 f"{where}: give both num_prefill and num_decode (a disaggregated group) "
@@ -120,11 +127,16 @@ class ReplicaGroupConfig(_Strict):
         return self.num_prefill is not None
 
     def engine_options(self) -> dict[str, Any]:
+        """``engine`` with the group's parallel degrees, as ``EngineConfig.from_options``
+        takes them (checked when the config is validated)."""
         opts = dict(self.engine)
         for name in ("tp", "spp", "kvp"):
             if getattr(self, name) != 1:
                 opts[name] = getattr(self, name)
         return opts
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_options(**self.engine_options())
 
 
 class ApiKeyConfig(_Strict):
@@ -165,7 +177,7 @@ class ServeConfig(_Strict):
         keys = [k.key for k in self.api_keys]
         if len(set(keys)) != len(keys):
             raise ValueError("api_keys must be distinct")
-        if len({g.engine.get("block_size", 16) for g in self.groups}) != 1:
+        if len({g.engine_config().block_size for g in self.groups}) != 1:
             raise ValueError("every group needs the same engine.block_size (one hash chain)")
         if self.limits.default_max_tokens > self.limits.max_tokens:
             raise ValueError("limits.default_max_tokens must be <= limits.max_tokens")
@@ -173,7 +185,7 @@ class ServeConfig(_Strict):
 
     @property
     def block_size(self) -> int:
-        return int(self.groups[0].engine.get("block_size", 16))
+        return self.groups[0].engine_config().block_size
 
     @property
     def num_replicas(self) -> int:

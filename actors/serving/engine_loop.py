@@ -9,11 +9,13 @@ flow back through per-request sinks (``loop.call_soon_threadsafe``), so the even
 ever waits on ``asyncio.Queue``s.
 
 Invariants:
-- A submitted request is answered on its sink first with exactly one ``("accepted",)`` or
-  ``("refused", exception)`` item, decided on the engine thread (``add_request`` of every
-  choice succeeded, or none of them is left in the engine). An accepted request then ends
-  with exactly one ``("done", ...)`` or ``("error", ...)`` item per choice, and is released
-  from the engine (its blocks freed) when it does.
+- A submitted request is answered on its sink first with exactly one ``Accepted`` or
+  ``Refused`` (``actors.engine.events``), decided on the engine thread (``add_request`` of
+  every choice succeeded, or none of them is left in the engine). An accepted request then
+  ends with exactly one ``Done`` or ``Failed`` per choice, and is released from the engine
+  (its blocks freed) when it does.
+- Requests arrive built (``RequestBuilder`` at the edge): the loop never validates or
+  hashes them again.
 - ``take_events`` returns the engine's stored/evicted block events in the order they
   happened, each exactly once; after a resync, the returned full set plus later events is
   the exact cached set.
@@ -27,13 +29,14 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused, Verdict
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
-from actors.engine.sampling import SamplingParams
+from actors.engine.request_limits import RequestLimits
 from actors.serving.metrics import ReplicaMetrics
 from errors import (
     EngineUnavailableError,
@@ -41,30 +44,29 @@ from errors import (
     MeridianError,
     OverloadedError,
 )
+from policies.replica_stats import ReplicaStats
+from policies.request import Request
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[tuple], None]
+Sink = Callable[[Verdict | Event], None]
 MAX_BUFFERED_EVENTS = 1 << 20  # beyond this, drop the deltas and resync the whole set
 IDLE_RELEASE_S = 2.0  # idle this long: let the workers stop polling
 
 
 class ServingEngine(Protocol):
-    """What ``EngineLoop`` drives. ``validate`` reads immutable sizes only (any thread);
-    everything else is called on the engine thread."""
+    """What ``EngineLoop`` drives. ``limits`` and ``block_size`` are immutable (any
+    thread); everything else is called on the engine thread."""
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if the request can never run here."""
+    block_size: int
 
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        salt: str | None = None,
-    ) -> str:
-        """Queue a request; raises InvalidRequestError or OverloadedError (not queued)."""
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request must fit (an edge ``RequestBuilder`` checks it)."""
+        ...
+
+    def add_request(self, request: Request) -> str:
+        """Queue a built request; raises InvalidRequestError or OverloadedError (not queued)."""
         ...
 
     def step(self) -> list[StreamDelta]: ...
@@ -74,9 +76,8 @@ class ServingEngine(Protocol):
     def on_idle(self) -> None: ...
     def shutdown(self) -> None: ...
 
-    def serving_stats(self) -> dict[str, Any]:
-        """The counters a router needs (num_running, num_waiting, queued_prefill_tokens,
-        free_blocks, total_blocks), kv_usage, cache_hit_ratio and ``time`` (wall clock)."""
+    def serving_stats(self) -> ReplicaStats:
+        """The replica's counters, stamped with the wall clock."""
         ...
 
     def cached_block_hashes(self) -> list[int]:
@@ -96,19 +97,19 @@ class ColocatedEngine(ReplicaController):
     """A ``ReplicaController`` as a ``ServingEngine`` (its pools summed over the KV-parallel
     ranks)."""
 
-    def serving_stats(self) -> dict[str, Any]:
+    def serving_stats(self) -> ReplicaStats:
         pools = self.pools
         total = sum(p.num_blocks for p in pools)
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
-            "free_blocks": sum(p.num_free for p in pools),
-            "total_blocks": total,
-            "kv_usage": sum(p.num_in_use for p in pools) / total,
-            "cache_hit_ratio": self.kv.hit_ratio,
-            "time": time.time(),
-        }
+        return ReplicaStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+            free_blocks=sum(p.num_free for p in pools),
+            total_blocks=total,
+            kv_usage=sum(p.num_in_use for p in pools) / total,
+            cache_hit_ratio=self.kv.hit_ratio,
+            time=time.time(),
+        )
 
     def cached_block_hashes(self) -> list[int]:
         return sorted({h for pool in self.pools for h in pool.cached_hashes()})
@@ -124,19 +125,37 @@ class ColocatedEngine(ReplicaController):
         return out
 
 
+# Commands to the engine thread.
+@dataclass(frozen=True)
+class _Add:
+    requests: list[Request]  # the choices of one request, choice i at index i
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
 class EngineLoop:
     def __init__(self, engine: ServingEngine, max_waiting: int = 256) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = ReplicaMetrics()
-        self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, tuple[Sink, int]] = {}  # engine thread only
         self._lock = threading.Lock()  # guards the published fields below
         self._events: list[tuple[str, int]] = []
         self._resync: list[int] | None = None
         self._want_resync = False
-        self._stats: dict[str, Any] = engine.serving_stats()
+        self._stats: ReplicaStats = engine.serving_stats()
         self._metrics: dict[str, Any] = self.metrics.snapshot()
         self._submitted = 0  # requests queued but not yet seen by the engine thread
         self._stop = False
@@ -145,35 +164,24 @@ class EngineLoop:
         self._thread.start()
 
     # -- any thread -----------------------------------------------------------------------
-    def submit(
-        self,
-        prompt_token_ids: list[int],
-        params: Sequence[SamplingParams],
-        salt: str | None,
-        sink: Sink,
-    ) -> list[str]:
-        """Queue one request per params (choice i is tagged ``i`` on the sink); the engine
-        thread answers ``("accepted",)`` or ``("refused", exception)`` on the sink first.
+    def submit(self, requests: Sequence[Request], sink: Sink) -> None:
+        """Queue the choices of one request (choice i is tagged ``i`` on the sink); the
+        engine thread answers ``Accepted`` or ``Refused`` on the sink first.
 
-        Raises InvalidRequestError (never queued) or OverloadedError (queue full)."""
-        for p in params:
-            self.engine.validate(prompt_token_ids, p)
+        Raises OverloadedError (the queue is full; nothing queued)."""
         with self._lock:
-            waiting = self._stats["num_waiting"] + self._submitted
-            if waiting + len(params) > self.max_waiting:
+            waiting = self._stats.num_waiting + self._submitted
+            if waiting + len(requests) > self.max_waiting:
                 raise OverloadedError(
                     f"the replica has {waiting} queued requests (limit {self.max_waiting})"
                 )
-            self._submitted += len(params)
-        ids = [f"r-{uuid.uuid4().hex[:16]}" for _ in params]
-        tokens = list(prompt_token_ids)
-        self._cmds.put(("add", ids, tokens, list(params), salt, time.monotonic(), sink))
+            self._submitted += len(requests)
+        self._cmds.put(_Add(list(requests), sink))
         self._wake.set()
-        return ids
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
-            self._cmds.put(("abort", rid))
+            self._cmds.put(_Abort(rid))
         self._wake.set()
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
@@ -183,58 +191,58 @@ class EngineLoop:
         if not self._thread.is_alive():
             fut.set_exception(EngineUnavailableError("the engine thread is not running"))
             return fut
-        self._cmds.put(("call", fn, fut))
+        self._cmds.put(_Call(fn, fut))
         self._wake.set()
         return fut
 
-    async def stream(
-        self, prompt_token_ids: list[int], params: Sequence[SamplingParams], salt: str | None
-    ) -> AsyncGenerator[tuple, None]:
-        """Yield ("accepted", request ids) once the engine took every choice, then
-        ("delta", i, StreamDelta) items and one ("done", i, RequestOutput) or ("error", i,
-        message) per choice. Closing the iterator early aborts what is still running.
-        Raises (before any yield) InvalidRequestError, OverloadedError or
-        EngineUnavailableError."""
+    async def stream(self, requests: Sequence[Request]) -> AsyncGenerator[Accepted | Event, None]:
+        """Yield ``Accepted`` once the engine took every choice, then ``Delta`` events and
+        one ``Done`` or ``Failed`` per choice. Closing the iterator early aborts what is
+        still running. Raises (before any yield) the refusal: InvalidRequestError,
+        OverloadedError or EngineUnavailableError."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[tuple] = asyncio.Queue()
+        q: asyncio.Queue[Verdict | Event] = asyncio.Queue()
 
-        def sink(item: tuple) -> None:
+        def sink(item: Verdict | Event) -> None:
             try:
                 loop.call_soon_threadsafe(q.put_nowait, item)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
 
-        ids = self.submit(prompt_token_ids, params, salt, sink)
+        self.submit(requests, sink)
+        ids = [r.request_id for r in requests]
         remaining = len(ids)
         try:
             verdict = await q.get()
-            if verdict[0] == "refused":
+            if isinstance(verdict, Refused):
                 remaining = 0  # the engine holds none of them
-                raise verdict[1]
-            yield ("accepted", ids)
+                raise verdict.error()
+            assert isinstance(verdict, Accepted)
+            yield verdict
             while remaining:
                 item = await q.get()
-                if item[0] != "delta":
+                assert not isinstance(item, Accepted | Refused)
+                if not isinstance(item, Delta):
                     remaining -= 1
                 yield item
         finally:
             if remaining:
                 self.abort(ids)
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: Sequence[SamplingParams], salt: str | None
-    ) -> list[RequestOutput]:
-        outs: list[Any] = [None] * len(params)
-        async for item in self.stream(prompt_token_ids, params, salt):
-            if item[0] == "done":
-                outs[item[1]] = item[2]
-            elif item[0] == "error":
-                raise MeridianError(str(item[2]))
+    async def generate(self, requests: Sequence[Request]) -> list[RequestOutput]:
+        """The final output of every choice; a failed choice raises EngineUnavailableError
+        (retriable) or MeridianError."""
+        outs: list[Any] = [None] * len(requests)
+        async for item in self.stream(requests):
+            if isinstance(item, Done):
+                outs[item.index] = item.output
+            elif isinstance(item, Failed):
+                raise (EngineUnavailableError if item.retriable else MeridianError)(item.message)
         return outs
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ReplicaStats:
         with self._lock:
-            return dict(self._stats)
+            return self._stats
 
     def metrics_snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -289,7 +297,7 @@ class EngineLoop:
                 entry = self._sinks.get(d.request_id)
                 if entry is None:
                     continue
-                entry[0](("delta", entry[1], d))
+                entry[0](Delta(entry[1], d))
                 if d.finished:
                     # The loop's own aborts never come back as deltas: an aborted one here
                     # was lost by the engine (a replica died), so it is a retriable error.
@@ -312,39 +320,30 @@ class EngineLoop:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            elif cmd[0] == "abort" and cmd[1] in self._sinks:
-                self._abort(cmd[1])
-            elif cmd[0] == "call":
-                fn, fut = cmd[1], cmd[2]
+            if isinstance(cmd, _Add):
+                self._add(cmd.requests, cmd.sink)
+            elif isinstance(cmd, _Abort):
+                if cmd.request_id in self._sinks:
+                    self._abort(cmd.request_id)
+            else:
                 try:
-                    fut.set_result(fn(self.engine))
+                    cmd.future.set_result(cmd.fn(self.engine))
                 except Exception as e:
-                    fut.set_exception(e)
+                    cmd.future.set_exception(e)
 
-    def _add(
-        self,
-        ids: list[str],
-        tokens: list[int],
-        params: list[SamplingParams],
-        salt: str | None,
-        arrival: float,
-        sink: Sink,
-    ) -> None:
+    def _add(self, requests: list[Request], sink: Sink) -> None:
         """Every choice is added, or none is left in the engine and the request is refused."""
         with self._lock:
-            self._submitted -= len(ids)
+            self._submitted -= len(requests)
         added: list[str] = []
-        refusal: Exception | None = None
+        refusal: MeridianError | None = None
         if self._stop:
             refusal = EngineUnavailableError("the replica is shutting down; retry the request")
-        for rid, p in zip(ids, params, strict=True):
+        for request in requests:
             if refusal is not None:
                 break
             try:
-                self.engine.add_request(tokens, p, rid, arrival_time=arrival, salt=salt)
-                added.append(rid)
+                added.append(self.engine.add_request(request))
             except (InvalidRequestError, OverloadedError) as e:
                 refusal = e
             except Exception as e:  # a dead actor or a bug: the request was not taken
@@ -357,17 +356,17 @@ class EngineLoop:
                     self.engine.release(rid)
                 except Exception:
                     log.exception("could not take back %s", rid)
-            sink(("refused", refusal))
+            sink(Refused.of(refusal))
             return
-        for i, rid in enumerate(ids):
-            self._sinks[rid] = (sink, i)
-        sink(("accepted",))
+        for i, request in enumerate(requests):
+            self._sinks[request.request_id] = (sink, i)
+        sink(Accepted())
 
     def _finish(self, rid: str, error: str | None = None) -> None:
         sink, index = self._sinks.pop(rid)
         out = self.engine.release(rid)
         self.metrics.on_finished(out)
-        sink(("error", index, error) if error else ("done", index, out))
+        sink(Failed(index, error) if error else Done(index, out))
 
     def _abort(self, rid: str, error: str | None = None) -> None:
         """Abort and release one request; its sink hears the end even if the engine fails."""
@@ -378,7 +377,7 @@ class EngineLoop:
             log.exception("could not abort %s", rid)
             entry = self._sinks.pop(rid, None)
             if entry is not None:
-                entry[0](("error", entry[1], error or "the request could not be aborted"))
+                entry[0](Failed(entry[1], error or "the request could not be aborted"))
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._sinks):

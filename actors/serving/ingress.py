@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP ingress (FastAPI inside a Serve deployment).
 
 Per request: authenticate (optional Bearer keys -> tenant), read and check the raw body
-(size, UTF-8, JSON, fields), tokenize (chat template for chat), check the context, compute
-the tenant-salted chained block hashes once, ask the router for a ranking, then stream from
-the chosen replica. Every failure becomes an OpenAI-shaped JSON error; nothing a client
-sends can take the ingress down. Invariant: ``pending`` (and each key's count) is
-incremented once per accepted request and decremented once when its response ends.
+(size, UTF-8, JSON, fields), tokenize (chat template for chat), build each choice's typed
+``Request`` once (``RequestBuilder``: the replicas' limits checked, the tenant-salted
+chained block hashes computed), ask the router for a ranking, then stream from the chosen
+replica, which takes the requests as built. Every failure becomes an OpenAI-shaped JSON
+error; nothing a client sends can take the ingress down. Invariant: ``pending`` (and each
+key's count) is incremented once per accepted request and decremented once when its
+response ends.
 """
 
 import asyncio
@@ -18,31 +20,42 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused
 from actors.engine.outputs import RequestOutput
+from actors.engine.request_builder import RequestBuilder
+from actors.engine.request_limits import RequestLimits
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
 from actors.serving.router import own_request_id
-from errors import EngineUnavailableError, InvalidRequestError, OverloadedError
+from errors import (
+    ContextLengthError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    MeridianError,
+    OverloadedError,
+)
 from models import load_tokenizer, read_model_config, tiny_model_dir
-from store.hashing import chained_block_hashes
+from policies.request import Request, SamplingParams
+from policies.routing import RouteRequest
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Meridian", docs_url=None, redoc_url=None)
 
 
 class _Prepared:
-    """One validated request: token lists (one per prompt) and per-choice params."""
+    """One validated HTTP request: per prompt, the built request of each choice."""
 
-    def __init__(self, req: oai._Sampling, prompts: list[list[int]], max_tokens: int) -> None:
+    def __init__(self, req: oai._Sampling, prompts: list[list[Request]]) -> None:
         self.req = req
         self.prompts = prompts
-        self.params = [_param_dict(req.sampling_params(max_tokens, i)) for i in range(req.n)]
+        self.n = req.n
 
 
 def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
@@ -52,22 +65,15 @@ def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
-def _param_dict(p: Any) -> dict[str, Any]:
-    fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
-    return {f: getattr(p, f) for f in fields}
-
-
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: dict[str, Any], router: Any, replicas: dict[str, Any]) -> None:
         self.cfg = ServeConfig.model_validate(config)
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
-        mcfg = read_model_config(model_dir)
-        lens = [
-            g.engine.get("max_model_len") or mcfg.max_position_embeddings for g in self.cfg.groups
-        ]
-        self.max_model_len = min(min(lens), mcfg.max_position_embeddings)
+        positions = read_model_config(model_dir).max_position_embeddings
+        self.max_model_len = min(g.engine_config().context_len(positions) for g in self.cfg.groups)
+        self._builder: RequestBuilder | None = None  # from the replicas' limits, on first use
         self.router = router
         self.replicas = replicas
         self.keys: dict[str, ApiKeyConfig] = {k.key: k for k in self.cfg.api_keys}
@@ -86,7 +92,7 @@ class Ingress:
         return JSONResponse({"status": "ok" if snap else "starting", "replicas": len(snap)}, status)
 
     @app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: HTTPRequest) -> Response:
         try:
             self._tenant(request)
         except oai.APIError as e:
@@ -102,36 +108,38 @@ class Ingress:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: HTTPRequest) -> Response:
         return await self._serve("/v1/completions", request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: HTTPRequest) -> Response:
         return await self._serve("/v1/chat/completions", request, chat=True)
 
     # -- the Python actor API's entry (LLM.attach(app_name)) --------------------------------
     async def generate_tokens(
         self,
         token_lists: list[list[int]],
-        params: list[dict[str, Any]],
+        params: list[SamplingParams],
         api_key: str | None = None,
     ) -> list[RequestOutput]:
         tenant = self._check_key(api_key)
         salt = tenant.tenant if tenant else None
+        builder = await self._request_builder()
+        requests = builder.build_each(token_lists, params, salt=salt, tenant=salt)
 
-        async def one(tokens: list[int], p: dict[str, Any]) -> RequestOutput:
+        async def one(request: Request) -> RequestOutput:
             outs: list[Any] = [None]
-            async for item in self._start(tokens, [p], salt, None):
-                if item[0] == "done":
-                    outs[0] = item[2]
-                elif item[0] == "error":
-                    raise InvalidRequestError(str(item[2]))
+            async for item in self._start([request], None):
+                if isinstance(item, Done):
+                    outs[0] = item.output
+                elif isinstance(item, Failed):
+                    raise (EngineUnavailableError if item.retriable else MeridianError)(
+                        item.message
+                    )
             return outs[0]
 
         try:
-            return list(
-                await asyncio.gather(*(one(t, p) for t, p in zip(token_lists, params, strict=True)))
-            )
+            return list(await asyncio.gather(*(one(r) for r in requests)))
         except oai.APIError as e:  # the same kind of error the in-process engine raises
             if e.status == 429:
                 retry = e.headers.get("Retry-After")
@@ -141,7 +149,7 @@ class Ingress:
             raise InvalidRequestError(e.message) from None
 
     # -- the request path --------------------------------------------------------------------
-    async def _serve(self, route: str, request: Request, chat: bool) -> Response:
+    async def _serve(self, route: str, request: HTTPRequest, chat: bool) -> Response:
         key = None
         try:
             tenant = self._tenant(request)
@@ -150,15 +158,14 @@ class Ingress:
         except oai.APIError as e:
             return self._error(route, e)
         handed_off = False  # once a stream owns the admission, it releases it
-        streams: list[AsyncIterator[tuple]] = []
+        streams: list[AsyncIterator[Accepted | Event]] = []
         try:
-            prep = await self._prepare(request, chat)
-            salt = tenant.tenant if tenant else None
+            prep = await self._prepare(request, chat, tenant.tenant if tenant else None)
             session = prep.req.session_id or prep.req.user
-            streams = [self._start(t, prep.params, salt, session) for t in prep.prompts]
+            streams = [self._start(choices, session) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.
-            firsts = [await s.__anext__() for s in streams]
-            assert all(f[0] == "accepted" for f in firsts)
+            firsts = [await anext(s) for s in streams]
+            assert all(isinstance(f, Accepted) for f in firsts)
             if prep.req.stream:
                 body = self._sse(prep, streams, chat, key)
                 handed_off = True
@@ -177,7 +184,7 @@ class Ingress:
                     with contextlib.suppress(Exception):
                         await s.aclose()  # type: ignore[attr-defined]
 
-    async def _prepare(self, request: Request, chat: bool) -> _Prepared:
+    async def _prepare(self, request: HTTPRequest, chat: bool, salt: str | None) -> _Prepared:
         raw = await self._body(request)
         model_cls = oai.ChatCompletionRequest if chat else oai.CompletionRequest
         try:
@@ -218,27 +225,30 @@ class Ingress:
             raise oai.APIError(
                 400, f"max_tokens must be at most {limits.max_tokens}, got {max_tokens}", field
             )
-        longest = max(len(p) for p in prompts)
-        room = self.max_model_len - longest
-        if room < 1:
-            raise oai.APIError(
-                400,
-                f"{prompt_field} has {longest} tokens but the context is {self.max_model_len}; "
-                "shorten it",
-                prompt_field,
-                "context_length_exceeded",
-            )
+        builder = await self._request_builder()
+        room = builder.limits.max_model_len - max(len(p) for p in prompts)
         if max_tokens is None:
-            max_tokens = min(limits.default_max_tokens, room)
-        elif max_tokens > room:
-            raise oai.APIError(
-                400,
-                f"{prompt_field} ({longest} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context of {self.max_model_len}; set max_tokens <= {room}",
-                field,
-                "context_length_exceeded",
-            )
-        return _Prepared(req, prompts, max_tokens)
+            max_tokens = min(limits.default_max_tokens, max(room, 1))
+        params = [req.sampling_params(max_tokens, i) for i in range(req.n)]
+        built = []
+        for tokens in prompts:
+            try:
+                built.append(builder.build_choices(tokens, params, salt=salt, tenant=salt))
+            except InvalidRequestError as e:  # the prompt, or prompt + max_tokens, too long
+                param = field if room >= 1 and isinstance(e, ContextLengthError) else prompt_field
+                message = str(e) if param in str(e) else f"{param}: {e}"
+                code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+                raise oai.APIError(400, message, param, code) from None
+        return _Prepared(req, built)
+
+    async def _request_builder(self) -> RequestBuilder:
+        """The builder of this ingress's requests: the tightest limits of every replica
+        group (a request may be routed to any), asked of one replica of each, once."""
+        if self._builder is None:
+            groups = [g.name for g in self.cfg.groups]
+            limits = await asyncio.gather(*(self.replicas[g].limits.remote() for g in groups))
+            self._builder = RequestBuilder(self.cfg.block_size, RequestLimits.tightest(limits))
+        return self._builder
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -249,15 +259,12 @@ class Ingress:
             prompts = [list(prompt)]
         else:
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-        vocab = self.tokenizer.vocab_size
         for i, p in enumerate(prompts):
             if not p:
                 raise oai.APIError(400, f"prompt {i} is empty", "prompt")
-            if any(not 0 <= t < vocab for t in p):
-                raise oai.APIError(400, f"prompt {i}: token ids must be in [0, {vocab})", "prompt")
         return prompts
 
-    async def _body(self, request: Request) -> Any:
+    async def _body(self, request: HTTPRequest) -> Any:
         limit = self.cfg.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -282,37 +289,33 @@ class Ingress:
         return raw
 
     async def _start(
-        self,
-        tokens: list[int],
-        params: list[dict[str, Any]],
-        salt: str | None,
-        session: str | None,
-    ) -> AsyncIterator[tuple]:
-        """Route one prompt and relay its replica stream; the first item is ("accepted", ...).
+        self, choices: list[Request], session: str | None
+    ) -> AsyncIterator[Accepted | Event]:
+        """Route one prompt (the built request of each of its choices) and relay its replica
+        stream; the first item is ``Accepted``.
 
         Raises APIError (before the first yield) when the replica refuses it."""
-        hashes = chained_block_hashes(tokens, self.cfg.block_size, salt)
-        route_req = {
-            "request_id": oai.new_id("route"),
-            "block_hashes": hashes,
-            "num_prompt_tokens": len(tokens),
-            "session_id": session,
-        }
+        first_choice = choices[0]
+        route_req = RouteRequest(
+            first_choice.request_id,
+            first_choice.block_hashes,
+            first_choice.num_prompt_tokens,
+            session,
+        )
         pairs = await self.router.route.remote(route_req)
         group = pairs[0][1] if pairs else self.cfg.groups[0].name
         ranking = [rid for rid, g in pairs if g == group]
-        payload = {"prompt_token_ids": tokens, "params": params, "salt": salt, "ranking": ranking}
+        payload = {"requests": choices, "ranking": ranking}
         with own_request_id():  # concurrent prompts of one request must not share one id
             gen = self.replicas[group].options(stream=True).generate.remote(payload)
         try:
-            first = await gen.__anext__()
-            if first[0] == "refused":  # ("refused", status, message, retry_after or None)
-                status, message, retry_after = first[1], first[2], first[3]
+            first = await anext(gen)
+            if isinstance(first, Refused):
                 headers = None
-                if status == 429:
-                    headers = {"Retry-After": retry_after_header(retry_after, self.cfg)}
-                param = "prompt" if status == 400 else None
-                raise oai.APIError(status, message, param, headers=headers)
+                if first.status == 429:
+                    headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
+                param = "prompt" if first.status == 400 else None
+                raise oai.APIError(first.status, first.message, param, headers=headers)
             yield first
             async for item in gen:
                 yield item
@@ -320,19 +323,19 @@ class Ingress:
             gen.cancel()  # no-op when finished; aborts the replica's request otherwise
 
     async def _collect(
-        self, prep: _Prepared, streams: list[AsyncIterator[tuple]], chat: bool
+        self, prep: _Prepared, streams: list[AsyncIterator[Accepted | Event]], chat: bool
     ) -> dict[str, Any]:
-        async def drain(s: AsyncIterator[tuple]) -> list[RequestOutput]:
-            outs: list[Any] = [None] * len(prep.params)
+        async def drain(s: AsyncIterator[Accepted | Event]) -> list[RequestOutput]:
+            outs: list[Any] = [None] * prep.n
             async for item in s:
-                if item[0] == "done":
-                    outs[item[1]] = item[2]
-                elif item[0] == "error":
-                    raise oai.APIError(503, f"generation failed: {item[2]}")
+                if isinstance(item, Done):
+                    outs[item.index] = item.output
+                elif isinstance(item, Failed):
+                    raise oai.APIError(503, f"generation failed: {item.message}")
             return outs
 
         results = await asyncio.gather(*(drain(s) for s in streams))
-        n, want_ids = len(prep.params), prep.req.return_token_ids
+        n, want_ids = prep.n, prep.req.return_token_ids
         choices, completion, cached = [], 0, 0
         for pi, outs in enumerate(results):
             cached += outs[0].num_cached_tokens
@@ -341,27 +344,32 @@ class Ingress:
                 ids = out.token_ids if want_ids else None
                 reason = oai.finish_reason(out.finish_reason)
                 choices.append(oai.choice(pi * n + j, out.text, reason, chat, ids))
-        prompt_tokens = sum(len(p) for p in prep.prompts)
+        prompt_tokens = sum(p[0].num_prompt_tokens for p in prep.prompts)
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         use = oai.usage(prompt_tokens, completion, cached)
         return oai.completion_body(rid, prep.req.model, choices, use, chat)
 
     async def _sse(
-        self, prep: _Prepared, streams: list[AsyncIterator[tuple]], chat: bool, key: str | None
+        self,
+        prep: _Prepared,
+        streams: list[AsyncIterator[Accepted | Event]],
+        chat: bool,
+        key: str | None,
     ) -> AsyncIterator[str]:
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
-        n, want_ids, model = len(prep.params), prep.req.return_token_ids, prep.req.model
+        n, want_ids, model = prep.n, prep.req.return_token_ids, prep.req.model
         obj = "chat.completion.chunk" if chat else "text_completion"
-        q: asyncio.Queue[tuple] = asyncio.Queue()
+        # (prompt index, event); None: that prompt's stream ended
+        q: asyncio.Queue[tuple[int, Accepted | Event | None]] = asyncio.Queue()
 
-        async def pump(pi: int, s: AsyncIterator[tuple]) -> None:
+        async def pump(pi: int, s: AsyncIterator[Accepted | Event]) -> None:
             try:
                 async for item in s:
                     await q.put((pi, item))
             except Exception as e:
-                await q.put((pi, ("error", -1, str(e))))
+                await q.put((pi, Failed(-1, str(e))))
             finally:
-                await q.put((pi, ("eof",)))
+                await q.put((pi, None))
 
         def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> str:
             body: dict[str, Any] = {"id": rid, "object": obj, "created": 0, "model": model}
@@ -376,10 +384,10 @@ class Ingress:
         try:
             while live:
                 pi, item = await q.get()
-                if item[0] == "eof":
+                if item is None:
                     live -= 1
-                elif item[0] == "delta":
-                    idx, d = pi * n + item[1], item[2]
+                elif isinstance(item, Delta):
+                    idx, d = pi * n + item.index, item.delta
                     first = idx not in started
                     if not (first or d.text or d.finished or want_ids):
                         continue  # a token that completes no character yet: nothing to send
@@ -387,16 +395,16 @@ class Ingress:
                     reason = oai.finish_reason(d.finish_reason) if d.finished else None
                     ids = d.token_ids if want_ids else None
                     yield chunk([oai.chunk_choice(idx, d.text, reason, chat, ids, first)])
-                elif item[0] == "done":
-                    out = item[2]
+                elif isinstance(item, Done):
+                    out = item.output
                     completion += len(out.token_ids)
-                    cached += out.num_cached_tokens if item[1] == 0 else 0
-                elif item[0] == "error":
-                    err = oai.APIError(503, f"generation failed: {item[2]}; retry the request")
+                    cached += out.num_cached_tokens if item.index == 0 else 0
+                elif isinstance(item, Failed):
+                    err = oai.APIError(503, f"generation failed: {item.message}; retry the request")
                     yield f"data: {json.dumps(err.body())}\n\n"
             opts = prep.req.stream_options
             if opts is not None and opts.include_usage:
-                prompt_tokens = sum(len(p) for p in prep.prompts)
+                prompt_tokens = sum(p[0].num_prompt_tokens for p in prep.prompts)
                 yield chunk([], oai.usage(prompt_tokens, completion, cached))
             yield "data: [DONE]\n\n"
         finally:
@@ -409,7 +417,7 @@ class Ingress:
                     await s.aclose()  # type: ignore[attr-defined]
 
     # -- auth, admission, responses ----------------------------------------------------------
-    def _tenant(self, request: Request) -> ApiKeyConfig | None:
+    def _tenant(self, request: HTTPRequest) -> ApiKeyConfig | None:
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         return self._check_key(key)

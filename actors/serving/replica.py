@@ -17,19 +17,21 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from actors.engine.sampling import SamplingParams
+from actors.engine.config import EngineConfig
+from actors.engine.events import Accepted, Event, Refused, Verdict
+from actors.engine.outputs import RequestOutput
+from actors.engine.request_limits import RequestLimits
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
-from errors import InvalidRequestError, MeridianError
+from errors import MeridianError
+from policies.replica_stats import ReplicaStats
+from policies.request import Request
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0  # an idle replica still reports this often (the router expires the silent)
-
-
-def _params(raw: list[dict[str, Any]]) -> list[SamplingParams]:
-    return [SamplingParams(**p) for p in raw]
 
 
 def _engine(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> ServingEngine:
@@ -37,18 +39,18 @@ def _engine(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> Se
         from actors.disagg.engine import PDEngine
 
         return PDEngine.for_group(model, group, replica_id)
-    return ColocatedEngine(model, **group.engine_options())
+    return ColocatedEngine(model, group.engine_config())
 
 
 class ReplicaServer:
     """The Serve replica deployment (one per replica group).
 
-    ``generate(payload)`` is a streaming method; the payload is a dict with
-    ``prompt_token_ids``, ``params`` (SamplingParams fields per choice), ``salt`` and
-    ``ranking`` (read by ``RankedRequestRouter``). It yields ``("accepted", replica id)``
-    once the engine took the request, then the ``EngineLoop`` items; a request the replica
-    refuses yields one ``("refused", http status, message, retry_after seconds or None)``
-    item instead (400 bad input, 429 overloaded or rejected by the Conductor, 503 failed).
+    ``generate(payload)`` is a streaming method; the payload is a dict with ``requests``
+    (the ``Request`` of each choice, built by the ingress) and ``ranking`` (read by
+    ``RankedRequestRouter``). It yields ``Accepted(replica id)`` once the engine took the
+    request, then the ``EngineLoop`` events; a request the replica refuses yields one
+    ``Refused`` instead (400 bad input, 429 overloaded or rejected by the Conductor, 503
+    failed). ``limits()``: what a request must fit here, for the ingress's builder.
     """
 
     def __init__(self, config: dict[str, Any], group: str, router: Any) -> None:
@@ -66,16 +68,17 @@ class ReplicaServer:
         self._reporter = threading.Thread(target=self._report_forever, daemon=True)
         self._reporter.start()
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[tuple]:
+    async def limits(self) -> RequestLimits:
+        return self.engine.limits
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[Verdict | Event]:
+        stream = self.loop.stream(payload["requests"])
         try:
-            params = _params(payload["params"])
-            stream = self.loop.stream(payload["prompt_token_ids"], params, payload.get("salt"))
-            first = await stream.__anext__()  # validates and queues, or raises
+            await anext(stream)  # Accepted: queued, or raises the refusal
         except MeridianError as e:  # bad input (400), overloaded (429), failed (503)
-            yield ("refused", e.http_status, str(e), getattr(e, "retry_after", None))
+            yield Refused.of(e)
             return
-        assert first[0] == "accepted"
-        yield ("accepted", self.replica_id)
+        yield Accepted(self.replica_id)
         try:
             async for item in stream:
                 yield item
@@ -107,7 +110,7 @@ class ReplicaServer:
             self._stop.wait(self.interval)
             resync, events = self.loop.take_events()
             stats = self.loop.stats()
-            counters = {k: v for k, v in stats.items() if k != "time"}
+            counters = stats.counters()
             idle = not events and resync is None and counters == last_stats
             if idle and time.monotonic() - last_push < HEARTBEAT_S:
                 continue  # nothing new: only a heartbeat every HEARTBEAT_S
@@ -130,33 +133,33 @@ class ReplicaServer:
                 self.loop.request_resync()
 
 
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica actor's caller needs to build and route requests for it."""
+
+    block_size: int
+    total_blocks: int
+    limits: RequestLimits
+
+
 class ReplicaActor:
     """A replica as a plain Ray actor (``LLM(model, num_replicas=k)``, rollouts). The
-    caller owns routing: it pulls ``take_events`` / ``stats`` into its own RouterState."""
+    caller builds the requests and owns routing: it pulls ``report`` (stats and block
+    events) into its own RouterState."""
 
-    def __init__(
-        self, model: str | None, engine_options: dict[str, Any], max_waiting: int = 1 << 20
-    ) -> None:
-        self.engine = ColocatedEngine(model, **engine_options)
+    def __init__(self, model: str | None, config: EngineConfig, max_waiting: int = 1 << 20) -> None:
+        self.engine = ColocatedEngine(model, config)
         self.loop = EngineLoop(self.engine, max_waiting)
 
-    def ready(self) -> dict[str, Any]:
-        return {"block_size": self.engine.block_size, "total_blocks": self.engine.num_blocks}
+    def ready(self) -> ReplicaInfo:
+        e = self.engine
+        return ReplicaInfo(e.block_size, e.num_blocks * len(e.pools), e.limits)
 
-    def validate(self, token_lists: list[list[int]], params: list[SamplingParams]) -> None:
-        """Raise InvalidRequestError naming the first prompt that can never run here."""
-        for i, (tokens, p) in enumerate(zip(token_lists, params, strict=True)):
-            try:
-                self.engine.validate(tokens, p)
-            except InvalidRequestError as e:
-                raise type(e)(f"prompt {i}: {e}") from None
+    async def generate(self, request: Request) -> RequestOutput:
+        (out,) = await self.loop.generate([request])
+        return out
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: list[SamplingParams], salt: str | None
-    ) -> list[Any]:
-        return await self.loop.generate(prompt_token_ids, params, salt)
-
-    async def report(self) -> tuple[dict[str, Any], list[tuple[str, int]], list[int] | None]:
+    async def report(self) -> tuple[ReplicaStats, list[tuple[str, int]], list[int] | None]:
         resync, events = self.loop.take_events()
         return self.loop.stats(), events, resync
 

@@ -35,6 +35,7 @@ from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from actors.serving.router_state import RouterState
+from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
 
 REPLICA_TIMEOUT_S = 30.0  # a replica silent this long is dropped from the view
@@ -52,25 +53,21 @@ class RouterDeployment:
         self.block_size = block_size
         self.groups: dict[str, str] = {}  # replica id -> group name
         self.last_seen: dict[str, float] = {}
-        self.snapshots: dict[str, dict[str, Any]] = {}  # replica id -> {"stats", "metrics"}
+        # replica id -> {"stats", "metrics", "group"}: what ``metrics.render`` reads, so the
+        # stats record is kept as its fields' dict
+        self.snapshots: dict[str, dict[str, Any]] = {}
 
-    async def route(self, request: dict[str, Any]) -> list[tuple[str, str]]:
+    async def route(self, request: RouteRequest) -> list[tuple[str, str]]:
         """(replica id, group) pairs, best first. Records the decision in the view."""
         self._expire(time.time())
-        rr = RouteRequest(
-            request["request_id"],
-            request["block_hashes"],
-            request["num_prompt_tokens"],
-            request.get("session_id"),
-        )
-        ranking = self.state.route(rr) if self.groups else []
+        ranking = self.state.route(request) if self.groups else []
         return [(rid, self.groups[rid]) for rid in ranking if rid in self.groups]
 
     async def report(
         self,
         replica_id: str,
         group: str,
-        stats: dict[str, Any],
+        stats: ReplicaStats,
         metrics: dict[str, Any],
         events: list[tuple[str, int]],
         resync: list[int] | None,
@@ -80,14 +77,18 @@ class RouterDeployment:
         cached set (it does not know this replica's history: a router restart)."""
         known = replica_id in self.groups
         if not known:
-            self.state.add_replica(replica_id, total_blocks=int(stats.get("total_blocks", 1)))
+            self.state.add_replica(replica_id, total_blocks=stats.total_blocks)
             self.groups[replica_id] = group
         self.last_seen[replica_id] = time.time()
         if resync is not None:
             self.state.resync(replica_id, resync)  # the whole set; ``events`` come after it
         self.state.on_events(replica_id, events)
         self.state.on_stats(replica_id, stats)
-        self.snapshots[replica_id] = {"stats": stats, "metrics": metrics, "group": group}
+        self.snapshots[replica_id] = {
+            "stats": dataclasses.asdict(stats),
+            "metrics": metrics,
+            "group": group,
+        }
         return not known and not first and resync is None
 
     async def deregister(self, replica_id: str) -> None:

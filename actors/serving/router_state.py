@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from policies.replica_stats import ReplicaStats
 from policies.routing import (
     ClusterView,
     ConsistentHash,
@@ -106,10 +107,8 @@ class RouterState:
         if replica_id in self.view:
             self.view.apply_events(replica_id, events)
 
-    def on_stats(self, replica_id: str, stats: Mapping[str, Any]) -> None:
-        """Apply a stats snapshot (``num_running``, ``num_waiting``,
-        ``queued_prefill_tokens``, ``free_blocks``, ``total_blocks``, optionally ``time``:
-        when it was taken, on this state's clock). Unknown keys are ignored."""
+    def on_stats(self, replica_id: str, stats: ReplicaStats) -> None:
+        """Apply a stats snapshot (its ``time``: when it was taken, on this state's clock)."""
         if replica_id in self.view:
             self.view.update_stats(replica_id, stats, self.clock())
 

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from actors.serving.router_state import POLICY_NAMES, RouterState, make_policy
+from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
 from store.block_pool import BlockPool
 from store.hashing import chained_block_hashes
@@ -16,6 +19,20 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def snapshot(t: float, **counters: Any) -> ReplicaStats:
+    """A stats record taken at ``t``: idle, 100 free of 100 blocks, but for ``counters``."""
+    base: dict[str, Any] = dict(
+        num_running=0,
+        num_waiting=0,
+        queued_prefill_tokens=0,
+        free_blocks=100,
+        total_blocks=100,
+        kv_usage=0.0,
+        cache_hit_ratio=0.0,
+    )
+    return ReplicaStats(**{**base, **counters}, time=t)
 
 
 def request(tokens: list[int], rid: str = "q", session: str | None = None) -> RouteRequest:
@@ -83,7 +100,7 @@ def test_prefix_aware_follows_the_replicas_cache_events():
     # With equal loads and no prefix anywhere, the smallest cache footprint wins: r2 still
     # holds the follow-up's last block, r0 and r1 hold nothing.
     for rid in s.replica_ids:
-        s.on_stats(rid, {"queued_prefill_tokens": 0, "num_waiting": 0})
+        s.on_stats(rid, snapshot(s.clock()))
     assert s.route(request(tokens, rid="q2"))[0] == "r0"
     with pytest.raises(ValueError):
         s.on_events("r0", [("bogus", 1)])
@@ -101,23 +118,23 @@ def test_a_decision_is_recorded_before_any_event_or_stats():
 def test_stats_use_the_injected_clock_to_keep_newer_decisions():
     clock = FakeClock(10.0)
     s = state("least_loaded", n=2, clock=clock)
-    s.on_stats("r0", {"queued_prefill_tokens": 0, "num_running": 0})
-    s.on_stats("r1", {"queued_prefill_tokens": 50, "num_running": 0})
+    s.on_stats("r0", snapshot(10.0))
+    s.on_stats("r1", snapshot(10.0, queued_prefill_tokens=50))
     clock.t = 11.0
     assert s.route(request(list(range(8)), rid="a"))[0] == "r0"  # 8 tokens queued on r0
     # A snapshot taken before that decision (time 10.5) keeps it on top...
-    s.on_stats("r0", {"queued_prefill_tokens": 0, "num_waiting": 0, "time": 10.5})
+    s.on_stats("r0", snapshot(10.5))
     assert s.view.replica("r0").queued_prefill_tokens == 8
     # ...one taken after it (time 11.5, now 12) shows the replica's own count.
     clock.t = 12.0
-    s.on_stats("r0", {"queued_prefill_tokens": 3, "num_waiting": 0, "time": 11.5})
+    s.on_stats("r0", snapshot(11.5, queued_prefill_tokens=3))
     assert s.view.replica("r0").queued_prefill_tokens == 3
 
 
 def test_messages_from_unknown_or_removed_replicas_are_dropped():
     s = state("least_loaded", n=2)
     s.remove_replica("r1")
-    s.on_stats("r1", {"num_running": 0})
+    s.on_stats("r1", snapshot(0.0))
     s.on_events("r1", [("stored", 5)])
     s.resync("r9", [1, 2])
     assert s.replica_ids == ["r0"]

@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any
 
 import pytest
 
+from policies.replica_stats import ReplicaStats
 from policies.routing import (
     ClusterView,
     ConsistentHash,
@@ -20,6 +22,20 @@ from policies.routing import (
 )
 from store.block_pool import BlockPool
 from store.hashing import chained_block_hashes
+
+
+def snapshot(t: float, **counters: Any) -> ReplicaStats:
+    """A stats record taken at ``t``: idle, 100 free of 100 blocks, but for ``counters``."""
+    base: dict[str, Any] = dict(
+        num_running=0,
+        num_waiting=0,
+        queued_prefill_tokens=0,
+        free_blocks=100,
+        total_blocks=100,
+        kv_usage=0.0,
+        cache_hit_ratio=0.0,
+    )
+    return ReplicaStats(**{**base, **counters}, time=t)
 
 
 def views(n, **kw):
@@ -208,7 +224,7 @@ def test_cluster_view_updates_on_routing_and_keeps_it_across_stale_stats():
     tokens = list(range(17))
     hashes = chained_block_hashes(tokens, bs)
     request = RouteRequest("q1", hashes, len(tokens))
-    cv.update_stats("a", {"queued_prefill_tokens": 10, "free_blocks": 100}, now=0.0)
+    cv.update_stats("a", snapshot(0.0, queued_prefill_tokens=10), now=0.0)
     ranking = cv.route(PrefixAware(), request, now=1.0)
     chosen = cv.replica(ranking[0])
     assert chosen.cached >= set(hashes)
@@ -222,12 +238,14 @@ def test_cluster_view_updates_on_routing_and_keeps_it_across_stale_stats():
     base = 10 if chosen.replica_id == "a" else 0
     assert chosen.queued_prefill_tokens == base + 17 + 5
     # A stale snapshot (taken at 0.5, before both routings) keeps them on top...
-    cv.update_stats(chosen.replica_id, {"queued_prefill_tokens": 0, "num_waiting": 0}, 1.5, 0.5)
+    cv.update_stats(chosen.replica_id, snapshot(0.5), 1.5, 0.5)
     assert chosen.queued_prefill_tokens == 22 and chosen.num_waiting == 2
     # ...one taken after the first routing keeps only the second; a fresh one keeps none.
-    cv.update_stats(chosen.replica_id, {"queued_prefill_tokens": 5, "num_waiting": 1}, 1.6, 1.05)
+    cv.update_stats(
+        chosen.replica_id, snapshot(1.05, queued_prefill_tokens=5, num_waiting=1), 1.6, 1.05
+    )
     assert chosen.queued_prefill_tokens == 10 and chosen.num_waiting == 2
-    fresh = {"queued_prefill_tokens": 0, "num_waiting": 0, "time": 2.0}
+    fresh = snapshot(2.0)
     cv.update_stats(chosen.replica_id, fresh, now=2.1)
     assert chosen.queued_prefill_tokens == 0 and chosen.num_waiting == 0
 
@@ -235,7 +253,7 @@ def test_cluster_view_updates_on_routing_and_keeps_it_across_stale_stats():
 def test_cluster_view_membership():
     cv = ClusterView(block_size=4)
     cv.add_replica("a")
-    cv.update_stats("b", {"num_running": 3, "region": "eu"}, now=0.0)  # unknown: added
+    cv.update_stats("b", snapshot(0.0, num_running=3, region="eu"), now=0.0)  # unknown: added
     assert [r.replica_id for r in cv.replicas] == ["a", "b"]
     assert cv.replica("b").num_running == 3 and cv.replica("b").region == "eu"
     cv.remove_replica("a")
@@ -282,7 +300,8 @@ def test_cluster_view_index_ranks_like_the_views_sets():
             kind = rng.choice(("stored", "evicted"))
             cv.apply_events(rid, [(kind, h) for h in chain[: rng.randrange(12)]])
         if rng.random() < 0.2:
-            cv.update_stats(rid, {"queued_prefill_tokens": rng.randrange(100)}, float(step))
+            t = float(step)
+            cv.update_stats(rid, snapshot(t, queued_prefill_tokens=rng.randrange(100)), t)
         if rng.random() < 0.02:
             cv.remove_replica(rid)
             cv.add_replica(f"n{step}", total_blocks=50)
@@ -340,9 +359,9 @@ def scripted_cluster_rankings():
     route("q2", a, 40, 0.1)
     route("q3", b, 32, 0.2)
     route("q4", c, 40, 0.3)
-    cv.update_stats("r1", {"num_running": 3, "queued_prefill_tokens": 40}, 0.4)
+    cv.update_stats("r1", snapshot(0.4, num_running=3, queued_prefill_tokens=40), 0.4)
     route("q5", a + [19], 44, 0.5)
-    cv.update_stats(out[1][0], {"queued_prefill_tokens": 500, "num_running": 2}, 0.6)
+    cv.update_stats(out[1][0], snapshot(0.6, queued_prefill_tokens=500, num_running=2), 0.6)
     route("q6", a + [19, 20], 48, 0.7)  # its holder is overloaded
     route("q7", c[:1], 4, 0.8)
     cv.apply_events("r2", [("stored", h) for h in c] + [("evicted", c[0])])  # a hole at 0
@@ -400,11 +419,14 @@ def random_cluster_run(steps: int = 1500, seed: int = 7) -> str:
             lo = rng.randrange(4)
             cv.apply_events(rid, [(kind, h) for h in chain[lo : lo + rng.randrange(12)]])
         elif x < 0.45:
-            stats = {
-                "queued_prefill_tokens": rng.randrange(120),
-                "num_running": rng.randrange(4),
-                "num_waiting": rng.randrange(3),
-            }
+            stats = snapshot(
+                float(step) * 0.1,
+                queued_prefill_tokens=rng.randrange(120),
+                num_running=rng.randrange(4),
+                num_waiting=rng.randrange(3),
+                free_blocks=200,
+                total_blocks=200,
+            )
             cv.update_stats(rid, stats, float(step) * 0.1)
         elif x < 0.47:
             cv.remove_replica(rid)
@@ -429,7 +451,9 @@ def random_cluster_run(steps: int = 1500, seed: int = 7) -> str:
 
 def test_cluster_view_decisions_are_pinned_on_a_random_run():
     # The digest was recorded with the plain full-sort implementation: any change in a
-    # ranking, a view's counters or a cache size anywhere in the run changes it.
+    # ranking, a view's counters or a cache size anywhere in the run changes it. (Re-recorded
+    # when stats became a full ``ReplicaStats`` record that sets ``free_blocks`` too; the
+    # rankings are checked against the reference sort at every step either way.)
     assert (
-        random_cluster_run() == "89930d25f5b048c0eb894b3ddc9849b9c0f0200868a9f457783e14e46a243c13"
+        random_cluster_run() == "7079210b459fbd05fd4ce645cff228c1fa46b03fbb71a02cdfed1f3274ff60d5"
     )

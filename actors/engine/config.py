@@ -1,0 +1,81 @@
+"""One replica's engine options, with their defaults in one place (``EngineConfig``).
+
+Built from keyword arguments by ``EngineConfig.from_options`` (a deployment config's
+``engine`` section, ``LLM(model, **options)``), which names any key that is not an option.
+Sizes that depend on the model (the context length, the KV pool) are derived here too, so
+the ingress and the replica agree on them. No torch at import: the ingress reads this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from policies.chunking import ChunkRule
+from policies.ordering import Ordering
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``num_blocks`` and ``kv_cache_memory`` are per worker (per KVP rank: each holds its
+    own pool); ``num_blocks=None`` sizes the pool from ``kv_cache_memory``.
+    ``kvp_rank_tokens``: most tokens of one request one KVP rank holds before it spills to
+    the next (a multiple of ``block_size``; default: what the rank's pool holds, split
+    evenly so a full-context request fits across the ranks). ``dtype`` may be a torch dtype
+    or its name (``"float32"``); ``None`` picks bf16 on GPU, fp32 on CPU."""
+
+    dtype: torch.dtype | str | None = None
+    device: str | None = None
+    attention_backend: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30
+    token_budget: int = 2048
+    max_num_seqs: int = 256
+    chunk_size: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    ordering: Ordering | None = None
+    chunk_rule: ChunkRule | None = None
+    pack_weights: bool | None = None
+    tp: int = 1
+    spp: int = 1
+    kvp: int = 1
+    kvp_rank_tokens: int | None = None
+    use_compiled_graph: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_memory", "token_budget", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("tp", "spp", "kvp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "max_model_len", "chunk_size", "kvp_rank_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """The config with ``options`` over the defaults; an unknown key is a ValueError
+        naming it and the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {', '.join(map(repr, unknown))}; "
+                f"known options: {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    def context_len(self, max_position_embeddings: int) -> int:
+        """The longest request (prompt + generated tokens): ``max_model_len`` capped by the
+        model's positions. The one place this is derived."""
+        if self.max_model_len is None:
+            return max_position_embeddings
+        return min(self.max_model_len, max_position_embeddings)
