@@ -1,5 +1,8 @@
-"""A replica's worker group on Ray: worker actors in a placement group, driven once per
+"""A replica's worker group on Ray: worker actors in placement groups, driven once per
 iteration through a compiled graph (or plain actor calls, for comparison).
+
+Placement (``placement.worker_group``): a layout that fits one node is one placement group
+there; a larger one spreads whole TP groups over nodes, one placement group per node.
 
 Graph shape, per KVP rank k and TP rank t: ``plan -> stage 0 -> stage 1 -> ... -> last``,
 where every stage gets the plan from the input node and the previous stage's activations
@@ -27,6 +30,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.engine.executor import WorkerFailure
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker import Worker, WorkerSpec
+from actors.engine.worker_hooks import HooksFactory
+from actors.ray_nodes import alive_nodes
+from placement.worker_group import plan_worker_group, worker_bundle
 
 # Errors that mean a worker (or its node) is gone, not that the step itself was wrong.
 _DEATH = (
@@ -53,11 +59,13 @@ class RayExecutor:
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 300.0,
         worker_cls: type = Worker,
+        hooks: HooksFactory | None = None,
     ) -> None:
         """``worker_cls``: the worker class to make remote (anything with ``Worker``'s
         methods; the control-plane benchmark passes one that skips the model)."""
         self.spec = spec
         self.worker_cls = worker_cls
+        self.hooks = hooks  # each worker builds its hooks from it, in its own process
         self.layout = spec.layout
         self.use_compiled_graph = use_compiled_graph
         self.depth = spec.layout.spp
@@ -66,7 +74,7 @@ class RayExecutor:
         self.setup_timeout_s = setup_timeout_s
         self.actors: list[Any] = []
         self._graph: Any = None
-        self._pg: Any = None
+        self._pgs: list[Any] = []
         self._env = {"RAY_CGRAPH_buffer_size_bytes": str(CHANNEL_BYTES)}
         os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(CHANNEL_BYTES))
         if not ray.is_initialized():
@@ -76,31 +84,36 @@ class RayExecutor:
     # -- worker group -----------------------------------------------------------------------
     def _start(self) -> None:
         layout = self.layout
-        on_gpu = self.spec.device == "cuda"
-        bundle = {"CPU": self.num_cpus_per_worker} | ({"GPU": 1} if on_gpu else {})
-        bundles = [dict(bundle) for _ in range(layout.world_size)]
-        if not any(bundle.values()):
-            bundles = [{"CPU": 0.001} for _ in range(layout.world_size)]
-        self._pg = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(self._pg.ready(), timeout=self.setup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self._pg)
-            raise RuntimeError(
-                f"the cluster cannot place {layout.world_size} workers ({bundle} each) for "
-                f"layout tp={layout.tp} spp={layout.spp} kvp={layout.kvp}"
-            ) from None
-        remote = ray.remote(self.worker_cls)
-        self.actors = [
-            remote.options(
-                num_cpus=bundles[i].get("CPU", 0),
-                num_gpus=1 if on_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i),
-                runtime_env={"env_vars": self._env},
-                max_restarts=0,
-            ).remote(self.spec, coords)
-            for i, coords in enumerate(layout.coords())
-        ]
+        bundle = worker_bundle(
+            self.num_cpus_per_worker, gpus=1 if self.spec.device == "cuda" else 0
+        )
+        plan = plan_worker_group(layout.tp, layout.spp, layout.kvp, bundle, alive_nodes())
+        # One placement group per node the plan uses, each ready before the next is asked
+        # for (the plan sized them largest node first).
+        for group in plan.groups:
+            self._pgs.append(placement_group(list(group.bundles), strategy=group.strategy))
+            try:
+                ray.get(self._pgs[-1].ready(), timeout=self.setup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                self._remove_placement_groups()
+                raise RuntimeError(
+                    f"the cluster cannot place {layout.world_size} workers ({bundle} each) for "
+                    f"layout tp={layout.tp} spp={layout.spp} kvp={layout.kvp}"
+                ) from None
+        remote: Any = ray.remote(self.worker_cls)
+        self.actors = []
+        for coords in layout.coords():  # world-rank order
+            pg_index, bundle_index = plan.slot(*coords)
+            strategy = PlacementGroupSchedulingStrategy(self._pgs[pg_index], bundle_index)
+            self.actors.append(
+                remote.options(
+                    num_cpus=bundle.get("CPU", 0),
+                    num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=strategy,
+                    runtime_env={"env_vars": self._env},
+                    max_restarts=0,
+                ).remote(self.spec, coords, self.hooks)
+            )
         init_method = None
         if layout.world_size > 1:
             ip = ray.get(self.actors[0].node_ip.remote(), timeout=self.setup_timeout_s)
@@ -160,7 +173,12 @@ class RayExecutor:
         merged = StepResult(leaders[0].step_id, {}, list(leaders[0].timings))
         for out in leaders:
             merged.tokens.update(out.tokens)
+        for out in outs:  # every last stage carries its earlier stages' reports
+            merged.hook_reports += out.hook_reports
         return merged
+
+    def hook_info(self) -> list[Any]:
+        return list(ray.get([a.hook_info.remote() for a in self.actors]))
 
     # -- lifecycle ----------------------------------------------------------------------------
     def on_idle(self) -> None:
@@ -184,10 +202,13 @@ class RayExecutor:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        self._remove_placement_groups()
         time.sleep(0.1)  # let the raylet return the bundles before they are asked for again
+
+    def _remove_placement_groups(self) -> None:
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        self._pgs = []
 
     def shutdown(self) -> None:
         self._kill()
