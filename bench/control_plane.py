@@ -44,7 +44,7 @@ HIDDEN = 64  # activation width handed between stages (the tiny model's)
 class ControlPlaneWorker:
     """``Worker``'s interface without the model: reads the plan, answers tokens."""
 
-    def __init__(self, spec: WorkerSpec, coords: tuple[int, int, int]) -> None:
+    def __init__(self, spec: WorkerSpec, coords: tuple[int, int, int], hooks: None = None) -> None:
         self.spec = spec
         self.tp_rank, self.stage, self.kvp_rank = coords
 

@@ -65,6 +65,7 @@ from actors.disagg.messages import (
     PrefillStep,
     PrefillTask,
     Report,
+    ReservationLost,
     StoreLoad,
     TokenDelta,
 )
@@ -74,10 +75,11 @@ from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams
 from actors.kvstore.shard import KVStoreClient
+from actors.ray_nodes import alive_nodes, pinned
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import read_model_config
-from placement.nodes import NodePlacement
+from placement.nodes import NodePlacement, ReplicaSpec
 from policies.conductor import (
     Conductor,
     ConductorRequest,
@@ -140,10 +142,14 @@ class PDCluster:
         fit_costs: bool = True,
         max_prefill_attempts: int = 3,
         pin_cores: bool = False,
+        prefill_layout: dict[str, int] | None = None,
+        decode_layout: dict[str, int] | None = None,
         **controller_options: Any,
     ) -> None:
         """``pin_cores``: on a one-node cluster, bind prefill and decode replicas to
-        disjoint cores with one torch thread each (``split_cores``)."""
+        disjoint cores with one torch thread each (``split_cores``). ``prefill_layout`` /
+        ``decode_layout``: ``tp`` and ``spp`` of each prefill / decode replica (over
+        ``controller_options``); the two sides may differ."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
         self.model_dir = str(model_dir) if model_dir is not None else str(tiny_model_dir("dense"))
@@ -169,25 +175,38 @@ class PDCluster:
         if fit_costs:
             self.fitter = CostFitter(self.block_bytes, chunk_size=int(chunk or 2048))
         self.max_prefill_attempts = max_prefill_attempts
-        # Replicas and shards spread over the cluster's nodes: prefill replica i on node
-        # i, decode replica j on node num_prefill + j (modulo the node count), so with
+        # On a GPU cluster each prefill and decode worker holds one GPU (a one-worker
+        # replica's worker runs in the replica actor, which then holds it); on CPU nothing
+        # is reserved (the machine's cores are shared). Threaded actors: the Conductor's
+        # long poll waits in one thread while other calls are served.
+        self._prefill_options = {**controller_options, **(prefill_layout or {})}
+        self._decode_options = {**controller_options, **(decode_layout or {})}
+        worker = {"GPU": 1.0} if ray.cluster_resources().get("GPU", 0) >= 1 else {}
+
+        def workers(options: dict[str, Any]) -> int:
+            return int(options.get("tp", 1)) * int(options.get("spp", 1))
+
+        def actor_class(cls: type, options: dict[str, Any]) -> Any:
+            gpus = worker.get("GPU", 0) if workers(options) == 1 else 0
+            return ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4)(cls)
+
+        # Replicas and shards spread over the cluster's nodes (``placement.nodes``): with
         # several nodes prefill and decode run apart and stream KV over TCP.
-        self.placement_plan = NodePlacement()
+        self.placement_plan = NodePlacement(alive_nodes())
         self._prefill_ids = [f"p{i}" for i in range(num_prefill)]
-        for i, rid in enumerate(self._prefill_ids + [f"d{j}" for j in range(num_decode)]):
-            self.placement_plan.assign(rid, i)
+        pw, dw = workers(self._prefill_options), workers(self._decode_options)
+        self.placement_plan.place(
+            [ReplicaSpec(p, "prefill", pw, worker) for p in self._prefill_ids]
+            + [ReplicaSpec(f"d{j}", "decode", dw, worker) for j in range(num_decode)]
+        )
         one_node = len(self.placement_plan.nodes) == 1
         self._cores = split_cores(num_prefill, num_decode) if pin_cores and one_node else {}
         self.store = PDStore(store, self.block_bytes, self.placement_plan) if store else None
         self.shards: dict[str, Any] = self.store.shards if self.store else {}
         self.store_client: KVStoreClient | None = self.store.client if self.store else None
-        # On a GPU cluster each prefill and decode replica holds one GPU (its worker runs
-        # there); on CPU they take no CPU reservation (the machine's cores are shared).
-        # Threaded: the Conductor's long poll waits in one thread while others are served.
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        actor = dict(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4)
-        self._prefill_cls = ray.remote(**actor)(PrefillReplica)
-        self._decode_cls = ray.remote(**actor)(DecodeReplica)
+
+        self._prefill_cls = actor_class(PrefillReplica, self._prefill_options)
+        self._decode_cls = actor_class(DecodeReplica, self._decode_options)
         self.prefills: dict[str, Any] = {}
         self.prefill_views: dict[str, PrefillInstance] = {}
         self.prefill_reports: dict[str, PrefillStats] = {}
@@ -222,8 +241,9 @@ class PDCluster:
 
     def _start_prefill(self, pid: str) -> None:
         live = self.store.live() if self.store else {}
-        cls = self.placement_plan.options(self._prefill_cls, pid, restart=pid in self.prefills)
-        handle = cls.remote(pid, self.model_dir, live, **self._pinning(pid), **self.options)
+        handle = self._pinned(self._prefill_cls, pid, restart=pid in self.prefills).remote(
+            pid, self.model_dir, live, **self._pinning(pid), **self._prefill_options
+        )
         self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
         self._local_cached[pid] = set()
@@ -232,19 +252,26 @@ class PDCluster:
 
     def _start_decode(self, did: str) -> None:
         plan = self.placement_plan
-        handle = plan.options(self._decode_cls, did, restart=did in self.decodes).remote(
+        handle = self._pinned(self._decode_cls, did, restart=did in self.decodes).remote(
             did,
             self.model_dir,
             serve_tcp=plan.apart(did, self._prefill_ids),  # prefill elsewhere: over TCP
             tcp_host=plan.tcp_host(did),
             **self._pinning(did),
-            **self.options,
+            **self._decode_options,
         )
         self.decodes[did] = handle
         self.decode_views[did] = DecodeInstance(did)
         report = ray.get(handle.report.remote(0.0))
         self._apply_stats(did, report.stats)
         self._watch(did, handle)
+
+    def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
+        """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
+        moves off a node that is gone)."""
+        if restart:
+            return pinned(cls, self.placement_plan.replace(rid, alive_nodes()), soft=True)
+        return pinned(cls, self.placement_plan.node_id(rid))
 
     def _watch(self, rid: str, handle: Any) -> None:
         """Keep one long poll outstanding on a live replica."""
@@ -488,6 +515,8 @@ class PDCluster:
                 self._on_prefill_done(e)
             elif isinstance(e, PrefillFailed):
                 self._on_prefill_failed(e)
+            elif isinstance(e, ReservationLost):
+                self._on_reservation_lost(e)
             elif isinstance(e, CacheEvent):
                 cached = self._local_cached[rid]
                 (cached.add if e.stored else cached.discard)(e.block_hash)
@@ -531,6 +560,18 @@ class PDCluster:
             ray.get(self.decodes[req.decode_id].cancel.remote(e.key))
         except DEAD:
             return
+        self._requeue(req)
+
+    def _on_reservation_lost(self, e: ReservationLost) -> None:
+        """The decode side already freed it: stop the prefill, run the request again."""
+        req = self._by_key.get(e.key)
+        if req is None:
+            return
+        if req.in_prefill and req.prefill_id is not None:
+            try:
+                ray.get(self.prefills[req.prefill_id].abort.remote(e.key))
+            except DEAD:
+                pass  # its death is handled when its poll fails
         self._requeue(req)
 
     def _on_tokens(self, e: TokenDelta) -> StreamDelta | None:

@@ -20,14 +20,24 @@ Conductor only picks an instance with that much room). Every token goes out as a
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
-from actors.disagg.kv_stream import KVDestination, SharedKVCache
-from actors.disagg.messages import DecodeStats, DecodeStep, Finished, Report, TokenDelta
+from actors.disagg.kv_routes import KVTarget
+from actors.disagg.kv_stream import KVDestination, SharedCacheWorkers
+from actors.disagg.messages import (
+    DecodeStats,
+    DecodeStep,
+    Finished,
+    Report,
+    ReservationLost,
+    TokenDelta,
+)
 from actors.disagg.replica_loop import ReplicaLoop
+from actors.engine.config import EngineConfig
 from actors.engine.replica_controller import ReplicaController
-from actors.engine.worker_hooks import WorkerHooks
-from actors.kvstore.shard import current_node_id
+from models import tiny_model_dir
+from models.config import read_model_config
 from policies.request import Request
 
 
@@ -44,14 +54,24 @@ class DecodeReplica:
     ) -> None:
         """``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
         ``tcp_host`` (this node's address); same-node ones always use shared memory.
-        ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads."""
+        ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads. ``tp`` /
+        ``spp`` in ``controller_options`` spread it over worker actors on this node, each
+        holding its share of the cache in its own segment."""
         self.replica_id = replica_id
-        self.cache = SharedKVCache(f"decode-{replica_id}", current_node_id(), serve_tcp, tcp_host)
-        self.controller = ReplicaController(
-            model_dir, worker_hooks=WorkerHooks(kv_cache=self.cache), **controller_options
+        config = EngineConfig.from_options(**controller_options)
+        if config.kvp != 1:
+            raise ValueError(
+                "a decode replica holds each request's KV on one KV rank: set kvp=1 "
+                "(KV-parallel decode replicas are not supported)"
+            )
+        folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
+        model = read_model_config(folder)
+        caches = SharedCacheWorkers(
+            replica_id, model.num_hidden_layers, model.num_key_value_heads, serve_tcp, tcp_host
         )
-        if self.controller.layout.world_size != 1:
-            raise ValueError("a decode replica runs one in-process worker (tp=spp=kvp=1)")
+        self.controller = ReplicaController(model_dir, config, worker_hooks=caches)
+        self.targets: tuple[KVTarget, ...] = tuple(self.controller.executor.hook_info())
+        self._recoveries = 0
         self._reserved_blocks: dict[str, int] = {}
         self.stats = self._stats()
         self.loop = ReplicaLoop(self._iterate, f"decode-{replica_id}", cpus=cpus, threads=threads)
@@ -60,7 +80,7 @@ class DecodeReplica:
         return self.replica_id
 
     def node(self) -> str:
-        return self.cache.endpoint.node_id
+        return self.targets[0].endpoint.node_id
 
     # -- the Conductor and the prefill side (any thread: through the loop) -------------------
     def reserve(self, key: str, request: Request) -> KVDestination | None:
@@ -100,7 +120,6 @@ class DecodeReplica:
     def shutdown(self) -> None:
         self.loop.stop()
         self.controller.shutdown()
-        self.cache.close()
 
     # -- the loop thread --------------------------------------------------------------------
     def _reserve(self, key: str, request: Request) -> KVDestination | None:
@@ -109,7 +128,7 @@ class DecodeReplica:
             return None
         self._reserved_blocks[key] = len(blocks)
         self.stats = self._stats()
-        return self.cache.destination(blocks)
+        return KVDestination(self.targets, tuple(blocks))
 
     def _admit(self, key: str, first_token: int) -> None:
         if self._reserved_blocks.pop(key, None) is None:
@@ -136,8 +155,19 @@ class DecodeReplica:
             deltas = c.step()
             self.loop.emit(DecodeStep(batch, blocks, time.perf_counter() - start))
             self._emit(deltas)
+            if c.num_recoveries != self._recoveries:
+                self._lose_reservations()
         self.stats = self._stats()
         return ran
+
+    def _lose_reservations(self) -> None:
+        """A worker died and the group was restarted with fresh caches: KV streamed into
+        the old ones is gone, so every reservation is given up (its request runs again)."""
+        self._recoveries = self.controller.num_recoveries
+        self.targets = tuple(self.controller.executor.hook_info())
+        for key in list(self._reserved_blocks):
+            self._cancel(key)
+            self.loop.emit(ReservationLost(key))
 
     def _emit(self, deltas: list[Any]) -> None:
         now = time.monotonic()

@@ -1,25 +1,23 @@
-"""Layer-by-layer KV streaming from a prefill worker into a decode replica's paged cache.
+"""Layer-by-layer KV streaming from prefill workers into a decode replica's paged cache.
 
-The decode replica keeps its paged KV cache *in* a shared-memory segment
-(``SharedKVCache``), laid out as every layer's K then V tensor back to back:
+Each decode worker keeps its paged KV cache *in* a shared-memory segment
+(``SharedKVCache``, its KV-cache provider), laid out as its layers' K then V tensors back
+to back (``kv_routes.segment_offset``), so prefill workers write a block's KV straight
+into the decode workers' caches: one copy through the transfer layer (shared memory on one
+node, TCP across nodes), no staging buffer, no Ray object store, nothing on the
+compiled-graph control path. Only a small ``KVDestination`` (every decode worker's
+endpoint and share of layers and heads, and the request's block ids) travels on the
+control path, inside the step plan. The two sides may shard differently (any tp x spp):
+``kv_routes`` works out which bytes go where. Each layer's K and V tensors are registered
+with the transfer layer once per step (``LocalMemory``) and every piece is a ``(remote
+offset, local offset, nbytes)`` range of them; consecutive ranges merge into one copy.
 
-    piece (layer l, kind k in {0: K, 1: V}, block b) lies at byte
-    ((2 * l + k) * num_blocks + b) * piece_bytes                (``segment_offset``)
-
-so the prefill side writes a block's KV straight into the decode worker's cache: one copy
-through the transfer layer (shared memory on one node, TCP across nodes), no staging
-buffer, no Ray object store, nothing on the compiled-graph control path. Only a small
-``KVDestination`` (endpoint, geometry, block ids) travels on the control path. Each layer's
-K and V tensors are registered with the transfer layer once per step (``LocalMemory``) and
-every piece is a ``(remote offset, local offset, nbytes)`` range of them, so a step's copies
-cost integer arithmetic plus the memcpy; consecutive blocks on both sides merge into one.
-
-``LayerStreamer`` runs inside the prefill worker's ``StepHook`` (see
-``actors.engine.worker_hooks``): as soon as layer ``l`` has written a step's KV, the copies
-of layer ``l``'s pieces for the requests in that step start on a background thread while
-layer ``l + 1`` computes (Mooncake, section 3.1 step 3).
-``end_step`` waits for every copy of the step, so once a request's last prefill step
-returned, all of its KV has arrived and it may join the decode batch.
+``LayerStreamer`` runs in a prefill worker's ``StepHook`` (``actors.engine.worker_hooks``):
+as soon as layer ``l`` has written a step's KV, the copies of layer ``l``'s pieces for the
+requests in that step start on a background thread while layer ``l + 1`` computes
+(Mooncake, section 3.1 step 3). ``finish`` waits for every copy of the step and returns
+the requests whose copies failed, so once a request's last prefill step returned on every
+worker, all of its KV has arrived and it may join the decode batch.
 """
 
 from __future__ import annotations
@@ -29,57 +27,54 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.disagg.kv_routes import KVTarget, piece_ranges, sent_heads
+from actors.engine.collectives import Layout
 from actors.engine.step_plan import StepPlan
-from actors.engine.worker_hooks import CacheGeometry, KVCaches
+from actors.engine.worker_hooks import CacheGeometry, KVCaches, WorkerHooks
+from models.sharding import kv_head_range, layer_range
 from store.shared_segment import SharedSegment
-from store.transfer import Endpoint, LocalMemory, TransferEngine
+from store.transfer import LocalMemory, TransferEngine
 
 
 @dataclass(frozen=True)
 class KVDestination:
-    """Where one request's KV goes: the decode cache segment and the request's blocks
-    there, in token order (block i holds tokens ``[i * bs, (i + 1) * bs)``)."""
+    """Where one request's KV goes: every decode worker's share of the cache, and the
+    request's blocks there in token order (block i holds tokens ``[i * bs, (i + 1) * bs)``;
+    the same block ids on every decode worker)."""
 
-    endpoint: Endpoint
-    num_blocks: int  # blocks per layer tensor in the decode cache
-    piece_bytes: int  # bytes of one block of one K or V tensor
+    targets: tuple[KVTarget, ...]
     block_ids: tuple[int, ...]
 
 
-def segment_offset(num_blocks: int, piece_bytes: int, layer: int, kind: int, block: int) -> int:
-    """Byte offset of (layer, K=0/V=1, block) in a ``SharedKVCache`` segment."""
-    return ((2 * layer + kind) * num_blocks + block) * piece_bytes
-
-
-def blocks_to_stream(start: int, end: int, first_step: bool, block_size: int) -> range:
-    """Indices (in the request's block table) a prefill step over positions ``[start,
-    end)`` must send: the blocks it wrote, and on a request's first step also every
-    earlier block (a prefix it found cached, which no step computes). A partial last block
-    is sent now and again, whole, by the step that completes it."""
-    lo = 0 if first_step else start // block_size
-    return range(lo, -(-end // block_size))
-
-
-def piece_bytes_of(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def blocks_to_stream(first_block: int, end: int, block_size: int) -> range:
+    """Indices (in the request's block table) a prefill step ending at position ``end``
+    sends: from ``first_block`` (0 on a request's first step, so a prefix it found cached,
+    which no step computes, goes too; else the block of the step's first token). A partial
+    last block is sent now and again, whole, by the step that completes it."""
+    return range(first_block, -(-end // block_size))
 
 
 class SharedKVCache:
-    """A ``KVCacheProvider`` (``actors.engine.worker_hooks``) whose paged KV cache lives in a
-    shared-memory segment served by a transfer engine: the decode side. The segment is made
-    at the first ``allocate`` and handed out again after a worker restart, so a prefill
-    replica's writes keep landing in the cache the decode worker reads."""
+    """A ``KVCacheProvider`` whose paged KV cache lives in a shared-memory segment served
+    by a transfer engine: a decode worker's. The segment is made at the first ``allocate``
+    and handed out again after a worker restart in the same process."""
 
     def __init__(
-        self, endpoint_id: str, node_id: str, serve_tcp: bool = False, tcp_host: str = "127.0.0.1"
+        self,
+        endpoint_id: str,
+        node_id: str,
+        layers: tuple[int, int],
+        heads: tuple[int, int],
+        serve_tcp: bool = False,
+        tcp_host: str = "127.0.0.1",
     ) -> None:
-        """``serve_tcp``: also serve the cache over TCP on ``tcp_host`` (an address other
+        """``layers`` / ``heads``: the global layers and KV heads the worker holds.
+        ``serve_tcp``: also serve the cache over TCP on ``tcp_host`` (an address other
         nodes reach), for prefill replicas on other nodes."""
         self._where = (endpoint_id, node_id, serve_tcp, tcp_host)
+        self.layers, self.heads = layers, heads
         self.geometry: CacheGeometry | None = None
         self.kv_caches: KVCaches = []
-        self.num_blocks = 0
-        self.piece_bytes = 0
         self.segment: SharedSegment | None = None
         self.engine: TransferEngine | None = None
 
@@ -89,10 +84,14 @@ class SharedKVCache:
                 raise ValueError("the shared cache does not match the worker's cache geometry")
             return self.kv_caches
         g = geometry
+        if (g.num_layers, g.num_kv_heads) != (
+            self.layers[1] - self.layers[0],
+            self.heads[1] - self.heads[0],
+        ):
+            raise ValueError("the shared cache's layers and heads do not match the worker's")
         endpoint_id, node_id, serve_tcp, tcp_host = self._where
-        self.num_blocks = g.num_blocks
-        self.piece_bytes = piece_bytes_of(g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
-        self.segment = SharedSegment.create(2 * g.num_layers * g.num_blocks * self.piece_bytes)
+        piece = piece_bytes_of(g.block_size, g.num_kv_heads, g.head_dim, g.dtype)
+        self.segment = SharedSegment.create(2 * g.num_layers * g.num_blocks * piece)
         self.engine = TransferEngine(
             endpoint_id, node_id, self.segment, serve_tcp=serve_tcp, tcp_host=tcp_host
         )
@@ -109,14 +108,15 @@ class SharedKVCache:
         self.geometry = geometry
         return self.kv_caches
 
-    @property
-    def endpoint(self) -> Endpoint:
-        if self.engine is None:
+    def describe(self) -> KVTarget:
+        """How a prefill worker reaches this cache."""
+        g, engine = self.geometry, self.engine
+        if g is None or engine is None:
             raise RuntimeError("the shared cache is allocated when its worker starts")
-        return self.engine.endpoint
-
-    def destination(self, block_ids: list[int]) -> KVDestination:
-        return KVDestination(self.endpoint, self.num_blocks, self.piece_bytes, tuple(block_ids))
+        head_bytes = g.head_dim * torch.empty((), dtype=g.dtype).element_size()
+        return KVTarget(
+            engine.endpoint, self.layers, self.heads, g.num_blocks, g.block_size, head_bytes
+        )
 
     def close(self) -> None:
         self.kv_caches = []
@@ -124,6 +124,20 @@ class SharedKVCache:
             self.engine.close()
         if self.segment is not None:
             self.segment.close()
+
+
+def piece_bytes_of(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class StreamReport:
+    """One worker's streaming in one step."""
+
+    failed: dict[str, str]  # request id -> why its copies failed
+    bytes_sent: int
+    layers_sent: int
+    chunks: list[tuple[int, int]]  # (new tokens, context tokens) of each request it ran
 
 
 @dataclass
@@ -135,48 +149,44 @@ class _Item:
 
 
 class LayerStreamer:
-    """Per-layer KV streaming of the requests registered with ``expect``."""
+    """A prefill worker's per-layer KV streaming of the step's requests that carry a
+    destination (``PlanEntry.kv_dest``); a replica's own prefills stay local."""
 
-    def __init__(self, engine: TransferEngine, block_size: int) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        block_size: int,
+        held: tuple[int, int],
+        sent: tuple[int, int],
+    ) -> None:
+        """``held``: the global KV heads this worker caches; ``sent``: those it sends
+        (``kv_routes.sent_heads``: a replicated head goes from one worker only)."""
         self.engine = engine
         self.block_size = block_size
-        self.destinations: dict[str, KVDestination] = {}
-        self._started: set[str] = set()
+        self.held, self.sent = held, sent
         self._items: list[_Item] = []
         self._futures: list[tuple[str, Future[int]]] = []
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
-        self.failed: dict[str, str] = {}  # request id -> why its stream broke
         self.bytes_sent = 0
         self.layers_sent = 0
+        self._layers_reported = 0
+        self._chunks: list[tuple[int, int]] = []
 
-    def expect(self, request_id: str, dest: KVDestination) -> None:
-        self.destinations[request_id] = dest
-
-    def forget(self, request_id: str) -> None:
-        self.destinations.pop(request_id, None)
-        self._started.discard(request_id)
-        self.failed.pop(request_id, None)
-
-    def begin_step(self, plan: StepPlan) -> None:
-        """Work out which blocks of which requests this step sends (none for requests
-        without a destination: a replica's own prefills stay local)."""
-        bs = self.block_size
+    def begin(self, plan: StepPlan) -> None:
         self._items = []
+        self._chunks = [(e.num_tokens, e.start) for e in plan.entries]
         for e in plan.entries:
-            dest = self.destinations.get(e.request_id)
-            if dest is None or e.request_id in self.failed:
+            dest = e.kv_dest
+            if dest is None:
                 continue
-            first = e.request_id not in self._started
-            self._started.add(e.request_id)
             blocks = e.shards[0][2]
             idx = [
-                i for i in blocks_to_stream(e.start, e.end, first, bs) if i < len(dest.block_ids)
+                i
+                for i in blocks_to_stream(e.stream_from_block, e.end, self.block_size)
+                if i < len(dest.block_ids)
             ]
-            self._items.append(
-                _Item(
-                    e.request_id, dest, [blocks[i] for i in idx], [dest.block_ids[i] for i in idx]
-                )
-            )
+            src, dst = [blocks[i] for i in idx], [dest.block_ids[i] for i in idx]
+            self._items.append(_Item(e.request_id, dest, src, dst))
 
     def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         if not self._items:
@@ -187,34 +197,99 @@ class LayerStreamer:
         piece = local.sizes[0] // kv_cache[0].shape[0]
         v_base = local.starts[1]
         for item in self._items:
-            d = item.dest
-            ranges: list[tuple[int, int, int]] = []
-            for kind, base in ((0, 0), (1, v_base)):
-                for s, t in zip(item.src, item.dst, strict=True):
-                    off = segment_offset(d.num_blocks, d.piece_bytes, layer, kind, t)
-                    ranges.append((off, base + s * piece, piece))
-            future = self._threads.submit(self._write, d, local, ranges)
-            self._futures.append((item.request_id, future))
+            for target in item.dest.targets:
+                ranges = piece_ranges(
+                    target, layer, self.held, self.sent, piece, v_base, item.src, item.dst
+                )
+                if ranges:
+                    future = self._threads.submit(
+                        self.engine.write_ranges, target.endpoint, local, ranges
+                    )
+                    self._futures.append((item.request_id, future))
         self.layers_sent += 1
-
-    def _write(
-        self, dest: KVDestination, local: LocalMemory, ranges: list[tuple[int, int, int]]
-    ) -> int:
-        return self.engine.write_ranges(dest.endpoint, local, ranges)
 
     def wait_started(self) -> None:
         """Block until every copy started so far has finished (or failed)."""
         for _, f in self._futures:
             f.exception()
 
-    def end_step(self) -> None:
-        """Wait for every copy of this step; a failed one marks its request ``failed``."""
+    def finish(self) -> StreamReport:
+        """Wait for every copy of this step; the report names the requests whose copies
+        failed (the decode side died or its segment is gone)."""
         futures, self._futures, self._items = self._futures, [], []
+        report = StreamReport({}, 0, self.layers_sent - self._layers_reported, self._chunks)
+        self._layers_reported = self.layers_sent
         for rid, f in futures:
             try:
-                self.bytes_sent += f.result()
-            except Exception as e:  # the decode side died or its segment is gone
-                self.failed[rid] = f"{type(e).__name__}: {e}"
+                report.bytes_sent += f.result()
+            except Exception as e:
+                report.failed[rid] = f"{type(e).__name__}: {e}"
+        self.bytes_sent += report.bytes_sent
+        return report
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
+
+
+class StreamHook:
+    """A prefill worker's ``StepHook`` that only streams (the multi-worker layouts)."""
+
+    def __init__(self, streamer: LayerStreamer) -> None:
+        self.streamer = streamer
+
+    def begin_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
+        self.streamer.begin(plan)
+
+    def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.streamer.after_layer(layer, kv_cache)
+
+    def end_step(self, plan: StepPlan, kv_caches: KVCaches) -> StreamReport:
+        return self.streamer.finish()
+
+
+@dataclass(frozen=True)
+class StreamingWorkers:
+    """``HooksFactory`` of a prefill replica's workers: each streams the layers and heads
+    it holds (a replicated head from the lowest TP rank holding it)."""
+
+    replica_id: str
+    block_size: int
+    num_kv_heads: int
+
+    def __call__(self, coords: tuple[int, int, int], layout: Layout) -> WorkerHooks:
+        from actors.kvstore.shard import current_node_id
+
+        tp_rank, stage, kvp_rank = coords
+        ranges = [kv_head_range(self.num_kv_heads, layout.tp, t) for t in range(layout.tp)]
+        held = ranges[tp_rank]
+        engine = TransferEngine(
+            f"prefill-{self.replica_id}-{tp_rank}.{stage}.{kvp_rank}", current_node_id()
+        )
+        streamer = LayerStreamer(engine, self.block_size, held, sent_heads(held, tp_rank, ranges))
+        return WorkerHooks(step=StreamHook(streamer))
+
+
+@dataclass(frozen=True)
+class SharedCacheWorkers:
+    """``HooksFactory`` of a decode replica's workers: each keeps its share of the cache in
+    a shared-memory segment (``SharedKVCache``) that prefill workers write into."""
+
+    replica_id: str
+    num_layers: int
+    num_kv_heads: int
+    serve_tcp: bool = False
+    tcp_host: str = "127.0.0.1"
+
+    def __call__(self, coords: tuple[int, int, int], layout: Layout) -> WorkerHooks:
+        from actors.kvstore.shard import current_node_id
+
+        tp_rank, stage, kvp_rank = coords
+        cache = SharedKVCache(
+            f"decode-{self.replica_id}-{tp_rank}.{stage}.{kvp_rank}",
+            current_node_id(),
+            layer_range(self.num_layers, layout.spp, stage),
+            kv_head_range(self.num_kv_heads, layout.tp, tp_rank),
+            self.serve_tcp,
+            self.tcp_host,
+        )
+        return WorkerHooks(kv_cache=cache)

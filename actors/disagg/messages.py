@@ -46,6 +46,13 @@ class PrefillFailed:
 
 
 @dataclass(frozen=True)
+class ReservationLost:
+    """The decode replica lost the cache its reservation was in (a worker restart)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     key: str
     delta: StreamDelta
@@ -110,6 +117,7 @@ class CacheEvent:
 Event = (
     PrefillDone
     | PrefillFailed
+    | ReservationLost
     | TokenDelta
     | Finished
     | PrefillStep

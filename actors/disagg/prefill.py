@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from actors.disagg.fault_injection import ExitAfterLayers
-from actors.disagg.kv_stream import LayerStreamer
+from actors.disagg.kv_stream import LayerStreamer, StreamingWorkers, StreamReport
 from actors.disagg.messages import (
     CacheEvent,
     PrefillDone,
@@ -39,10 +40,13 @@ from actors.disagg.messages import (
     StoreLoad,
 )
 from actors.disagg.replica_loop import ReplicaLoop
+from actors.engine.config import EngineConfig
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.step_plan import StepPlan
 from actors.engine.worker_hooks import KVCaches, PrivateKVCache, WorkerHooks
 from actors.kvstore.shard import KVStoreClient, current_node_id
+from models import tiny_model_dir
+from models.config import read_model_config
 from store.kv_store_errors import KVStoreError
 from store.transfer import TransferEngine
 
@@ -57,16 +61,17 @@ class PrefillHook:
         self.faults: ExitAfterLayers | None = None  # tests only: die mid-stream
 
     def begin_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
-        self.streamer.begin_step(plan)
+        self.streamer.begin(plan)
 
     def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.streamer.after_layer(layer, kv_cache)
         if self.faults is not None:
             self.faults.after_layer(self.streamer)
 
-    def end_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
-        self.streamer.end_step()
+    def end_step(self, plan: StepPlan, kv_caches: KVCaches) -> StreamReport:
+        report = self.streamer.finish()
         self.after_step(plan, kv_caches)
+        return report
 
 
 class PrefillReplica:
@@ -79,28 +84,46 @@ class PrefillReplica:
         threads: int | None = None,
         **controller_options: Any,
     ) -> None:
+        """``tp`` / ``spp`` in ``controller_options`` spread the replica over worker actors,
+        each streaming the layers and heads it holds (Mooncake's chunked pipeline
+        parallelism for long prefills is ``spp`` here); the KV store needs one worker."""
         self.replica_id = replica_id
         self.node_id = current_node_id()
-        self.engine = TransferEngine(f"prefill-{replica_id}", self.node_id)
+        config = EngineConfig.from_options(**controller_options)
+        if config.kvp != 1:
+            raise ValueError(
+                "a prefill replica streams each request from one KV rank: set kvp=1 "
+                "(KV-parallel prefill replicas are not supported)"
+            )
+        self.block_size = config.block_size
         self.cache = PrivateKVCache()
-        self.streamer = LayerStreamer(self.engine, controller_options.get("block_size", 16))
+        self.engine = TransferEngine(f"prefill-{replica_id}", self.node_id)
+        folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
+        num_kv_heads = read_model_config(folder).num_key_value_heads
+        heads = (0, num_kv_heads)
+        self.streamer = LayerStreamer(self.engine, self.block_size, heads, heads)
         self.hook = PrefillHook(self.streamer, self._after_step)
-        self.controller = ReplicaController(
-            model_dir, worker_hooks=WorkerHooks(self.cache, self.hook), **controller_options
-        )
-        if self.controller.layout.world_size != 1:
-            raise ValueError("a prefill replica runs one in-process worker (tp=spp=kvp=1)")
-        self.block_size = self.controller.block_size
+        hooks: WorkerHooks | StreamingWorkers = WorkerHooks(self.cache, self.hook)
+        if config.tp * config.spp > 1:
+            if store_shards:
+                raise ValueError(
+                    "the KV store reads and writes a prefill replica's cache in one process: "
+                    "with a store, prefill replicas run tp=spp=1"
+                )
+            hooks = StreamingWorkers(replica_id, self.block_size, num_kv_heads)
+        self.controller = ReplicaController(model_dir, config, worker_hooks=hooks)
         self.client: KVStoreClient | None = None
         if store_shards:
             self.client = KVStoreClient(f"prefill-{replica_id}", node_id=self.node_id)
             for shard_id, handle in store_shards.items():
                 self.client.add_shard(shard_id, handle)
         self._tasks: dict[str, PrefillTask] = {}
+        self._failed: dict[str, str] = {}  # request key -> why its KV stream broke
         self.loaded_blocks = 0  # blocks brought in from the store
         self.stored_blocks = 0  # blocks written to the store
-        self._step_chunks: list[tuple[int, int]] = []
-        self._step_end = 0.0
+        self.bytes_streamed = 0
+        self.layers_streamed = 0
+        self._step_end = 0.0  # when the last step's compute and stream ended
         self.stats = self._stats()
         self.loop = ReplicaLoop(self._iterate, f"prefill-{replica_id}", cpus=cpus, threads=threads)
 
@@ -172,8 +195,8 @@ class PrefillReplica:
         loaded = self._load_prefix(task.key, req.prompt_token_ids, req.block_hashes)
         self.loaded_blocks += loaded
         first = dataclasses.replace(req.params, max_tokens=1, stop=[])
-        self.streamer.expect(task.key, task.dest)
-        self.controller.add_request(dataclasses.replace(req, request_id=task.key, params=first))
+        request = dataclasses.replace(req, request_id=task.key, params=first)
+        self.controller.add_request(request, kv_dest=task.dest)
 
     def _drop(self, key: str) -> None:
         if key in self._tasks:
@@ -183,21 +206,28 @@ class PrefillReplica:
 
     def _forget(self, key: str) -> None:
         self._tasks.pop(key, None)
-        self.streamer.forget(key)
+        self._failed.pop(key, None)
 
     def _iterate(self) -> bool:
         c = self.controller
         ran = c.has_unfinished()
         if ran:
-            self._step_chunks = []
+            self._step_end = 0.0
             start = time.perf_counter()
             deltas = c.step()
-            if self._step_chunks:
-                self.loop.emit(PrefillStep(self._step_chunks, self._step_end - start))
+            end = self._step_end or time.perf_counter()
+            chunks: list[tuple[int, int]] = []
+            for report in c.take_hook_reports():
+                chunks = chunks or report.chunks
+                self._failed.update(report.failed)
+                self.bytes_streamed += report.bytes_sent
+                self.layers_streamed += report.layers_sent
+            if chunks:
+                self.loop.emit(PrefillStep(chunks, end - start))
             for d in deltas:
                 if d.finished:
                     self._finished(d.request_id)
-            for key, why in list(self.streamer.failed.items()):  # still running: stop it
+            for key, why in list(self._failed.items()):  # still running: stop it
                 if key in self._tasks:
                     self._drop(key)
                     self.loop.emit(PrefillFailed(key, why))
@@ -209,7 +239,7 @@ class PrefillReplica:
     def _finished(self, key: str) -> None:
         out = self.controller.release(key)
         task = self._tasks[key]
-        why = self.streamer.failed.get(key)
+        why = self._failed.get(key)
         if why is None:
             task.decode.admit(key, out.token_ids[0])
             self.loop.emit(PrefillDone(key, out.token_ids[0], out.num_cached_tokens))
@@ -297,7 +327,6 @@ class PrefillReplica:
     def _after_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
         """The step's compute and KV stream are done (timed here); write new blocks back."""
         self._step_end = time.perf_counter()
-        self._step_chunks = [(len(e.token_ids), e.start) for e in plan.entries]
         self._store_new_blocks(plan, kv_caches)
 
     def _store_new_blocks(self, plan: StepPlan, kv_caches: KVCaches) -> None:
@@ -335,7 +364,7 @@ class PrefillReplica:
             queued_requests=s.num_waiting + s.num_running,
             loaded_blocks=self.loaded_blocks,
             stored_blocks=self.stored_blocks,
-            bytes_streamed=self.streamer.bytes_sent,
-            layers_streamed=self.streamer.layers_sent,
+            bytes_streamed=self.bytes_streamed,
+            layers_streamed=self.layers_streamed,
             backends=self.engine.chosen_backends(),
         )

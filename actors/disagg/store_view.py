@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.kvstore.shard import KVStoreClient, kv_store_shard_actor
+from actors.ray_nodes import pinned
 from placement.nodes import NodePlacement
 
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)  # an actor that is gone
@@ -43,21 +44,18 @@ class PDStore:
             raise ValueError("StoreConfig.ssd_bytes > 0 needs ssd_dir")
         shard_cls = kv_store_shard_actor()
         self.shards: dict[str, Any] = {}
-        for n in range(len(placement.nodes)):
-            for _ in range(cfg.num_shards):
-                sid = f"s{len(self.shards)}"
-                placement.assign(sid, n)
-                ssd_dir = None
-                if cfg.ssd_bytes > 0 and cfg.ssd_dir is not None:
-                    ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{sid[1:]}")
-                self.shards[sid] = placement.options(shard_cls, sid).remote(
-                    sid,
-                    block_bytes,
-                    cfg.dram_bytes,
-                    cfg.ssd_bytes,
-                    ssd_dir,
-                    tcp_host=placement.tcp_host(sid),
-                )
+        for sid in placement.place_shards(cfg.num_shards):
+            ssd_dir = None
+            if cfg.ssd_bytes > 0 and cfg.ssd_dir is not None:
+                ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{sid[1:]}")
+            self.shards[sid] = pinned(shard_cls, placement.node_id(sid)).remote(
+                sid,
+                block_bytes,
+                cfg.dram_bytes,
+                cfg.ssd_bytes,
+                ssd_dir,
+                tcp_host=placement.tcp_host(sid),
+            )
         self.client = KVStoreClient("pd-conductor")
         for sid, handle in self.shards.items():
             self.client.add_shard(sid, handle)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker import Worker, WorkerSpec
-from actors.engine.worker_hooks import WorkerHooks
+from actors.engine.worker_hooks import HooksFactory, WorkerHooks
 
 
 class WorkerFailure(RuntimeError):
@@ -30,6 +30,10 @@ class Executor(Protocol):
 
     def restart(self) -> None: ...
 
+    def hook_info(self) -> list[Any]:
+        """Each worker's ``hook_info()``, in world-rank order."""
+        ...
+
     def on_idle(self) -> None:
         """No step is coming soon: release what busy-waits (compiled-graph polling)."""
         ...
@@ -42,7 +46,7 @@ class LocalExecutor:
 
     depth = 1
 
-    def __init__(self, spec: WorkerSpec, hooks: WorkerHooks | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, hooks: WorkerHooks | HooksFactory | None = None) -> None:
         if spec.layout.world_size != 1:
             raise ValueError("the in-process executor runs exactly one worker; use RayExecutor")
         self.spec = spec
@@ -57,6 +61,9 @@ class LocalExecutor:
 
     def result(self, handle: StepResult) -> StepResult:
         return handle
+
+    def hook_info(self) -> list[Any]:
+        return [self.worker.hook_info()]
 
     def restart(self) -> None:
         self.worker = Worker(self.spec, hooks=self.hooks)

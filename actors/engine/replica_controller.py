@@ -147,7 +147,9 @@ class ReplicaController:
                         "(HooksFactory), built in each worker's process"
                     )
                 executor = RayExecutor(
-                    self.worker_spec, use_compiled_graph=config.use_compiled_graph
+                    self.worker_spec,
+                    use_compiled_graph=config.use_compiled_graph,
+                    hooks=worker_hooks,
                 )
         self.executor: Executor = executor
         self.eos_token_ids = frozenset(

@@ -27,6 +27,11 @@ class PlanEntry:
     token_ids: list[int]  # the n new tokens, positions [start, start + n)
     shards: list[Shard]
     sample: SampleSpec | None  # None: the range does not reach the last known token
+    # Where the request's KV is streamed as it is computed (a prefill replica's requests:
+    # an ``actors.disagg.kv_stream.KVDestination``), from block ``stream_from_block`` of
+    # its table (0 on its first step, so a cached prefix is sent too).
+    kv_dest: Any = None
+    stream_from_block: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +75,6 @@ class StepResult:
     tokens: dict[str, int]  # request id -> sampled token, for the entries it computed
     # (stage, start, end) wall-clock seconds of each stage that handled the step
     timings: list[tuple[int, float, float]] = field(default_factory=list)
-    hook_report: Any = (
-        None  # what the worker's StepHook.end_step returned (actors.engine.worker_hooks)
-    )
+    # what the workers' StepHook.end_step returned (actors.engine.worker_hooks), every
+    # worker that handled the step
+    hook_reports: list[Any] = field(default_factory=list)

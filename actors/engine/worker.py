@@ -13,6 +13,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ import torch
 from actors.engine.collectives import Collectives, Layout
 from actors.engine.sampling import sample
 from actors.engine.step_plan import StepPlan, StepResult
-from actors.engine.worker_hooks import CacheGeometry, PrivateKVCache, WorkerHooks
+from actors.engine.worker_hooks import CacheGeometry, HooksFactory, PrivateKVCache, WorkerHooks
 from actors.engine.worker_inputs import build_worker_inputs
 from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_parallel_attention import KVParallelAttention
@@ -50,6 +51,7 @@ class StageOutput:
     step_id: int
     hidden: np.ndarray  # [T, H]
     timings: list[tuple[int, float, float]] = field(default_factory=list)
+    hook_reports: list[Any] = field(default_factory=list)  # of this and earlier stages
 
 
 class Worker:
@@ -57,9 +59,13 @@ class Worker:
         self,
         spec: WorkerSpec,
         coords: tuple[int, int, int] = (0, 0, 0),
-        hooks: WorkerHooks | None = None,
+        hooks: WorkerHooks | HooksFactory | None = None,
     ) -> None:
+        """``hooks``: a ``WorkerHooks`` (in process), or a picklable factory called with
+        the worker's coordinates and layout in the worker's own process."""
         self.spec = spec
+        if callable(hooks):
+            hooks = hooks(coords, spec.layout)
         self.hooks = hooks or WorkerHooks()
         self.tp_rank, self.stage, self.kvp_rank = coords
         self.coords = coords
@@ -119,6 +125,11 @@ class Worker:
     def ping(self) -> bool:
         return True
 
+    def hook_info(self) -> Any:
+        """What this worker's KV-cache provider tells its owner (``describe``)."""
+        provider = self.hooks.kv_cache
+        return provider.describe() if provider is not None else None
+
     # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(
@@ -128,6 +139,7 @@ class Worker:
         shard = self.shard
         assert shard is not None, "call setup() first"
         timings = list(incoming.timings) if incoming is not None else []
+        reports = list(incoming.hook_reports) if incoming is not None else []
         inputs = build_worker_inputs(
             plan, self.kvp_rank, self.layout.kvp, self.spec.block_size, self.device
         )
@@ -145,16 +157,17 @@ class Worker:
         else:  # nothing of this step runs on this KVP rank
             hidden = torch.zeros(0, shard.config.hidden_size, dtype=self.dtype)
         timings.append((self.stage, began, time.time()))
-        report = step_hook.end_step(plan, self.kv_caches) if step_hook is not None else None
+        if step_hook is not None:
+            reports.append(step_hook.end_step(plan, self.kv_caches))
         if not shard.is_last:
-            return StageOutput(plan.step_id, hidden.cpu().numpy(), timings)
+            return StageOutput(plan.step_id, hidden.cpu().numpy(), timings, reports)
         tokens: dict[str, int] = {}
         if self.tp_rank == 0 and inputs.sample_rows:
             rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
             logits = shard.compute_logits(hidden.index_select(0, rows))
             sampled = sample(logits, inputs.sample_specs)
             tokens = dict(zip(inputs.sample_ids, sampled, strict=True))
-        return StepResult(plan.step_id, tokens, timings, report)
+        return StepResult(plan.step_id, tokens, timings, reports)
 
     def shutdown(self) -> None:
         if self.collectives is not None:

@@ -10,16 +10,19 @@ cache lives, and what runs around each step. Nothing patches a worker or its mod
   index) wrote the step's KV, and ``end_step(plan, kv_caches)`` once the step's compute is
   done; what ``end_step`` returns comes back in ``StepResult.hook_report``.
 
-``WorkerHooks`` bundles both; the in-process executor passes it to its worker as is.
+``WorkerHooks`` bundles both. The in-process executor passes one to its worker as is; a
+multi-worker layout takes a ``HooksFactory`` that each worker calls in its own process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from actors.engine.collectives import Layout
 from actors.engine.step_plan import StepPlan
 from kernels.kv_cache import allocate_kv_cache
 
@@ -39,6 +42,9 @@ class CacheGeometry:
 
 class KVCacheProvider(Protocol):
     def allocate(self, geometry: CacheGeometry) -> KVCaches: ...
+
+    def describe(self) -> Any:
+        """What the provider's owner needs to reach the cache (``Executor.hook_info``)."""
 
 
 class StepHook(Protocol):
@@ -64,8 +70,16 @@ class PrivateKVCache:
         )
         return self.kv_caches
 
+    def describe(self) -> None:
+        return None  # private: nobody else reaches it
+
 
 @dataclass
 class WorkerHooks:
     kv_cache: KVCacheProvider | None = None  # None: PrivateKVCache
     step: StepHook | None = None
+
+
+# Builds a worker's hooks in the worker's own process from its (tp rank, stage, kvp rank)
+# and the replica's layout; must pickle (Ray workers get it through their constructor).
+HooksFactory = Callable[[tuple[int, int, int], Layout], WorkerHooks]

@@ -260,3 +260,16 @@ def test_abort_in_prefill_and_in_decode_frees_every_block():
     assert not pd.has_unfinished()
     pd.poll()  # the aborted prefill leaves nothing behind
     finish(pd)
+
+
+def test_prefill_and_decode_with_different_layouts_equal_colocated():
+    # prefill: two pipeline stages; decode: two tensor-parallel ranks. Each prefill stage
+    # streams its layers into both decode ranks' shares of the cache.
+    prompts = [tokens(90, 7), tokens(91, 26)]
+    pd = PDCluster(
+        None, prefill_layout={"spp": 2}, decode_layout={"tp": 2}, fit_costs=False, **OPTS
+    )
+    outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == colocated(prompts)
+    assert sum(s.layers_streamed for s in pd.prefill_stats().values()) > 0
+    finish(pd)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from actors.disagg.decode import DecodeReplica
-from actors.disagg.kv_stream import blocks_to_stream, segment_offset
+from actors.disagg.kv_routes import segment_offset
+from actors.disagg.kv_stream import blocks_to_stream
 from actors.disagg.messages import Finished, PrefillDone, PrefillTask
 from actors.disagg.prefill import PrefillReplica
 from actors.engine.replica_controller import ReplicaController
@@ -31,9 +32,9 @@ def test_segment_offsets_follow_the_cache_layout():
 
 
 def test_blocks_to_stream_covers_prefix_once_and_each_chunk():
-    assert list(blocks_to_stream(8, 13, True, 4)) == [0, 1, 2, 3]  # cached prefix + chunk
-    assert list(blocks_to_stream(8, 13, False, 4)) == [2, 3]
-    assert list(blocks_to_stream(13, 16, False, 4)) == [3]  # completes the partial block
+    assert list(blocks_to_stream(0, 13, 4)) == [0, 1, 2, 3]  # first step: cached prefix + chunk
+    assert list(blocks_to_stream(8 // 4, 13, 4)) == [2, 3]
+    assert list(blocks_to_stream(13 // 4, 16, 4)) == [3]  # completes the partial block
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_streamed_blocks_equal_the_prefill_cache(prompts):
     src_blocks = [pool.lookup(h, prompt[i * 4 : (i + 1) * 4]) for i, h in enumerate(hashes)]
     assert None not in src_blocks and len(src_blocks) == full
     src = prefill.cache.kv_caches
-    dst = decode.cache.kv_caches
+    dst = decode.controller.executor.worker.kv_caches  # the shared-memory cache
     for layer in range(len(src)):
         for kind in (0, 1):
             for s, d in zip(src_blocks[:full], dest.block_ids[:full], strict=True):
