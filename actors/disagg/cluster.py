@@ -43,7 +43,6 @@ Either is replaced by a fresh actor and its requests are placed again.
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -71,7 +70,9 @@ from actors.disagg.messages import (
 )
 from actors.disagg.prefill import PrefillReplica
 from actors.disagg.store_view import DEAD, PDStore, StoreConfig
+from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams
 from actors.kvstore.shard import KVStoreClient
@@ -88,8 +89,8 @@ from policies.conductor import (
     apply_decision,
 )
 from policies.pd_costs import CostFitter
+from policies.replica_stats import ReplicaStats
 from policies.request import Request
-from store.hashing import chained_block_hashes
 
 REPORT_WAIT_S = 0.25  # a replica's long poll returns at the latest after this long
 
@@ -155,25 +156,27 @@ class PDCluster:
         self.model_dir = str(model_dir) if model_dir is not None else str(tiny_model_dir("dense"))
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
-        self.options = controller_options
-        self.block_size = int(controller_options.get("block_size", 16))
+        config = EngineConfig.from_options(**controller_options)  # names a bad option
+        self.block_size = config.block_size
         cfg = read_model_config(Path(self.model_dir))
         self.tokenizer = load_tokenizer(Path(self.model_dir))
-        import torch
-
-        dtype = controller_options.get("dtype") or torch.float32
+        on_gpu = ray.cluster_resources().get("GPU", 0) >= 1
         self.block_bytes = kv_cache_bytes_per_block(
-            cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype
+            cfg.num_hidden_layers,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            config.torch_dtype(on_gpu),
         )
         if conductor is not None and conductor_options:
             raise ValueError("give a conductor or conductor_options, not both")
         self.conductor = conductor or default_conductor(
             self.block_bytes, **(conductor_options or {})
         )
-        chunk = controller_options.get("chunk_size") or controller_options.get("token_budget")
         self.fitter: CostFitter | None = None
         if fit_costs:
-            self.fitter = CostFitter(self.block_bytes, chunk_size=int(chunk or 2048))
+            chunk = config.chunk_size or config.token_budget
+            self.fitter = CostFitter(self.block_bytes, chunk_size=chunk)
         self.max_prefill_attempts = max_prefill_attempts
         # On a GPU cluster each prefill and decode worker holds one GPU (a one-worker
         # replica's worker runs in the replica actor, which then holds it); on CPU nothing
@@ -181,7 +184,7 @@ class PDCluster:
         # long poll waits in one thread while other calls are served.
         self._prefill_options = {**controller_options, **(prefill_layout or {})}
         self._decode_options = {**controller_options, **(decode_layout or {})}
-        worker = {"GPU": 1.0} if ray.cluster_resources().get("GPU", 0) >= 1 else {}
+        worker = {"GPU": 1.0} if on_gpu else {}
 
         def workers(options: dict[str, Any]) -> int:
             return int(options.get("tp", 1)) * int(options.get("spp", 1))
@@ -219,17 +222,17 @@ class PDCluster:
         self.decode_views: dict[str, DecodeInstance] = {}
         for j in range(num_decode):
             self._start_decode(f"d{j}")
-        max_len = min(
-            controller_options.get("max_model_len") or cfg.max_position_embeddings,
-            cfg.max_position_embeddings,
-        )
+        # One request may hold at most what the smallest decode pool holds.
         smallest = min(v.total_blocks for v in self.decode_views.values())
-        self.limits = RequestLimits(cfg.vocab_size, max_len, smallest * self.block_size)
+        self.limits = RequestLimits(
+            cfg.vocab_size,
+            config.context_len(cfg.max_position_embeddings),
+            smallest * self.block_size,
+        )
+        self.builder = RequestBuilder(self.block_size, self.limits)
         self._reqs: dict[str, _Req] = {}
         self._by_key: dict[str, _Req] = {}
         self._retry: deque[str] = deque()
-        self._ids = 0
-        self._seeds = random.Random()
         self.num_prefill_restarts = 0
         self.num_decode_restarts = 0
         self.replicated_blocks = 0  # blocks copied into a chosen instance's home shard
@@ -287,33 +290,6 @@ class PDCluster:
         return self.store.home_shard(node, peers.index(pid))
 
     # -- requests ---------------------------------------------------------------------------
-    def build_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        salt: str | None = None,
-        arrival_time: float | None = None,
-    ) -> Request:
-        """The typed record of a new request: limits checked and block hashes computed,
-        once."""
-        tokens = list(prompt_token_ids)
-        self.limits.validate(tokens, params)
-        if request_id is None:
-            request_id = f"pd-{self._ids}"
-            self._ids += 1
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return Request(
-            request_id,
-            tokens,
-            params,
-            seed,
-            self.block_size,
-            chained_block_hashes(tokens, self.block_size, salt),
-            salt,
-            time.monotonic() if arrival_time is None else arrival_time,
-        )
-
     def submit(
         self,
         prompt_token_ids: list[int],
@@ -323,7 +299,9 @@ class PDCluster:
         arrival_time: float | None = None,
     ) -> str:
         """Validate and place a request (``submit_request``); returns its id."""
-        request = self.build_request(prompt_token_ids, params, request_id, salt, arrival_time)
+        request = self.builder.build(
+            prompt_token_ids, params, salt=salt, request_id=request_id, arrival_time=arrival_time
+        )
         return self.submit_request(request)
 
     def submit_request(self, request: Request) -> str:
@@ -726,19 +704,21 @@ class PDCluster:
         refs = [h.report_stats.remote() for h in self.prefills.values()]
         return dict(zip(self.prefills, ray.get(refs), strict=True))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, cache_hit_ratio: float = 0.0) -> ReplicaStats:
         """Pool-wide counters from the Conductor's views (a router's or a dashboard's)."""
         decodes = list(self.decode_views.values())
         total = sum(d.total_blocks for d in decodes)
         free = sum(d.total_blocks - d.used_blocks - d.pending_blocks for d in decodes)
-        return {
-            "num_running": sum(d.num_running for d in decodes),
-            "num_waiting": sum(r.in_prefill for r in self._reqs.values()) + len(self._retry),
-            "queued_prefill_tokens": sum(p.queued_tokens for p in self.prefill_views.values()),
-            "free_blocks": free,
-            "total_blocks": total,
-            "kv_usage": 1.0 - free / total if total else 0.0,
-        }
+        return ReplicaStats(
+            num_running=sum(d.num_running for d in decodes),
+            num_waiting=sum(r.in_prefill for r in self._reqs.values()) + len(self._retry),
+            queued_prefill_tokens=sum(p.queued_tokens for p in self.prefill_views.values()),
+            free_blocks=free,
+            total_blocks=total,
+            kv_usage=1.0 - free / total if total else 0.0,
+            cache_hit_ratio=cache_hit_ratio,
+            time=time.time(),
+        )
 
     def cached_hashes(self) -> set[int]:
         """Block hashes a new request could reuse: any prefill replica's prefix cache, or

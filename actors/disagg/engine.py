@@ -18,15 +18,14 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
-from actors.engine.sampling import SamplingParams
 from actors.serving.config import ConductorSectionConfig, ReplicaGroupConfig
+from policies.replica_stats import ReplicaStats
+from policies.request import Request
 
 POLL_WAIT_S = 0.05  # the engine thread applies new commands at least this often
 
@@ -35,6 +34,7 @@ class PDEngine:
     def __init__(self, cluster: PDCluster) -> None:
         self.cluster = cluster
         self.limits = cluster.limits
+        self.block_size = cluster.block_size
         self._live: set[str] = set()  # added, no finished delta yet
         self._cached: set[int] = set()  # the snapshot the last drain reported
         self._prompt_tokens = 0
@@ -63,23 +63,10 @@ class PDEngine:
         return cls(cluster)
 
     # -- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The decode replicas' checks on sizes read once: any thread, no Ray call."""
-        self.limits.validate(prompt_token_ids, params)
-
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        salt: str | None = None,
-    ) -> str:
+    def add_request(self, request: Request) -> str:
         """Place the request now (Conductor); raises OverloadedError with the Conductor's
-        ``retry_after`` when it rejects it."""
-        rid = self.cluster.submit(  # RequestRejected is an OverloadedError (429)
-            prompt_token_ids, params, request_id, salt=salt, arrival_time=arrival_time
-        )
+        ``retry_after`` when it rejects it (``RequestRejected`` is one: a 429)."""
+        rid = self.cluster.submit_request(request)
         self._live.add(rid)
         return rid
 
@@ -121,10 +108,9 @@ class PDEngine:
         self.cluster.shutdown()
 
     # -- what the router and the dashboard read ---------------------------------------------
-    def serving_stats(self) -> dict[str, Any]:
-        stats = self.cluster.stats()
+    def serving_stats(self) -> ReplicaStats:
         hit = self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
-        return {**stats, "cache_hit_ratio": hit, "time": time.time()}
+        return self.cluster.stats(cache_hit_ratio=hit)
 
     def cached_block_hashes(self) -> list[int]:
         return sorted(self._cached)

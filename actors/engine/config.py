@@ -73,6 +73,21 @@ class EngineConfig:
             )
         return cls(**options)
 
+    def torch_dtype(self, on_gpu: bool) -> torch.dtype:
+        """``dtype`` as a torch dtype (given by name in config files); bf16 on GPU and fp32
+        on CPU when unset."""
+        import torch
+
+        dtype = self.dtype
+        if dtype is None:
+            return torch.bfloat16 if on_gpu else torch.float32
+        if not isinstance(dtype, str):
+            return dtype
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+        return resolved
+
     def context_len(self, max_position_embeddings: int) -> int:
         """The longest request (prompt + generated tokens): ``max_model_len`` capped by the
         model's positions. The one place this is derived."""

@@ -52,16 +52,6 @@ class _Request:
     kv_dest: Any = None  # where its KV is streamed as it is computed (a prefill replica's)
 
 
-def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A dtype given by name (``"bfloat16"``, from a config file) as the torch dtype."""
-    if not isinstance(dtype, str):
-        return dtype
-    resolved = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
-    return resolved
-
-
 class ReplicaController:
     def __init__(
         self,
@@ -86,7 +76,7 @@ class ReplicaController:
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         on_gpu = self.device.type == "cuda"
-        self.dtype = _torch_dtype(config.dtype) or (torch.bfloat16 if on_gpu else torch.float32)
+        self.dtype = config.torch_dtype(on_gpu)
         self.config: ModelConfig = read_model_config(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.config

@@ -42,7 +42,7 @@ def test_prefill_and_decode_on_two_nodes_stream_kv_over_tcp():
     outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
     assert [o.token_ids for o in outs] == colocated(prompts)
     stats = pd.prefill_stats()["p0"]
-    assert list(stats["backends"].values()) == ["tcp"]  # the decode cache, across nodes
+    assert list(stats.backends.values()) == ["tcp"]  # the decode cache, across nodes
     assert stats.layers_streamed > 0
     # new blocks went to the prefill replica's own node, and the shared prefix came back
     home = pd.home_shard("p0")
