@@ -42,10 +42,8 @@ Either is replaced by a fresh actor and its requests are placed again.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +66,9 @@ from actors.disagg.messages import (
     StoreLoad,
     TokenDelta,
 )
+from actors.disagg.pd_request import PDRequest
 from actors.disagg.prefill import PrefillReplica
+from actors.disagg.replica_loop import split_cores
 from actors.disagg.store_view import DEAD, PDStore, StoreConfig
 from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
@@ -93,41 +93,6 @@ from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
 REPORT_WAIT_S = 0.25  # a replica's long poll returns at the latest after this long
-
-
-@dataclass
-class _Req:
-    request: Request
-    key: str | None = None  # the live attempt's key; None while waiting to be placed
-    attempts: int = 0
-    prefill_id: str | None = None
-    decode_id: str | None = None
-    in_prefill: bool = False
-    deltas: list[StreamDelta] = field(default_factory=list)
-    output: RequestOutput | None = None
-    cached_tokens: int = 0
-    emitted: int = 0  # tokens streamed to the caller over every attempt
-    replayed: int = 0  # tokens this attempt produced (a re-run replays emitted ones)
-    first_token_time: float | None = None  # this process's monotonic clock
-    token_times: list[float] = field(default_factory=list)  # when decode produced each
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-def split_cores(num_prefill: int, num_decode: int) -> dict[str, list[int]]:
-    """Cores of this machine for each replica when they share one node: prefill replicas
-    on the lower half, decode replicas on the upper half, so a prefill never takes a
-    decode's core. Empty when the machine has one core."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) < 2:
-        return {}
-    half = len(cores) // 2
-    pre, dec = cores[:half], cores[half:]
-    out = {f"p{i}": pre for i in range(num_prefill)}
-    out.update({f"d{j}": dec for j in range(num_decode)})
-    return out
 
 
 class PDCluster:
@@ -230,8 +195,8 @@ class PDCluster:
             smallest * self.block_size,
         )
         self.builder = RequestBuilder(self.block_size, self.limits)
-        self._reqs: dict[str, _Req] = {}
-        self._by_key: dict[str, _Req] = {}
+        self._reqs: dict[str, PDRequest] = {}
+        self._by_key: dict[str, PDRequest] = {}
         self._retry: deque[str] = deque()
         self.num_prefill_restarts = 0
         self.num_decode_restarts = 0
@@ -311,7 +276,7 @@ class PDCluster:
             raise ValueError(f"the request was hashed in blocks of {request.block_size}")
         if request.request_id in self._reqs:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        req = _Req(request)
+        req = PDRequest(request)
         self._reqs[request.request_id] = req  # a replica death while placing requeues it
         try:
             self._place(req)
@@ -320,7 +285,7 @@ class PDCluster:
             raise
         return request.request_id
 
-    def _place(self, req: _Req) -> None:
+    def _place(self, req: PDRequest) -> None:
         now = time.monotonic()
         request = req.request
         creq = ConductorRequest(
@@ -360,9 +325,7 @@ class PDCluster:
         apply_decision(decision, creq, prefills, decodes, now)
         if wanted and source is not None:
             self._copy_blocks(request, wanted, source, pid)
-        req.key, req.prefill_id, req.decode_id, req.in_prefill = key, pid, did, True
-        req.attempts += 1
-        req.replayed = 0
+        req.start_attempt(key, pid, did)
         self._by_key[key] = req
         task = PrefillTask(key, request, dest, RemoteDecode(decode), self.home_shard(pid))
         try:
@@ -418,22 +381,9 @@ class PDCluster:
         if request_id in self._retry:
             self._retry.remove(request_id)
         self._stop_attempt(req)
-        tokens = [t for d in req.deltas for t in d.token_ids]
-        text = "".join(d.text for d in req.deltas)
-        req.output = RequestOutput(
-            request_id,
-            req.request.prompt_token_ids,
-            tokens,
-            text,
-            True,
-            "abort",
-            req.cached_tokens,
-            req.request.arrival_time,
-            req.first_token_time,
-            time.monotonic(),
-        )
+        req.end()
 
-    def _stop_attempt(self, req: _Req) -> None:
+    def _stop_attempt(self, req: PDRequest) -> None:
         """Abort the live attempt on its replicas (each frees what it holds for it)."""
         key = req.key
         if key is None:
@@ -446,7 +396,7 @@ class PDCluster:
             except DEAD:
                 pass  # its death is handled when its poll fails
         self._by_key.pop(key, None)
-        req.key, req.in_prefill = None, False
+        req.drop_attempt()
 
     def release(self, request_id: str) -> RequestOutput:
         out = self._reqs[request_id].output
@@ -554,49 +504,20 @@ class PDCluster:
 
     def _on_tokens(self, e: TokenDelta) -> StreamDelta | None:
         req = self._by_key.get(e.key)
-        if req is None:
-            return None
-        d = e.delta
-        # A re-run replays the tokens already streamed: pass on only new ones.
-        old = max(0, min(len(d.token_ids), req.emitted - req.replayed))
-        req.replayed += len(d.token_ids)
-        if old == len(d.token_ids) and not d.finished:
-            return None
-        rid = req.request_id
-        out = StreamDelta(
-            rid, d.token_ids[old:], d.text if not old else "", d.finished, d.finish_reason
-        )
-        req.emitted += len(out.token_ids)
-        req.token_times += [e.time] * len(out.token_ids)
-        if req.first_token_time is None and out.token_ids:
-            req.first_token_time = time.monotonic()
-        req.deltas.append(out)
-        return out
+        return req.stream(e.delta, e.time) if req is not None else None
 
     def _on_finished(self, e: Finished) -> None:
         req = self._by_key.pop(e.key, None)
-        if req is None:
-            return
-        out = e.output
-        # Times on this process's clock (the replicas' may differ), prefix reuse as the
-        # prefill side saw it; the caller's request id.
-        out.request_id = req.request_id
-        out.num_cached_tokens = req.cached_tokens
-        out.arrival_time, out.first_token_time = req.request.arrival_time, req.first_token_time
-        out.finish_time = time.monotonic()
-        req.output, req.key = out, None
+        if req is not None:
+            req.finish(e.output)
 
-    def _requeue(self, req: _Req) -> None:
+    def _requeue(self, req: PDRequest) -> None:
         """Place a request again from its prompt (aborted after ``max_prefill_attempts``)."""
         if req.key is not None:
             self._by_key.pop(req.key, None)
-        req.key = req.prefill_id = req.decode_id = None
-        req.in_prefill = False
+        req.drop_attempt()
         if req.attempts >= self.max_prefill_attempts:
-            tokens = [t for d in req.deltas for t in d.token_ids]
-            req.output = RequestOutput(
-                req.request_id, req.request.prompt_token_ids, tokens, "", True, "abort"
-            )
+            req.end(text=False)
         else:
             self._retry.append(req.request_id)
 

@@ -40,6 +40,20 @@ def pin(cpus: list[int] | None, threads: int | None) -> None:
                 pass  # a thread that just ended
 
 
+def split_cores(num_prefill: int, num_decode: int) -> dict[str, list[int]]:
+    """Cores of this machine for each replica when they share one node: prefill replicas
+    on the lower half, decode replicas on the upper half, so a prefill never takes a
+    decode's core. Empty when the machine has one core."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return {}
+    half = len(cores) // 2
+    pre, dec = cores[:half], cores[half:]
+    out = {f"p{i}": pre for i in range(num_prefill)}
+    out.update({f"d{j}": dec for j in range(num_decode)})
+    return out
+
+
 class ReplicaLoop:
     def __init__(
         self,
