@@ -58,6 +58,8 @@ class PDEngine:
             store=store,
             conductor_options=conductor.model_dump(exclude={"fit_costs"}),
             fit_costs=conductor.fit_costs,
+            prefill_layout=group.prefill.options() if group.prefill else None,
+            decode_layout=group.decode.options() if group.decode else None,
             **group.engine_options(),
         )
         return cls(cluster)

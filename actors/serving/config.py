@@ -55,6 +55,17 @@ class ConductorSectionConfig(_Strict):
     fit_costs: bool = True
 
 
+class PDLayoutConfig(_Strict):
+    """The layout of each prefill (or decode) replica of a disaggregated group: tensor and
+    sequence-pipeline degrees (KV-parallel P/D replicas are not supported)."""
+
+    tp: int = Field(1, ge=1)
+    spp: int = Field(1, ge=1)
+
+    def options(self) -> dict[str, int]:
+        return {"tp": self.tp, "spp": self.spp}
+
+
 class ReplicaGroupConfig(_Strict):
     """``num_replicas`` replicas that share one layout and engine options.
 
@@ -66,8 +77,9 @@ class ReplicaGroupConfig(_Strict):
 
     Disaggregated group: ``num_prefill`` and ``num_decode`` (both, or neither) make each
     Serve replica of the group own one ``PDCluster`` of that many prefill and decode replica
-    actors (``engine`` options apply to each of them; tp = spp = kvp = 1), placed by the
-    Conductor (set by ``conductor``), with the KV store shards of ``store`` if given.
+    actors (``engine`` options apply to each of them; their layouts are ``prefill`` and
+    ``decode``, tp x spp each), placed by the Conductor (set by ``conductor``), with the KV
+    store shards of ``store`` if given.
     ``num_replicas`` then counts
     such clusters and defaults to 1 (colocated groups default to 2).
     """
@@ -84,6 +96,8 @@ class ReplicaGroupConfig(_Strict):
     num_decode: int | None = Field(None, ge=1)
     store: StoreSectionConfig | None = None
     conductor: ConductorSectionConfig | None = None
+    prefill: PDLayoutConfig | None = None
+    decode: PDLayoutConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -106,7 +120,7 @@ class ReplicaGroupConfig(_Strict):
                 "or neither (colocated replicas)"
             )
         if not self.disaggregated:
-            for section in ("store", "conductor"):
+            for section in ("store", "conductor", "prefill", "decode"):
                 if getattr(self, section) is not None:
                     raise ValueError(
                         f"{where}: {section} needs num_prefill and num_decode (only "
@@ -117,8 +131,14 @@ class ReplicaGroupConfig(_Strict):
             degree = self.engine.get(name, getattr(self, name))
             if degree != 1:
                 raise ValueError(
-                    f"{where}: prefill and decode replicas run tp = spp = kvp = 1; "
-                    f"remove {name}={degree} or drop num_prefill/num_decode"
+                    f"{where}: a disaggregated group sets its replicas' layouts in its "
+                    f"prefill and decode sections (tp, spp); remove {name}={degree}"
+                )
+        if self.store is not None and self.prefill is not None:
+            if self.prefill.tp * self.prefill.spp > 1:
+                raise ValueError(
+                    f"{where}: the KV store needs single-worker prefill replicas; "
+                    "remove store or set prefill tp = spp = 1"
                 )
         return self
 

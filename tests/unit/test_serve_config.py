@@ -66,6 +66,12 @@ def test_store_section_mirrors_store_config():
         ({"num_decode": 2}, "give both num_prefill and num_decode"),
         ({"num_prefill": 0, "num_decode": 1}, "greater than or equal to 1"),
         ({"num_prefill": 1, "num_decode": 1, "tp": 2}, "remove tp=2"),
+        ({"prefill": {"tp": 2}}, "prefill needs num_prefill and num_decode"),
+        (
+            {"num_prefill": 1, "num_decode": 1, "prefill": {"spp": 2}, "store": {}},
+            "the KV store needs single-worker prefill replicas",
+        ),
+        ({"num_prefill": 1, "num_decode": 1, "decode": {"kvp": 2}}, "kvp"),
         ({"num_prefill": 1, "num_decode": 1, "spp": 3}, "remove spp=3"),
         ({"num_prefill": 1, "num_decode": 1, "engine": {"kvp": 2}}, "remove kvp=2"),
         ({"store": {"dram_bytes": 1 << 20}}, "store needs num_prefill and num_decode"),
