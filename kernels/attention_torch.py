@@ -1,12 +1,23 @@
 """Paged attention in plain torch: the reference backend, CPU and GPU.
 
-One step is vectorised over the batch: each sequence's KV is gathered through its block table
-into a padded ``[B, L, Hkv, D]`` tensor (``L = ceil(max_context_len / block_size) * block_size``),
-queries are padded to ``[B, max_q, Hq, D]``, and a masked matmul-softmax-matmul runs for the
-whole batch (on CPU torch's fused flash-attention kernel, which reads the gathered KV in place
+A step's sequences are split into groups that are computed apart, so decode rows (one query
+each) and prefill chunks are never padded to one another, as serving kernels (flashinfer,
+vLLM) run them. The plan sorts the sequences by (query length, context length) and cuts that
+order greedily wherever padding the next sequence into the current group would cost more
+than a group of its own: all decodes of a step usually form one group (padded to the longest
+decode context), each long chunk runs alone, and short chunks of similar size run together.
+
+Within a group, each sequence's KV is gathered through its block table into a padded
+``[n, L, Hkv, D]`` tensor (``L`` = the group's longest context, rounded up to whole blocks;
+a lone sequence whose blocks are consecutive in the cache is read in place, without a copy),
+queries are padded to ``[n, max_q, Hq, D]``, and a masked matmul-softmax-matmul runs for the
+whole group (on CPU torch's fused flash-attention kernel, which reads the gathered KV in place
 and returns the log-sum-exp; elsewhere a plain batched matmul). GQA never repeats KV: query
-head ``h`` is served by KV head ``h // group`` (the Hugging Face ``repeat_kv`` convention),
-so queries are regrouped as ``[B, max_q, Hkv, group, D]``.
+head ``h`` is served by KV head ``h // group`` (the Hugging Face ``repeat_kv`` convention), so
+queries are regrouped as ``[n, max_q, Hkv, group, D]``.
+
+``split=False`` keeps the former single padded group (``[B, max_q, L]`` over the whole step),
+for comparison (``bench/mixed_step.py --compare-padded``).
 """
 
 from __future__ import annotations
@@ -18,21 +29,32 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 
+# Grouping cost model, in units of one (query row, key) pair over all heads. A group costs a
+# fixed overhead (the kernel calls and index work of one group, per layer) plus its padded
+# work ``n * L * (max_q + GATHER_COST)``: every padded query row is computed against every
+# padded key, and each gathered key is copied once (about as dear as a few query rows).
+GROUP_OVERHEAD = 4096
+GATHER_COST = 4
+
 
 @dataclass
-class TorchAttentionPlan:
-    """Per-step index work shared by every layer of the step."""
+class AttentionGroup:
+    """Sequences computed together, padded to ``[n, max_q]`` queries and ``L`` keys."""
 
-    flat_block_ids: torch.Tensor  # [B * nb] int64, the blocks covering max_context_len, per seq
-    blocked: torch.Tensor  # [B, max_q, 1, L] bool: query row i of b must NOT see key j
-    # [T] int64 row of token t in [B * max_q]; None when every sequence has exactly one query
-    pad_index: torch.Tensor | None
+    num_seqs: int  # n
     max_q: int
-    num_blocks: int  # nb
+    num_blocks: int  # nb, so L = nb * block_size
+    flat_block_ids: torch.Tensor  # [n * nb] int64, the blocks of each sequence in order
+    first_block: int | None  # n == 1 and consecutive blocks: read the cache in place
+    blocked: torch.Tensor  # [n, max_q, 1, L] bool: query row i of a sequence must NOT see key j
+    # [Tg] int64 rows of the step's tokens this group computes; None: all T rows, in order
+    token_rows: torch.Tensor | None
+    # [Tg] int64 row of each of those tokens in the padded [n * max_q]; None: no padding
+    pad_index: torch.Tensor | None
     _masks: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
 
     def additive_mask(self, dtype: torch.dtype, group: int) -> torch.Tensor:
-        """``[B, 1, max_q * group, L]``: 0 where visible, -inf where blocked; query row
+        """``[n, 1, max_q * group, L]``: 0 where visible, -inf where blocked; query row
         ``i * group + g`` is query i, group member g. Built once per step and dtype."""
         key = (dtype, group)
         if key not in self._masks:
@@ -44,42 +66,126 @@ class TorchAttentionPlan:
         return self._masks[key]
 
 
-def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
+@dataclass
+class TorchAttentionPlan:
+    """Per-step index work shared by every layer of the step."""
+
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def _group_cost(num_seqs: int, max_q: int, max_ctx: int, block_size: int) -> int:
+    length = max(math.ceil(max_ctx / block_size), 1) * block_size
+    return GROUP_OVERHEAD + num_seqs * length * (max_q + GATHER_COST)
+
+
+def group_sequences(
+    query_lens: list[int], context_lens: list[int], block_size: int
+) -> list[list[int]]:
+    """Sequence indices per group: sorted by (query length, context length), cut greedily
+    where one more sequence costs more padded than alone (see ``GROUP_OVERHEAD``)."""
+    order = sorted(range(len(query_lens)), key=lambda b: (query_lens[b], context_lens[b]))
+    groups: list[list[int]] = []
+    max_q = max_ctx = cost = 0
+    for b in order:
+        q, ctx = query_lens[b], context_lens[b]
+        if groups:
+            grown = _group_cost(len(groups[-1]) + 1, max(max_q, q), max(max_ctx, ctx), block_size)
+            if grown <= cost + _group_cost(1, q, ctx, block_size):
+                groups[-1].append(b)
+                max_q, max_ctx, cost = max(max_q, q), max(max_ctx, ctx), grown
+                continue
+        groups.append([b])
+        max_q, max_ctx, cost = q, ctx, _group_cost(1, q, ctx, block_size)
+    return groups
+
+
+def plan_attention(meta: AttentionMetadata, split: bool = True) -> TorchAttentionPlan:
     """Index tensors for one step; cost is independent of the number of layers."""
     device = meta.context_lens.device
     num_seqs = meta.num_seqs
-    max_q = max(int(meta.max_query_len), 1)
-    nb = max(math.ceil(int(meta.max_context_len) / meta.block_size), 1)
+    num_tokens = int(meta.slot_mapping.shape[0])
+    starts = meta.query_start.tolist()
+    query_lens = [starts[b + 1] - starts[b] for b in range(num_seqs)]
+    ctx_list = meta.context_lens.tolist()
+    if split:
+        members = group_sequences(query_lens, ctx_list, meta.block_size)
+    else:
+        members = [list(range(num_seqs))] if num_seqs else []
+    groups = []
+    for seqs in members:
+        in_order = seqs == list(range(num_seqs))
+        index = torch.tensor(seqs, dtype=torch.int64, device=device)
+        groups.append(
+            _plan_group(meta, seqs, index, query_lens, ctx_list, starts, num_tokens, in_order)
+        )
+    return TorchAttentionPlan(groups, num_tokens)
+
+
+def _plan_group(
+    meta: AttentionMetadata,
+    seqs: list[int],
+    index: torch.Tensor,
+    query_lens: list[int],
+    ctx_list: list[int],
+    starts: list[int],
+    num_tokens: int,
+    in_order: bool,
+) -> AttentionGroup:
+    device = index.device
+    n = len(seqs)
+    max_q = max(max(query_lens[b] for b in seqs), 1)
+    max_ctx = max(ctx_list[b] for b in seqs)
+    nb = max(math.ceil(max_ctx / meta.block_size), 1)
     if meta.block_tables.shape[1] < nb:
         raise ValueError(
-            f"block_tables has {meta.block_tables.shape[1]} columns but max_context_len "
-            f"{meta.max_context_len} needs {nb} blocks of {meta.block_size}"
+            f"block_tables has {meta.block_tables.shape[1]} columns but context length "
+            f"{max_ctx} needs {nb} blocks of {meta.block_size}"
         )
     length = nb * meta.block_size
-    query_lens = meta.query_start[1:] - meta.query_start[:-1]  # [B]
-    ctx = meta.context_lens  # [B]
+    tables = meta.block_tables[:, :nb] if in_order else meta.block_tables.index_select(0, index)
+    tables = tables[:, :nb]
+    first_block = None
+    if n == 1:
+        ids = tables[0].tolist()
+        if ids == list(range(ids[0], ids[0] + nb)):
+            first_block = ids[0]
+    ctx = meta.context_lens if in_order else meta.context_lens.index_select(0, index)
+    q_lens = torch.tensor([query_lens[b] for b in seqs], dtype=torch.int64, device=device)
+    if meta.query_offsets is None:
+        offsets = ctx - q_lens
+    else:
+        offsets = meta.query_offsets if in_order else meta.query_offsets.index_select(0, index)
     rows = torch.arange(max_q, device=device)  # [max_q]
     keys = torch.arange(length, device=device)  # [L]
-    # Position of query row i of sequence b; rows past query_lens[b] are padding.
-    offsets = ctx - query_lens if meta.query_offsets is None else meta.query_offsets
-    q_pos = offsets[:, None] + rows[None, :]  # [B, max_q]
+    # Position of query row i of each sequence; rows past its query length are padding.
+    q_pos = offsets[:, None] + rows[None, :]  # [n, max_q]
     blocked = (keys[None, None, :] > q_pos[:, :, None]) | (
         keys[None, None, :] >= ctx[:, None, None]
     )
-    num_tokens = int(meta.slot_mapping.shape[0])
+    group_tokens = sum(query_lens[b] for b in seqs)
+    # Token j of the group is query ``within[j]`` of its sequence.
+    first_row = torch.cumsum(q_lens, 0) - q_lens  # [n] first group row of each sequence
+    within = torch.arange(group_tokens, device=device) - first_row.repeat_interleave(
+        q_lens, output_size=group_tokens
+    )
+    token_rows = None
+    if not (in_order and group_tokens == num_tokens):
+        seq_starts = torch.tensor([starts[b] for b in seqs], dtype=torch.int64, device=device)
+        token_rows = seq_starts.repeat_interleave(q_lens, output_size=group_tokens) + within
     pad_index = None
-    if max_q > 1 or num_tokens != num_seqs:
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(num_seqs, device=device), query_lens, output_size=num_tokens
-        )  # [T]
-        offset = torch.arange(num_tokens, device=device) - meta.query_start[seq_of_token]
-        pad_index = seq_of_token * max_q + offset
-    return TorchAttentionPlan(
-        flat_block_ids=meta.block_tables[:, :nb].reshape(-1),
-        blocked=blocked.view(num_seqs, max_q, 1, length),
-        pad_index=pad_index,
+    if max_q > 1 or group_tokens != n:
+        pad_starts = torch.arange(n, device=device) * max_q
+        pad_index = pad_starts.repeat_interleave(q_lens, output_size=group_tokens) + within
+    return AttentionGroup(
+        num_seqs=n,
         max_q=max_q,
         num_blocks=nb,
+        flat_block_ids=tables.reshape(-1),
+        first_block=first_block,
+        blocked=blocked.view(n, max_q, 1, length),
+        token_rows=token_rows,
+        pad_index=pad_index,
     )
 
 
@@ -105,51 +211,86 @@ def paged_attention(
     plan: TorchAttentionPlan | None = None,
     workspace: Workspace | None = None,
     impl: str = "auto",
+    split: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q: [T, Hq, D]`` -> ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``.
 
     ``impl``: "flash_cpu" (torch's fused CPU flash-attention kernel, reads the gathered KV in
     place), "batched" (plain matmul-softmax-matmul, any device) or "auto" (the first on CPU).
+    ``split``: compute groups of similar sequences apart (default) or pad the whole step to
+    one ``[B, max_q, L]`` group (the former path); ignored when ``plan`` is given.
     """
     if plan is None:
-        plan = plan_attention(meta)
+        plan = plan_attention(meta, split)
     if workspace is None:
         workspace = Workspace()
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    group = num_heads // num_kv_heads
-    num_seqs, max_q = meta.num_seqs, plan.max_q
-    kv_shape = (num_seqs, plan.num_blocks * block_size, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-    keys = workspace.gather(0, k_cache, plan.flat_block_ids).view(kv_shape)
-    values = workspace.gather(1, v_cache, plan.flat_block_ids).view(kv_shape)
-
-    # Queries: [T, Hq, D] -> [B, max_q, Hkv, G, D]
-    if plan.pad_index is None:
-        queries = q.view(num_seqs, 1, num_kv_heads, group, head_dim)
-    else:
-        queries = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
-        queries.index_copy_(0, plan.pad_index, q)
-        queries = queries.view(num_seqs, max_q, num_kv_heads, group, head_dim)
-
     if impl == "auto":
         impl = "flash_cpu" if q.device.type == "cpu" and _FLASH_CPU is not None else "batched"
+    if impl not in ("flash_cpu", "batched"):
+        raise ValueError(f"unknown attention impl {impl!r}; use 'auto', 'flash_cpu' or 'batched'")
+    if len(plan.groups) == 1 and plan.groups[0].token_rows is None:
+        return _attend_group(q, k_cache, v_cache, plan.groups[0], scale, workspace, impl)
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    for group in plan.groups:
+        rows = group.token_rows
+        assert rows is not None
+        g_out, g_lse = _attend_group(
+            q.index_select(0, rows), k_cache, v_cache, group, scale, workspace, impl
+        )
+        out.index_copy_(0, rows, g_out)
+        lse.index_copy_(0, rows, g_lse)
+    return out, lse
+
+
+def _attend_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    workspace: Workspace,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q: [Tg, Hq, D]``, the group's tokens in group order -> ``(out, lse)`` likewise."""
+    _, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    n, max_q, nb = group.num_seqs, group.max_q, group.num_blocks
+    gqa = num_heads // num_kv_heads
+    kv_shape = (n, nb * block_size, num_kv_heads, head_dim)  # [n, L, Hkv, D]
+    if group.first_block is not None:  # one sequence, consecutive blocks: no copy
+        first = group.first_block
+        keys = k_cache[first : first + nb].view(kv_shape)
+        values = v_cache[first : first + nb].view(kv_shape)
+    else:
+        keys = workspace.gather(0, k_cache, group.flat_block_ids).view(kv_shape)
+        values = workspace.gather(1, v_cache, group.flat_block_ids).view(kv_shape)
+
+    # Queries: [Tg, Hq, D] -> [n, max_q, Hkv, G, D]
+    if group.pad_index is None:
+        queries = q.reshape(n, 1, num_kv_heads, gqa, head_dim)
+    else:
+        queries = q.new_zeros(n * max_q, num_heads, head_dim)
+        queries.index_copy_(0, group.pad_index, q)
+        queries = queries.view(n, max_q, num_kv_heads, gqa, head_dim)
+
     if impl == "flash_cpu":
         out, lse = _attend_flash_cpu(
-            queries, keys, values, plan.additive_mask(q.dtype, group), scale
+            queries, keys, values, group.additive_mask(q.dtype, gqa), scale
         )
-    elif impl == "batched":
-        out, lse = _attend_batched(queries, keys, values, plan.blocked, scale)
     else:
-        raise ValueError(f"unknown attention impl {impl!r}; use 'auto', 'flash_cpu' or 'batched'")
+        out, lse = _attend_batched(queries, keys, values, group.blocked, scale)
 
-    # Back to token-major: [B, max_q, Hkv, G, .] -> [B * max_q, Hq, .] -> [T, Hq, .]
-    out = out.view(num_seqs * max_q, num_heads, head_dim)
-    lse = lse.view(num_seqs * max_q, num_heads)
-    if plan.pad_index is not None:
-        out = out.index_select(0, plan.pad_index)
-        lse = lse.index_select(0, plan.pad_index)
+    # Back to token-major: [n, max_q, Hkv, G, .] -> [n * max_q, Hq, .] -> [Tg, Hq, .]
+    out = out.view(n * max_q, num_heads, head_dim)
+    lse = lse.view(n * max_q, num_heads)
+    if group.pad_index is not None:
+        out = out.index_select(0, group.pad_index)
+        lse = lse.index_select(0, group.pad_index)
     return out, lse
 
 
@@ -199,7 +340,9 @@ def _attend_batched(
     num_seqs, max_q, num_kv_heads, group, head_dim = queries.shape
     length = keys.shape[1]
     q_heads = queries.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * group, -1)
-    scores = torch.matmul(q_heads, keys.permute(0, 2, 3, 1)).float().mul_(scale)
+    # scores in at least fp32 (bf16 softmax loses too much), fp64 kept for fp64 models
+    score_dtype = torch.promote_types(queries.dtype, torch.float32)
+    scores = torch.matmul(q_heads, keys.permute(0, 2, 3, 1)).to(score_dtype).mul_(scale)
     scores = scores.view(num_seqs, num_kv_heads, max_q, group, length)
     scores.masked_fill_(blocked.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, max_q, G]
@@ -207,12 +350,13 @@ def _attend_batched(
     probs = probs.view(num_seqs, num_kv_heads, max_q * group, length)
     out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, max_q * G, D]
     out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
-    return out.contiguous(), lse.permute(0, 2, 1, 3).contiguous()
+    return out.contiguous(), lse.float().permute(0, 2, 1, 3).contiguous()
 
 
 class Workspace:
     """Reused buffers for the gathered K and V, so a step does not allocate (and page-fault)
-    two fresh ``[B, L, Hkv, D]`` tensors per layer."""
+    two fresh ``[n, L, Hkv, D]`` tensors per group and layer. Groups of one step run one after
+    another, so they share the buffers."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = [None, None]
@@ -237,11 +381,14 @@ class Workspace:
 
 
 class TorchAttentionBackend:
-    """The reference backend; caches the step plan on the identity of the metadata object."""
+    """The reference backend; caches the step plan on the identity of the metadata object.
+
+    ``split=False``: the former path, one padded group per step (for comparison only)."""
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, split: bool = True) -> None:
+        self.split = split
         self._meta: AttentionMetadata | None = None
         self._plan: TorchAttentionPlan | None = None
         self._workspace = Workspace()
@@ -257,6 +404,6 @@ class TorchAttentionBackend:
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._meta is not meta or self._plan is None:
-            self._plan = plan_attention(meta)
+            self._plan = plan_attention(meta, self.split)
             self._meta = meta
         return paged_attention(q, k_cache, v_cache, meta, scale, self._plan, self._workspace)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.attention_torch import paged_attention, write_kv
+from kernels.attention_torch import (
+    TorchAttentionBackend,
+    group_sequences,
+    paged_attention,
+    plan_attention,
+    write_kv,
+)
 from kernels.kv_cache import allocate_kv_cache
 from kernels.merge import merge_attention_states
 from kernels.registry import get_attention_backend
@@ -32,19 +38,23 @@ def naive_attention(q, keys, values, visible, scale):
     return torch.einsum("hn,nhd->hd", probs, v.double()), lse
 
 
-def build_batch(seqs, num_blocks=64, seed=0):
+def build_batch(seqs, num_blocks=64, seed=0, dtype=torch.float32, hq=HQ, hkv=HKV, shuffle=True):
     """seqs: list of (cached_prefix_len, chunk_len). Returns what a step needs plus the full
-    per-sequence K/V (cached prefix and new tokens) for the reference."""
+    per-sequence K/V (cached prefix and new tokens) for the reference. ``shuffle=False``
+    hands out blocks in order (so a sequence's blocks are consecutive in the cache)."""
     gen = torch.Generator().manual_seed(seed)
-    ((k_cache, v_cache),) = allocate_kv_cache(1, num_blocks, BLOCK, HKV, D, torch.float32, "cpu")
-    free = torch.randperm(num_blocks, generator=gen).tolist()
+    ((k_cache, v_cache),) = allocate_kv_cache(1, num_blocks, BLOCK, hkv, D, dtype, "cpu")
+    if shuffle:
+        free = torch.randperm(num_blocks, generator=gen).tolist()
+    else:
+        free = list(range(num_blocks))[::-1]
     tables, full_k, full_v, new_k, new_v, qs = [], [], [], [], [], []
     for prefix, chunk in seqs:
         ctx = prefix + chunk
         table = [free.pop() for _ in range(math.ceil(ctx / BLOCK))]
         tables.append(table)
-        k = torch.randn(ctx, HKV, D, generator=gen)
-        v = torch.randn(ctx, HKV, D, generator=gen)
+        k = torch.randn(ctx, hkv, D, generator=gen, dtype=dtype)
+        v = torch.randn(ctx, hkv, D, generator=gen, dtype=dtype)
         full_k.append(k)
         full_v.append(v)
         # the cached prefix is already in the cache; the chunk's K/V come with the step
@@ -52,7 +62,7 @@ def build_batch(seqs, num_blocks=64, seed=0):
         write_kv(k_cache, v_cache, k[:prefix], v[:prefix], prefix_meta.slot_mapping)
         new_k.append(k[prefix:])
         new_v.append(v[prefix:])
-        qs.append(torch.randn(chunk, HQ, D, generator=gen))
+        qs.append(torch.randn(chunk, hq, D, generator=gen, dtype=dtype))
     meta = AttentionMetadata.build([c for _, c in seqs], [p + c for p, c in seqs], tables, BLOCK)
     write_kv(k_cache, v_cache, torch.cat(new_k), torch.cat(new_v), meta.slot_mapping)
     return k_cache, v_cache, meta, torch.cat(qs), full_k, full_v
@@ -87,6 +97,120 @@ def test_paged_attention_matches_naive(seqs, impl):
     assert lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+# Decode rows of different context lengths beside chunks of 1, 3 and 16 tokens, with and
+# without cached prefixes, in no particular order.
+SPLIT_MIXED = [
+    (0, 16),
+    (37, 1),
+    (5, 3),
+    (100, 1),
+    (16, 16),
+    (0, 1),
+    (63, 1),
+    (9, 3),
+    (200, 1),
+    (31, 16),
+    (2, 1),
+    (44, 3),
+]
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)], ids=["gqa4", "mha", "mqa"])
+@pytest.mark.parametrize("impl", ["flash_cpu", "batched"])
+def test_split_groups_are_exact_in_fp64(heads, impl):
+    """Decodes and chunks computed in separate groups agree with dense per-sequence softmax
+    attention to fp64 precision, and with the former single padded group."""
+    hq, hkv = heads
+    scale = D**-0.5
+    k_cache, v_cache, meta, q, full_k, full_v = build_batch(
+        SPLIT_MIXED, num_blocks=192, seed=11, dtype=torch.float64, hq=hq, hkv=hkv
+    )
+    plan = plan_attention(meta)
+    assert len(plan.groups) > 1  # the step really is split
+    out, lse = paged_attention(q, k_cache, v_cache, meta, scale, plan, impl=impl)
+    ref_out, ref_lse = reference(SPLIT_MIXED, q, full_k, full_v, scale)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    padded_out, padded_lse = paged_attention(
+        q, k_cache, v_cache, meta, scale, impl=impl, split=False
+    )
+    torch.testing.assert_close(out, padded_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, padded_lse)
+
+
+def test_split_groups_fp32_through_the_backend():
+    backend = TorchAttentionBackend()
+    k_cache, v_cache, meta, q, full_k, full_v = build_batch(SPLIT_MIXED, num_blocks=192, seed=5)
+    out, lse = backend.attention(q, k_cache, v_cache, meta, 0.2)
+    ref_out, ref_lse = reference(SPLIT_MIXED, q, full_k, full_v, 0.2)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_are_grouped_apart_from_a_long_chunk():
+    rng = torch.Generator().manual_seed(0)
+    decode_ctx = torch.randint(256, 321, (32,), generator=rng).tolist()
+    groups = group_sequences(
+        [1] * 16 + [256] + [1] * 16, decode_ctx[:16] + [256] + decode_ctx[16:], 16
+    )
+    assert sorted(map(sorted, groups)) == [list(range(16)) + list(range(17, 33)), [16]]
+    # equal chunks (a batch of same-length prompts) stay one group
+    assert group_sequences([128] * 8, [128] * 8, 16) == [list(range(8))]
+    # short chunks of similar size go together; a much longer one runs alone
+    groups = group_sequences([3, 1024, 3, 16, 1], [40, 1024, 7, 30, 500], 16)
+    assert [1] in groups
+
+
+def test_lone_sequence_with_consecutive_blocks_is_read_in_place():
+    seqs = [(21, 16)]
+    k_cache, v_cache, meta, q, full_k, full_v = build_batch(
+        seqs, seed=4, dtype=torch.float64, shuffle=False
+    )
+    plan = plan_attention(meta)
+    assert plan.groups[0].first_block is not None
+    out, lse = paged_attention(q, k_cache, v_cache, meta, 0.3, plan)
+    ref_out, ref_lse = reference(seqs, q, full_k, full_v, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "padded"])
+def test_query_offsets_in_a_split_step(split):
+    """KV-parallel shards: query row i of b sees key j iff j <= offset_b + i and j < ctx_b."""
+    gen = torch.Generator().manual_seed(9)
+    ((k_cache, v_cache),) = allocate_kv_cache(1, 96, BLOCK, HKV, D, torch.float64, "cpu")
+    k_cache.normal_(generator=gen)
+    v_cache.normal_(generator=gen)
+    # (query_len, ctx, offset): queries past the shard, inside it, straddling its start
+    shapes = [(1, 20, 40), (16, 32, 16), (3, 12, -2), (1, 9, 8), (16, 24, -5), (1, 40, 100)]
+    free = torch.randperm(96, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(math.ceil(ctx / BLOCK))] for _, ctx, _ in shapes]
+    num_tokens = sum(n for n, _, _ in shapes)
+    meta = AttentionMetadata.build(
+        [n for n, _, _ in shapes],
+        [c for _, c, _ in shapes],
+        tables,
+        BLOCK,
+        query_offsets=[o for _, _, o in shapes],
+        slot_mapping=[-1] * num_tokens,
+    )
+    q = torch.randn(num_tokens, HQ, D, generator=gen, dtype=torch.float64)
+    out, lse = paged_attention(q, k_cache, v_cache, meta, 0.25, split=split)
+    row = 0
+    for (n, ctx, offset), table in zip(shapes, tables, strict=True):
+        slots = torch.tensor([table[j // BLOCK] * BLOCK + j % BLOCK for j in range(ctx)])
+        keys = k_cache.view(-1, HKV, D)[slots]
+        values = v_cache.view(-1, HKV, D)[slots]
+        for i in range(n):
+            visible = (torch.arange(ctx) <= offset + i) & (torch.arange(ctx) < ctx)
+            if visible.any():  # rows that see nothing are blanked by the KV-parallel caller
+                ref, ref_lse = naive_attention(q[row], keys, values, visible, 0.25)
+                torch.testing.assert_close(out[row], ref, rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(lse[row].double(), ref_lse, rtol=1e-6, atol=1e-6)
+            row += 1
 
 
 def test_backend_from_registry_writes_then_attends():
