@@ -16,7 +16,7 @@ has ``import_path: serve_app:build_app`` and our fields under ``args`` (serve_co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -32,7 +32,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """A Serve application from ``ServeConfig`` fields, or ``{"config": "file.yaml"}``."""
     cfg = ServeConfig.from_args(args)
     raw = cfg.model_dump()
-    router = serve.deployment(
+    deployment: Any = serve.deployment  # its stubs lose the Deployment type's bind()
+    router = deployment(
         RouterDeployment,
         name="Router",
         num_replicas=1,
@@ -41,18 +42,20 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         logging_config=LoggingConfig(enable_access_log=False),  # replicas report ~10/s
     ).bind(cfg.routing, cfg.block_size, cfg.routing_options)
     replicas = {
-        g.name: serve.deployment(
+        g.name: deployment(
             ReplicaServer,
             name=f"Replica-{g.name}",
             num_replicas=g.num_replicas,
             max_ongoing_requests=g.max_ongoing_requests,
             ray_actor_options={"num_cpus": g.num_cpus},
             health_check_period_s=5,
-            request_router_config=RequestRouterConfig(request_router_class=RankedRequestRouter),
+            request_router_config=RequestRouterConfig(
+                request_router_class=cast(Any, RankedRequestRouter)  # stubs want a dict
+            ),
         ).bind(raw, g.name, router)
         for g in cfg.groups
     }
-    ingress = serve.deployment(
+    ingress = deployment(
         Ingress,
         name="Ingress",
         num_replicas=cfg.ingress_replicas,

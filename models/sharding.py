@@ -192,11 +192,13 @@ class ModelShard(nn.Module):
         if tp > 1:
             assert all_reduce is not None
             for layer in self.layers:
+                assert isinstance(layer.self_attn, Attention)
                 _shard_attention(layer.self_attn, tp_rank, tp, all_reduce)
                 if isinstance(layer.mlp, SparseMoeBlock):
                     _shard_moe(layer.mlp, tp_rank, tp)
                     layer.mlp = ReduceAfter(layer.mlp, all_reduce)
                 else:
+                    assert isinstance(layer.mlp, MLP)
                     _shard_mlp(layer.mlp, tp_rank, tp, all_reduce)
         self.num_kv_heads = kv_heads_per_rank(model.config.num_key_value_heads, tp)
 

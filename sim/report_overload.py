@@ -91,15 +91,15 @@ def overload_section(base: ClusterConfig, over: list[RunResult]) -> list[str]:
         "",
     ]
     for slo in slos:
-        runs = {r.spec.cfg.admission: r for r in over if r.spec.cfg.tbt_slo == slo}
-        modes = [m for m in ("baseline", "early", "predictive") if m in runs]
-        rej = sorted(modes, key=lambda m: -runs[m].summary.rejected)
-        att = sorted(modes, key=lambda m: -runs[m].summary.attainment[slo])
+        by_mode = {r.spec.cfg.admission: r for r in over if r.spec.cfg.tbt_slo == slo}
+        modes = [m for m in ("baseline", "early", "predictive") if m in by_mode]
+        rej = sorted(modes, key=lambda m: -by_mode[m].summary.rejected)
+        att = sorted(modes, key=lambda m: -by_mode[m].summary.attainment[slo])
         lines.append(
             f"- {1000 * slo:g} ms: most to fewest rejected "
-            + " > ".join(f"{m} ({runs[m].summary.rejected:,})" for m in rej)
+            + " > ".join(f"{m} ({by_mode[m].summary.rejected:,})" for m in rej)
             + "; highest to lowest attainment "
-            + " > ".join(f"{m} ({100 * runs[m].summary.attainment[slo]:.1f}%)" for m in att)
+            + " > ".join(f"{m} ({100 * by_mode[m].summary.attainment[slo]:.1f}%)" for m in att)
             + "."
         )
     lines.append("")

@@ -156,7 +156,8 @@ class PDCluster:
 
         def actor_class(cls: type, options: dict[str, Any]) -> Any:
             gpus = worker.get("GPU", 0) if workers(options) == 1 else 0
-            return ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4)(cls)
+            remote: Any = ray.remote  # its overloads do not name max_concurrency
+            return remote(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4)(cls)
 
         # Replicas and shards spread over the cluster's nodes (``placement.nodes``): with
         # several nodes prefill and decode run apart and stream KV over TCP.
@@ -298,8 +299,8 @@ class PDCluster:
         if self.store is not None:
             self.store.refresh()
         prefills = []
-        for pid, view in self.prefill_views.items():
-            view.cached = self._local_cached[pid] | self._home_blocks(pid)
+        for view in self.prefill_views.values():
+            view.cached = self._local_cached[view.instance_id] | self._home_blocks(view.instance_id)
             prefills.append(view)
         decodes = list(self.decode_views.values())
         decision = self.conductor.schedule(creq, prefills, decodes, now)

@@ -90,7 +90,7 @@ class DecodeReplica:
         self.loop.post(lambda: self._admit(key, first_token))
 
     def cancel(self, key: str) -> None:
-        self.loop.post(lambda: self._cancel(key))
+        self.loop.post(lambda: None if self._cancel(key) else None)
 
     def abort(self, key: str) -> None:
         """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""

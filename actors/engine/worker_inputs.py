@@ -138,12 +138,12 @@ def _exchange(
             dist[e.compute_rank].append(e)
     kv_out: list[list[tuple[PlanEntry, int, int]]] = []  # (entry, position, target rank)
     for owned in dist:
-        rows = []
+        outgoing = []
         for e in owned:
             tail_first = e.shards[-1][1]
             for pos in range(e.start, min(e.end, tail_first)):
-                rows.append((e, pos, _shard_of(e, pos)[0]))
-        kv_out.append(rows)
+                outgoing.append((e, pos, _shard_of(e, pos)[0]))
+        kv_out.append(outgoing)
     q_counts = [sum(e.num_tokens for e in owned) for owned in dist]
     q_base = [sum(q_counts[:j]) for j in range(kvp)]
 
@@ -163,7 +163,8 @@ def _exchange(
     send_kv_rows = [first_row[e.request_id] + pos - e.start for e, pos, _ in kv_out[rank]]
     recv_kv = []
     for src in range(kvp):
-        rows, slots = [], []
+        rows: list[int] = []
+        slots: list[int] = []
         if src != rank:
             for i, (e, pos, target) in enumerate(kv_out[src]):
                 if target == rank:
@@ -174,7 +175,11 @@ def _exchange(
         recv_kv.append((_index(rows, device), _index(slots, device)))
 
     q_index: list[int] = []
-    a_query_lens, a_ctx, a_tables, a_offsets, a_empty = [], [], [], [], []
+    a_query_lens: list[int] = []
+    a_ctx: list[int] = []
+    a_tables: list[list[int]] = []
+    a_offsets: list[int] = []
+    a_empty: list[int] = []
     for _, e, q_row in answers[rank]:
         found = _shard_on(e, rank)
         assert found is not None
@@ -200,7 +205,8 @@ def _exchange(
 
     recv_partials = []
     for src in range(kvp):
-        rows, own_rows = [], []
+        rows = []
+        own_rows: list[int] = []
         if src != rank:
             a_row = 0
             for source, e, _ in answers[src]:

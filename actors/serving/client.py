@@ -58,7 +58,7 @@ class ReplicaPool:
             raise InvalidRequestError(f"num_replicas must be at least 1, got {num_replicas}")
         if not ray.is_initialized():
             ray.init()  # the cluster of RAY_ADDRESS / the job, else a local one
-        actor = ray.remote(ReplicaActor).options(num_cpus=num_cpus)
+        actor: Any = ray.remote(ReplicaActor).options(num_cpus=num_cpus)
         config = engine_config or EngineConfig()
         self.actors = [actor.remote(model, config) for _ in range(num_replicas)]
         infos: list[ReplicaInfo] = ray.get([a.ready.remote() for a in self.actors])

@@ -123,7 +123,8 @@ def own_request_id() -> Iterator[None]:
     id per call keeps each pending request matchable."""
     ctx = serve_context._get_serve_request_context()
     fresh = dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex)
-    token = serve_context._serve_request_context.set(fresh)
+    var: Any = serve_context._serve_request_context  # typed as holding None upstream
+    token = var.set(fresh)
     try:
         yield
     finally:
