@@ -41,10 +41,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
     @classmethod
     def build(
         cls,

@@ -71,10 +71,6 @@ class ModelConfig:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Parse a ``config.json`` dict; ModelLoadError says what is missing or unsupported."""

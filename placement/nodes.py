@@ -64,11 +64,6 @@ class NodePlacement:
         self._needs: dict[str, dict[str, float]] = {}  # key -> what it reserves there
 
     # -- deciding ---------------------------------------------------------------------------
-    def assign(self, key: str, index: int) -> None:
-        """Put ``key`` on node ``index`` modulo the node count (it reserves nothing)."""
-        self._where[key] = self.nodes[index % len(self.nodes)].node_id
-        self._needs[key] = {}
-
     def place(self, replicas: Sequence[ReplicaSpec]) -> None:
         """Place ``replicas`` by the rule above (prefill, decode, colocated, each in order)."""
         ordered = sorted(replicas, key=lambda r: _KIND_ORDER[r.kind])

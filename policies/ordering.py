@@ -19,10 +19,3 @@ class FCFS:
 
     def key(self, seq: Sequence, now: float) -> tuple[float, ...]:
         return (seq.arrival_time,)
-
-
-class PriorityThenFCFS:
-    """Lower ``Sequence.priority`` first, FCFS within a priority."""
-
-    def key(self, seq: Sequence, now: float) -> tuple[float, ...]:
-        return (seq.priority, seq.arrival_time)

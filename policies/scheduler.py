@@ -73,10 +73,6 @@ class ScheduledStep:
         return {seq.request_id: n for seq, n in self.entries}
 
     @property
-    def total_tokens(self) -> int:
-        return sum(n for _, n in self.entries)
-
-    @property
     def is_empty(self) -> bool:
         return not self.entries
 

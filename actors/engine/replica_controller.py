@@ -219,10 +219,6 @@ class ReplicaController:
         self.kv.free(r.seq)
         return True
 
-    @property
-    def num_reserved(self) -> int:
-        return len(self._reserved)
-
     def admit_prefilled(self, request_id: str, first_token: int) -> StreamDelta:
         """Every prompt block of a reservation holds its KV and ``first_token`` was sampled
         from the prompt's last position: the request joins the decode batch (as if this

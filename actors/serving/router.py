@@ -91,9 +91,6 @@ class RouterDeployment:
         }
         return not known and not first and resync is None
 
-    async def deregister(self, replica_id: str) -> None:
-        self._drop(replica_id)
-
     async def snapshot(self) -> dict[str, dict[str, Any]]:
         self._expire(time.time())
         return dict(self.snapshots)

@@ -32,15 +32,6 @@ def test_cpu_cluster_keeps_todays_rule(num_nodes):
         assert plan.node_id(f"d{j}") == f"n{(2 + j) % num_nodes}"
 
 
-def test_place_matches_assign_by_index():
-    """``assign(key, index)`` (what callers used before ``place``) means the same thing."""
-    by_place, by_index = NodePlacement(nodes(3)), NodePlacement(nodes(3))
-    by_place.place(pd(2, 2))
-    for i, rid in enumerate(["p0", "p1", "d0", "d1"]):
-        by_index.assign(rid, i)
-    assert all(by_place.node_id(r) == by_index.node_id(r) for r in ["p0", "p1", "d0", "d1"])
-
-
 def test_kinds_are_ordered_prefill_decode_colocated_whatever_the_input_order():
     plan = NodePlacement(nodes(3))
     plan.place([ReplicaSpec("c0", "colocated"), ReplicaSpec("d0", "decode"), *pd(1, 0)])
