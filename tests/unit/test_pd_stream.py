@@ -131,3 +131,30 @@ def test_first_token_may_finish_at_admission(prompts):
     assert decode.check_blocks() == 0
     prefill.shutdown()
     decode.shutdown()
+
+
+def test_pd_hashes_each_block_once_across_prefill_and_decode(prompts, monkeypatch):
+    """Built once at the edge, a request's prompt blocks are never hashed again on either
+    side; the decode side extends the chain once per output block."""
+    import store.hashing
+
+    calls: list[tuple[int, ...]] = []
+    real = store.hashing.block_hash
+
+    def counting(parent, tokens):
+        calls.append(tuple(tokens))
+        return real(parent, tokens)
+
+    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    monkeypatch.setattr(store.hashing, "block_hash", counting)
+    prompt = prompts[3]
+    req = decode.controller.request_builder().build(prompt, PARAMS, request_id="r")
+    assert len(calls) == len(prompt) // 4
+    dest = decode.reserve("r", req)
+    prefill.submit(PrefillTask("r", req, dest, decode))
+    (out,) = [e.output for e in wait_for(decode, Finished, ["r"]).values()]
+    tokens = prompt + out.token_ids
+    blocks = [tuple(tokens[i * 4 : (i + 1) * 4]) for i in range((len(tokens) - 1) // 4)]
+    assert calls == blocks  # each computed block once, in order, nothing else
+    prefill.shutdown()
+    decode.shutdown()
