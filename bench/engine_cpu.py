@@ -28,17 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors import LLM, SamplingParams  # noqa: E402
-from models import write_tiny_model  # noqa: E402
+from bench_model import MODEL, write_bench_model  # noqa: E402
 
-MODEL = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=1536,
-    vocab_size=8192,
-)
+from actors import LLM, SamplingParams  # noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:
@@ -128,7 +120,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "bench", kind="dense", **MODEL)
+        model_dir = write_bench_model(Path(tmp) / "bench")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         llm = LLM(model_dir, block_size=16, token_budget=8192, max_num_seqs=64)
         rng = random.Random(0)

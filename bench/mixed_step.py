@@ -33,22 +33,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_model import MODEL, write_bench_model  # noqa: E402
+
 from actors.engine.step_plan import PlanEntry, StepPlan  # noqa: E402
 from actors.engine.worker_inputs import build_worker_inputs  # noqa: E402
 from kernels.attention_torch import TorchAttentionBackend  # noqa: E402
 from kernels.cpu_linear import can_pack, pack_linears  # noqa: E402
 from kernels.kv_cache import allocate_kv_cache  # noqa: E402
-from models import load_model, write_tiny_model  # noqa: E402
+from models import load_model  # noqa: E402
 from models.sharding import ModelShard  # noqa: E402
 
-MODEL = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=1536,
-    vocab_size=8192,
-)
 BLOCK = 16
 
 
@@ -103,7 +97,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        model_dir = write_tiny_model(Path(tmp) / "bench", kind="dense", **MODEL)
+        model_dir = write_bench_model(Path(tmp) / "bench")
         model = load_model(model_dir, torch.float32, "cpu")
         shard = ModelShard(model)
         if can_pack(shard):

@@ -33,21 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_model import write_bench_model  # noqa: E402
+
 from actors.disagg.cluster import PDCluster  # noqa: E402
 from actors.disagg.replica_loop import split_cores  # noqa: E402
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
-from models import write_tiny_model  # noqa: E402
 
-MODEL = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=1536,
-    vocab_size=8192,
-    max_position_embeddings=8192,
-)
 ENGINE = dict(block_size=16, chunk_size=512, token_budget=1024, max_num_seqs=32)
 SHORT, SHORT_PROMPT, LONG_PROMPT = 8, 64, 3072
 BEFORE_TOKENS = 8
@@ -123,7 +115,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pin-client", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
-    model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "bench", seed=0, **MODEL)
+    model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     colocated = ReplicaController(model_dir, dtype=torch.float32, **ENGINE)
     pd = PDCluster(model_dir, 1, 1, pin_cores=True, dtype=torch.float32, **ENGINE)

@@ -25,11 +25,11 @@ from typing import Any
 
 from actors.disagg.kv_routes import KVTarget
 from actors.disagg.kv_stream import KVDestination, SharedCacheWorkers
+from actors.disagg.looped_replica import LoopedReplica
 from actors.disagg.messages import (
     DecodeStats,
     DecodeStep,
     Finished,
-    Report,
     ReservationLost,
     TokenDelta,
 )
@@ -41,7 +41,7 @@ from models.config import read_model_config
 from policies.request import Request
 
 
-class DecodeReplica:
+class DecodeReplica(LoopedReplica):
     def __init__(
         self,
         replica_id: str,
@@ -76,9 +76,6 @@ class DecodeReplica:
         self.stats = self._stats()
         self.loop = ReplicaLoop(self._iterate, f"decode-{replica_id}", cpus=cpus, threads=threads)
 
-    def ping(self) -> str:
-        return self.replica_id
-
     def node(self) -> str:
         return self.targets[0].endpoint.node_id
 
@@ -95,27 +92,6 @@ class DecodeReplica:
     def abort(self, key: str) -> None:
         """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""
         self.loop.post(lambda: self._abort(key))
-
-    def report(self, timeout: float) -> Report:
-        """The Conductor's long poll: events since the last report (waiting up to
-        ``timeout`` s for one), then the replica's state."""
-        events = self.loop.take(timeout)
-        if self.loop.error is not None:
-            raise RuntimeError(f"decode replica {self.replica_id} failed") from self.loop.error
-        return Report(self.replica_id, events, self.stats)
-
-    def report_stats(self) -> DecodeStats:
-        return self.stats
-
-    def check_blocks(self) -> int:
-        """Blocks in use (0 when idle), after the pool's integrity check."""
-
-        def check() -> int:
-            pool = self.controller.pool
-            pool.check_integrity()
-            return pool.num_in_use
-
-        return int(self.loop.call(check).result())
 
     def shutdown(self) -> None:
         self.loop.stop()

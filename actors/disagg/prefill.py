@@ -29,6 +29,7 @@ import torch
 
 from actors.disagg.fault_injection import ExitAfterLayers
 from actors.disagg.kv_stream import LayerStreamer, StreamingWorkers, StreamReport
+from actors.disagg.looped_replica import LoopedReplica
 from actors.disagg.messages import (
     CacheEvent,
     PrefillDone,
@@ -36,7 +37,6 @@ from actors.disagg.messages import (
     PrefillStats,
     PrefillStep,
     PrefillTask,
-    Report,
     StoreLoad,
 )
 from actors.disagg.replica_loop import ReplicaLoop
@@ -74,7 +74,7 @@ class PrefillHook:
         return report
 
 
-class PrefillReplica:
+class PrefillReplica(LoopedReplica):
     def __init__(
         self,
         replica_id: str,
@@ -127,9 +127,6 @@ class PrefillReplica:
         self.stats = self._stats()
         self.loop = ReplicaLoop(self._iterate, f"prefill-{replica_id}", cpus=cpus, threads=threads)
 
-    def ping(self) -> str:
-        return self.replica_id
-
     def node(self) -> str:
         return self.node_id
 
@@ -149,27 +146,6 @@ class PrefillReplica:
         return int(
             self.loop.call(lambda: self._export(request_hashes, tokens, wanted, shard_id)).result()
         )
-
-    def report(self, timeout: float) -> Report:
-        """The Conductor's long poll: events since the last report (waiting up to
-        ``timeout`` s for one), then the replica's state."""
-        events = self.loop.take(timeout)
-        if self.loop.error is not None:
-            raise RuntimeError(f"prefill replica {self.replica_id} failed") from self.loop.error
-        return Report(self.replica_id, events, self.stats)
-
-    def report_stats(self) -> PrefillStats:
-        return self.stats
-
-    def check_blocks(self) -> int:
-        """Blocks in use (0 when idle), after the pool's integrity check."""
-
-        def check() -> int:
-            pool = self.controller.pool
-            pool.check_integrity()
-            return pool.num_in_use
-
-        return int(self.loop.call(check).result())
 
     def drop_local_cache(self) -> int:
         """Forget this replica's own cached prefixes (so a hit must come from the store)."""
