@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.engine.config import EngineConfig
+from policies.rate_limit import KeyRateLimits
 
 RoutingPolicyName = Literal[
     "round_robin", "least_loaded", "power_of_two", "prefix_aware", "consistent_hash"
@@ -161,11 +162,23 @@ class ReplicaGroupConfig(_Strict):
 
 class ApiKeyConfig(_Strict):
     """One API key. Requests with it run as ``tenant``: its prefix cache is salted with the
-    tenant name, so no other tenant's prompts can hit it."""
+    tenant name, so no other tenant's prompts can hit it.
+
+    Rate limits (``policies.rate_limit``, token buckets holding one minute's allowance) are
+    kept by each ingress replica on its own: with ``ingress_replicas`` > 1 a key may get up
+    to that many times its limits in all. ``tokens_per_minute`` counts ``usage.total_tokens``:
+    a request reserves prompt + n x max_tokens when admitted and gives back what it did not
+    use when it ends; a request whose reservation alone is over the limit gets 400.
+    """
 
     key: str = Field(min_length=8)
     tenant: str = Field(min_length=1)
     max_concurrent_requests: int | None = Field(None, ge=1)  # in flight at once; else 429
+    requests_per_minute: int | None = Field(None, ge=1)  # else 429 with Retry-After
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion; else 429
+
+    def rate_limits(self) -> KeyRateLimits:
+        return KeyRateLimits(self.requests_per_minute, self.tokens_per_minute)
 
 
 class LimitsConfig(_Strict):

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,6 +43,8 @@ from errors import (
     OverloadedError,
 )
 from models import load_tokenizer, read_model_config, tiny_model_dir
+from policies.api_keys import KeyRing
+from policies.rate_limit import RateLimited, RateLimiter
 from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
@@ -56,6 +59,7 @@ class _Prepared:
         self.req = req
         self.prompts = prompts
         self.n = req.n
+        self.reserved = 0  # tokens taken from the key's tokens_per_minute, settled at the end
 
 
 def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
@@ -76,7 +80,8 @@ class Ingress:
         self._builder: RequestBuilder | None = None  # from the replicas' limits, on first use
         self.router = router
         self.replicas = replicas
-        self.keys: dict[str, ApiKeyConfig] = {k.key: k for k in self.cfg.api_keys}
+        self.keys: KeyRing[ApiKeyConfig] = KeyRing({k.key: k for k in self.cfg.api_keys})
+        self.rate = RateLimiter({k.key: k.rate_limits() for k in self.cfg.api_keys})
         self.pending = 0
         self.per_key: Counter[str] = Counter()
         self.http_counts: Counter[tuple[str, int]] = Counter()
@@ -154,13 +159,17 @@ class Ingress:
         try:
             tenant = self._tenant(request)
             key = tenant.key if tenant else None
+            self._rate_check(tenant)
             self._admit(tenant)
         except oai.APIError as e:
             return self._error(route, e)
         handed_off = False  # once a stream owns the admission, it releases it
         streams: list[AsyncIterator[Accepted | Event]] = []
+        prep: _Prepared | None = None
+        used = 0  # tokens the response used (total_tokens); 0 when it failed
         try:
             prep = await self._prepare(request, chat, tenant.tenant if tenant else None)
+            self._reserve(tenant, prep)
             session = prep.req.session_id or prep.req.user
             streams = [self._start(choices, session) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.
@@ -171,7 +180,9 @@ class Ingress:
                 handed_off = True
                 self.http_counts[(route, 200)] += 1
                 return StreamingResponse(body, media_type="text/event-stream")
-            return self._ok(route, await self._collect(prep, streams, chat))
+            result = await self._collect(prep, streams, chat)
+            used = result["usage"]["total_tokens"]
+            return self._ok(route, result)
         except oai.APIError as e:
             return self._error(route, e)
         except Exception as e:  # a replica died mid-request, or a bug: 503, never a crash
@@ -180,6 +191,8 @@ class Ingress:
         finally:
             if not handed_off:
                 self._release(key)
+                if prep is not None:
+                    self._settle(key, prep, used)
                 for s in streams:
                     with contextlib.suppress(Exception):
                         await s.aclose()  # type: ignore[attr-defined]
@@ -409,6 +422,7 @@ class Ingress:
             yield "data: [DONE]\n\n"
         finally:
             self._release(key)
+            self._settle(key, prep, sum(p[0].num_prompt_tokens for p in prep.prompts) + completion)
             for t in tasks:
                 t.cancel()  # a client gone mid-stream: stop relaying, abort on the replicas
             await asyncio.gather(*tasks, return_exceptions=True)  # before closing streams
@@ -427,10 +441,51 @@ class Ingress:
             return None  # no keys configured: open, one shared (unsalted) cache
         if key is None:
             raise oai.APIError(401, "missing API key: send 'Authorization: Bearer <key>'")
-        tenant = self.keys.get(key)
+        tenant = self.keys.match(key)
         if tenant is None:
             raise oai.APIError(401, "invalid API key", code="invalid_api_key")
         return tenant
+
+    def _rate_check(self, tenant: ApiKeyConfig | None) -> None:
+        """Before the body is read: a key out of requests (or in token debt) is refused."""
+        if tenant is not None:
+            self._rate_refuse(self.rate.check(tenant.key, 0, time.monotonic()), 0)
+
+    def _reserve(self, tenant: ApiKeyConfig | None, prep: _Prepared) -> None:
+        """Take one request and the most tokens it may use (each prompt's tokens plus every
+        choice's max_tokens: its largest ``usage.total_tokens``) from the key's limits."""
+        if tenant is None:
+            return
+        tokens = sum(
+            p[0].num_prompt_tokens + sum(c.params.max_tokens for c in p) for p in prep.prompts
+        )
+        self._rate_refuse(self.rate.admit(tenant.key, tokens, time.monotonic()), tokens)
+        prep.reserved = tokens
+
+    def _settle(self, key: str | None, prep: _Prepared, used: int) -> None:
+        if key is not None and prep.reserved:
+            self.rate.settle(key, prep.reserved, used, time.monotonic())
+            prep.reserved = 0
+
+    def _rate_refuse(self, refused: RateLimited | None, tokens: int) -> None:
+        if refused is None:
+            return
+        if refused.never_fits:
+            raise oai.APIError(
+                400,
+                f"this request may use {tokens} tokens (prompt + n x max_tokens), more than "
+                f"this key's tokens_per_minute of {refused.value}; lower max_tokens or n, or "
+                "shorten the prompt",
+                "max_tokens",
+                "request_too_large",
+            )
+        retry = retry_after_header(refused.retry_after, self.cfg)
+        raise oai.APIError(
+            429,
+            f"this key's {refused.limit} limit ({refused.value}) is used up; retry in {retry} s",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry},
+        )
 
     def _admit(self, tenant: ApiKeyConfig | None) -> None:
         retry = {"Retry-After": str(self.cfg.limits.retry_after_s)}
