@@ -26,6 +26,7 @@ from actors import LLM, SamplingParams
 MODEL = "meridian-tiny"
 REPO = Path(__file__).resolve().parents[2]
 KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
+KEY_RATED = "sk-rated-0004"  # 2 requests and 300 tokens per minute
 MAX_TOKENS_LIMIT = 1800
 BODY_LIMIT = 256 * 1024
 
@@ -43,6 +44,12 @@ def server(local_ray_cluster, tmp_path_factory):
             {"key": KEY_A, "tenant": "tenant-a"},
             {"key": KEY_B, "tenant": "tenant-b"},
             {"key": KEY_LIMITED, "tenant": "limited", "max_concurrent_requests": 1},
+            {
+                "key": KEY_RATED,
+                "tenant": "rated",
+                "requests_per_minute": 2,
+                "tokens_per_minute": 300,
+            },
         ],
         "limits": {"max_tokens": MAX_TOKENS_LIMIT, "max_body_bytes": BODY_LIMIT},
     }
@@ -282,6 +289,36 @@ def test_overload_gets_429_with_retry_after(server):
         assert time.monotonic() < deadline, "the aborted stream never released its slot"
         time.sleep(0.5)
     assert r.status_code == 200
+
+
+def test_per_key_rate_limits(server):
+    """A request over the key's whole tokens_per_minute gets 400 (waiting would not help) and
+    takes nothing; two fit its requests_per_minute; the third gets 429 naming the limit."""
+    r = server.post("/v1/completions", dict(GOOD, max_tokens=400), key=KEY_RATED)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert "tokens_per_minute" in r.json()["error"]["message"]
+    for _ in range(2):
+        assert server.post("/v1/completions", GOOD, key=KEY_RATED).status_code == 200
+    r = server.post("/v1/completions", GOOD, key=KEY_RATED)
+    assert r.status_code == 429
+    assert 1 <= int(r.headers["retry-after"]) <= 30
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+    assert "requests_per_minute" in err["message"]
+
+
+def test_readme_openai_snippet(server):
+    """The README's OpenAI client snippet as written, with this server's URL and key."""
+    from readme_common import readme_block
+
+    code = readme_block("python", "import openai")
+    code = code.replace("http://127.0.0.1:8000/v1", server.url + "/v1")
+    code = code.replace('api_key="unused"', f'api_key="{KEY_A}"')
+    assert server.url in code and KEY_A in code
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "completion_tokens" in r.stdout
 
 
 # -- tenants --------------------------------------------------------------------------------
