@@ -24,6 +24,7 @@ from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.serving.config import ConductorSectionConfig, ReplicaGroupConfig
+from actors.serving.metrics import PDCounters
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
@@ -113,6 +114,20 @@ class PDEngine:
     def serving_stats(self) -> ReplicaStats:
         hit = self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
         return self.cluster.stats(cache_hit_ratio=hit)
+
+    def pd_counters(self) -> PDCounters:
+        """Transfer and store counters for ``/metrics``, from the prefill replicas' last
+        reports and the cluster's own."""
+        reports = list(self.cluster.prefill_reports.values())
+        return PDCounters(
+            kv_transfer_bytes=sum(r.bytes_streamed for r in reports),
+            kv_transfer_layers=sum(r.layers_streamed for r in reports),
+            store_loaded_blocks=sum(r.loaded_blocks for r in reports),
+            store_stored_blocks=sum(r.stored_blocks for r in reports),
+            store_replicated_blocks=self.cluster.replicated_blocks,
+            prefill_restarts=self.cluster.num_prefill_restarts,
+            decode_restarts=self.cluster.num_decode_restarts,
+        )
 
     def cached_block_hashes(self) -> list[int]:
         return sorted(self._cached)

@@ -37,7 +37,7 @@ from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused, 
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.request_limits import RequestLimits
-from actors.serving.metrics import ReplicaMetrics
+from actors.serving.metrics import MetricsSnapshot, ReplicaMetrics
 from errors import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -147,7 +147,8 @@ class EngineLoop:
     def __init__(self, engine: ServingEngine, max_waiting: int = 256) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self.metrics = ReplicaMetrics()
+        # a disaggregated engine (PDEngine) also reports its transfer and store counters
+        self.metrics = ReplicaMetrics(getattr(engine, "pd_counters", None), min_interval_s=0.2)
         self._cmds: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, tuple[Sink, int]] = {}  # engine thread only
@@ -156,7 +157,7 @@ class EngineLoop:
         self._resync: list[int] | None = None
         self._want_resync = False
         self._stats: ReplicaStats = engine.serving_stats()
-        self._metrics: dict[str, Any] = self.metrics.snapshot()
+        self._metrics: MetricsSnapshot = self.metrics.snapshot()
         self._submitted = 0  # requests queued but not yet seen by the engine thread
         self._stop = False
         self._last_publish = 0.0
@@ -244,7 +245,7 @@ class EngineLoop:
         with self._lock:
             return self._stats
 
-    def metrics_snapshot(self) -> dict[str, Any]:
+    def metrics_snapshot(self) -> MetricsSnapshot:
         with self._lock:
             return self._metrics
 
@@ -288,6 +289,7 @@ class EngineLoop:
             idle_since = None
             try:
                 deltas = self.engine.step()
+                self.metrics.on_deltas(deltas, time.monotonic())
             except Exception as e:  # a bug or a dead worker: fail what runs, keep serving
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {e}; retry the request")
@@ -356,6 +358,7 @@ class EngineLoop:
                     self.engine.release(rid)
                 except Exception:
                     log.exception("could not take back %s", rid)
+            self.metrics.on_refused(refusal)
             sink(Refused.of(refusal))
             return
         for i, request in enumerate(requests):

@@ -108,8 +108,13 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        snap = await self.router.snapshot.remote()
-        text = render(snap, {"http_requests": dict(self.http_counts), "pending": self.pending})
+        view = await self.router.metrics.remote()
+        text = render(
+            view,
+            model_name=self.cfg.model_name,
+            http_requests=dict(self.http_counts),
+            pending=self.pending,
+        )
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")

@@ -28,12 +28,14 @@ import contextlib
 import dataclasses
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from actors.serving.metrics import MetricsSnapshot, ReplicaSample, RouterMetrics
 from actors.serving.router_state import RouterState
 from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
@@ -53,22 +55,23 @@ class RouterDeployment:
         self.block_size = block_size
         self.groups: dict[str, str] = {}  # replica id -> group name
         self.last_seen: dict[str, float] = {}
-        # replica id -> {"stats", "metrics", "group"}: what ``metrics.render`` reads, so the
-        # stats record is kept as its fields' dict
-        self.snapshots: dict[str, dict[str, Any]] = {}
+        self.snapshots: dict[str, ReplicaSample] = {}  # each replica's latest, for /metrics
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, outcome) -> count
 
     async def route(self, request: RouteRequest) -> list[tuple[str, str]]:
         """(replica id, group) pairs, best first. Records the decision in the view."""
         self._expire(time.time())
         ranking = self.state.route(request) if self.groups else []
-        return [(rid, self.groups[rid]) for rid in ranking if rid in self.groups]
+        pairs = [(rid, self.groups[rid]) for rid in ranking if rid in self.groups]
+        self.decisions[(self.state.policy_name, "routed" if pairs else "no_replica")] += 1
+        return pairs
 
     async def report(
         self,
         replica_id: str,
         group: str,
         stats: ReplicaStats,
-        metrics: dict[str, Any],
+        metrics: MetricsSnapshot,
         events: list[tuple[str, int]],
         resync: list[int] | None,
         first: bool,
@@ -84,16 +87,17 @@ class RouterDeployment:
             self.state.resync(replica_id, resync)  # the whole set; ``events`` come after it
         self.state.on_events(replica_id, events)
         self.state.on_stats(replica_id, stats)
-        self.snapshots[replica_id] = {
-            "stats": dataclasses.asdict(stats),
-            "metrics": metrics,
-            "group": group,
-        }
+        self.snapshots[replica_id] = ReplicaSample(group, stats, metrics)
         return not known and not first and resync is None
 
-    async def snapshot(self) -> dict[str, dict[str, Any]]:
+    async def snapshot(self) -> dict[str, ReplicaSample]:
         self._expire(time.time())
         return dict(self.snapshots)
+
+    async def metrics(self) -> RouterMetrics:
+        """What ``/metrics`` renders: each live replica's latest sample, and the decisions."""
+        self._expire(time.time())
+        return RouterMetrics(dict(self.snapshots), dict(self.decisions))
 
     def _expire(self, now: float) -> None:
         for rid, seen in list(self.last_seen.items()):

@@ -337,34 +337,40 @@ def test_tenants_share_no_cache_hits(server):
 
 # -- metrics ---------------------------------------------------------------------------------
 def test_metrics_exposed_per_replica(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
     server.client().completions.create(model=MODEL, prompt="metrics please", max_tokens=4)
-    names = [
-        "meridian_time_to_first_token_seconds_count",
-        "meridian_time_per_output_token_seconds_count",
-        "meridian_num_requests_waiting",
-        "meridian_kv_cache_usage_ratio",
-        "meridian_prefix_cache_hit_ratio",
+    per_replica = [
+        "meridian:time_to_first_token_seconds_count",
+        "meridian:inter_token_latency_seconds_count",
+        "meridian:e2e_request_latency_seconds_count",
+        "meridian:num_requests_running",
+        "meridian:num_requests_waiting",
+        "meridian:kv_cache_usage_perc",
+        "meridian:prefix_cache_queries_total",
+        "meridian:prefix_cache_hits_total",
+        "meridian:generation_tokens_total",
     ]
     deadline = time.monotonic() + 60
     while True:  # replicas push metrics every report interval
         text = server.http.get("/metrics").text
-        samples = [line for line in text.splitlines() if not line.startswith("#")]
-        replicas = {
-            line.split('replica="')[1].split('"')[0] for line in samples if 'replica="' in line
-        }
-        ttft = sum(
-            float(line.split()[-1])
-            for line in samples
-            if line.startswith("meridian_time_to_first_token_seconds_count")
-        )
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        replicas = {s.labels["replica"] for s in samples if "replica" in s.labels}
+        ttft = sum(s.value for s in samples if s.name == per_replica[0])
         if ttft > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert ttft > 0
     assert len(replicas) == 2
-    for name in names:
-        assert sum(line.startswith(name + "{") for line in samples) == 2, name
-    assert 'meridian_http_requests_total{route="/v1/completions",status="200"}' in text
+    for name in per_replica:
+        got = {s.labels["replica"] for s in samples if s.name == name}
+        assert got == replicas, name
+        assert all(s.labels["model_name"] == MODEL for s in samples if s.name == name), name
+    assert sum(s.value for s in samples if s.name == "meridian:inter_token_latency_seconds_count")
+    http = [s for s in samples if s.name == "meridian:http_requests_total"]
+    assert any(s.labels["route"] == "/v1/completions" and s.labels["status"] == "200" for s in http)
+    decisions = [s for s in samples if s.name == "meridian:router_decisions_total"]
+    assert sum(s.value for s in decisions if s.labels["outcome"] == "routed") > 0
 
 
 # -- the Python API attached to the running app ----------------------------------------------
