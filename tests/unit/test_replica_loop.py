@@ -1,0 +1,66 @@
+"""A replica's own loop: commands run on the loop thread between steps, in order; the
+long poll returns what was emitted, waiting only while nothing was; a failing step stops
+the loop and is reported."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from actors.disagg.replica_loop import ReplicaLoop, split_cores
+
+
+def test_commands_run_in_order_on_the_loop_thread_between_steps():
+    seen: list[str] = []
+    work = [3]
+    box: dict[str, ReplicaLoop] = {}
+
+    def step() -> bool:
+        if work[0] == 0 or "loop" not in box:
+            return False
+        work[0] -= 1
+        seen.append("step")
+        box["loop"].emit(work[0])
+        return True
+
+    loop = box["loop"] = ReplicaLoop(step, "test-loop", idle_wait_s=0.01)
+    try:
+        threads: list[str] = []
+        loop.post(lambda: seen.append("a"))
+        fut = loop.call(lambda: threads.append(threading.current_thread().name) or "b")
+        assert fut.result(timeout=5) == "b" and threads == ["test-loop"]
+        events: list[int] = []
+        deadline = time.monotonic() + 5
+        while len(events) < 3 and time.monotonic() < deadline:
+            events += loop.take(1.0)
+        assert events == [2, 1, 0]
+        assert seen.index("a") < len(seen) and seen.count("step") == 3
+        start = time.monotonic()
+        assert loop.take(0.05) == []  # nothing new: waits, then returns empty
+        assert time.monotonic() - start >= 0.04
+    finally:
+        loop.stop()
+    assert not loop.is_alive()
+
+
+def test_a_failing_step_stops_the_loop_and_fails_later_calls():
+    def step() -> bool:
+        raise ValueError("boom")
+
+    loop = ReplicaLoop(step, "failing", idle_wait_s=0.01)
+    deadline = time.monotonic() + 5
+    while loop.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(loop.error, ValueError)
+    with pytest.raises(RuntimeError, match="not running"):
+        loop.call(lambda: 1).result(timeout=1)
+
+
+def test_split_cores_keeps_prefill_and_decode_apart():
+    cores = split_cores(2, 1)
+    if not cores:
+        pytest.skip("one core: nothing to split")
+    assert cores["p0"] == cores["p1"]
+    assert not set(cores["p0"]) & set(cores["d0"])
