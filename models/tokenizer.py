@@ -1,6 +1,11 @@
 """``Tokenizer``: a Hugging Face ``tokenizer.json`` (via the ``tokenizers`` library) plus the
 special tokens and chat template of ``tokenizer_config.json`` (or ``chat_template.jinja``).
 
+Prompts tokenize exactly as ``transformers.AutoTokenizer`` (and so vLLM) tokenizes them on
+the same folder: the special tokens ``encode`` adds are those of ``tokenizer.json``'s
+post-processor alone. ``add_bos_token`` / ``add_eos_token`` in ``tokenizer_config.json``
+are ignored, as the fast tokenizer ignores them (tests/unit/test_tokenizer_hf.py).
+
 The chat template is rendered with jinja2's ``ImmutableSandboxedEnvironment``, with the same
 globals and filters transformers provides (``raise_exception``, ``strftime_now``, ``tojson``).
 """
@@ -25,7 +30,6 @@ class Tokenizer:
         tokenizer: HFTokenizer,
         bos_token: str | None = None,
         eos_token: str | None = None,
-        add_bos_token: bool = False,
         chat_template: str | None = None,
         eos_token_id: int | None = None,
         bos_token_id: int | None = None,
@@ -41,7 +45,6 @@ class Tokenizer:
             extra_eos_token_ids
         )
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_all))
-        self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self.chat_template = chat_template
         self._compiled = None
         if chat_template:
@@ -63,14 +66,16 @@ class Tokenizer:
         return self._compiled is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with special tokens, BOS leads if the config asks for it."""
-        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, int(self.bos_token_id))  # type: ignore[arg-type]
-        return ids
+        """Token ids of ``text``; with special tokens, those ``tokenizer.json``'s
+        post-processor adds (as ``AutoTokenizer.encode`` does)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def backend_json(self) -> str:
+        """The ``tokenizer.json`` this tokenizer was read from (for llguidance)."""
+        return str(self._tok.to_str())
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -123,7 +128,6 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         tok,
         bos_token=_token_text(cfg.get("bos_token")),
         eos_token=_token_text(cfg.get("eos_token")),
-        add_bos_token=bool(cfg.get("add_bos_token", False)),
         chat_template=template or None,
         eos_token_id=_first_id(eos_ids),
         bos_token_id=_first_id(gen.get("bos_token_id", model_cfg.get("bos_token_id"))),
