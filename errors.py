@@ -11,9 +11,14 @@ class MeridianError(Exception):
 
 
 class InvalidRequestError(MeridianError, ValueError):
-    """The request itself is malformed (empty prompt, bad sampling values, ...)."""
+    """The request itself is malformed (empty prompt, bad sampling values, ...).
+    ``param``: the request field to fix, when one is to blame (the HTTP error names it)."""
 
     http_status = 400
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(InvalidRequestError):

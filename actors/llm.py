@@ -180,6 +180,7 @@ class LLM:
                         out.text[sent_text:],
                         out.finished,
                         out.finish_reason,
+                        None if out.logprobs is None else out.logprobs[sent_tokens:],
                     )
                     sent_tokens, sent_text = len(out.token_ids), len(out.text)
                 if out.finished:

@@ -5,9 +5,14 @@
 
 Input lines are JSON objects with ``prompt`` (text), ``messages`` (chat) or
 ``prompt_token_ids``, an optional ``id`` (default: the line's 0-based index) and optional
-per-line ``max_tokens`` / ``temperature`` / ``top_p`` / ``seed`` / ``stop``. Each output
-line is ``{"id", "index", "text", "token_ids", "finish_reason", "num_prompt_tokens",
-"num_cached_tokens"}``, in completion order.
+per-line sampling fields (``LINE_PARAMS``: ``max_tokens``, ``temperature``, ``top_p``,
+``top_k``, ``seed``, ``stop``, the penalties, ``logit_bias``, ``min_tokens``,
+``response_format``, ``logprobs``). Each output line is ``{"id", "index", "text",
+"token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens"}``, in
+completion order; ``logprobs`` holds each sampled token's logprob (``--logprobs-mode``:
+"raw", the model's log-softmax, the default, or "processed", the distribution it was
+drawn from), and with ``--top-logprobs k`` (or a line's ``logprobs: k``) a
+``top_logprobs`` list of ``[[token id, logprob], ...]`` per token too.
 
 Resumable, exactly once: each result is appended as one whole line with one ``write`` as
 it finishes. On start, a torn last line (a kill mid-write) is cut off, and every id already
@@ -27,8 +32,23 @@ from typing import Any
 
 from actors.engine.sampling import SamplingParams
 from actors.llm import LLM
+from errors import InvalidRequestError
 
-LINE_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+LINE_PARAMS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+    "logprobs",
+)
 
 
 def read_inputs(path: Path) -> list[tuple[str, int, dict[str, Any]]]:
@@ -123,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None, help="line i samples with seed + i")
+    ap.add_argument("--top-logprobs", type=int, default=0, help="top logprobs per token")
+    ap.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw")
     args = ap.parse_args(argv)
 
     items = read_inputs(args.input)
@@ -144,12 +166,20 @@ def main(argv: list[str] | None = None) -> None:
         )
     token_lists = [tokens_of(llm, rec) for _, _, rec in todo]
     params = []
-    for _, index, rec in todo:
-        kw: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    for rid, index, rec in todo:
+        kw: dict[str, Any] = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "logprobs": args.top_logprobs,
+            "logprobs_mode": args.logprobs_mode,
+        }
         if args.seed is not None:
             kw["seed"] = args.seed + index
         kw.update({k: rec[k] for k in LINE_PARAMS if k in rec})
-        params.append(SamplingParams(**kw))
+        try:
+            params.append(SamplingParams(**kw))
+        except (InvalidRequestError, TypeError) as e:
+            raise SystemExit(f"{args.input}: line with id {rid!r}: {e}") from None
 
     progress = Progress(len(items), len(items) - len(todo))
     fd = os.open(args.output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -161,10 +191,13 @@ def main(argv: list[str] | None = None) -> None:
                 "index": index,
                 "text": out.text,
                 "token_ids": out.token_ids,
+                "logprobs": [lp.logprob for lp in out.logprobs or []],
                 "finish_reason": out.finish_reason,
                 "num_prompt_tokens": len(token_lists[i]),
                 "num_cached_tokens": out.num_cached_tokens,
             }
+            if out.logprobs and any(lp.top for lp in out.logprobs):
+                line["top_logprobs"] = [[list(t) for t in lp.top] for lp in out.logprobs]
             data = (json.dumps(line) + "\n").encode("utf-8")
             if os.write(fd, data) != len(data):  # one write per line: whole, or torn and cut
                 raise OSError(f"short write to {args.output}")

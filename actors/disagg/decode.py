@@ -83,8 +83,8 @@ class DecodeReplica(LoopedReplica):
     def reserve(self, key: str, request: Request) -> KVDestination | None:
         return self.loop.call(lambda: self._reserve(key, request)).result()
 
-    def admit(self, key: str, first_token: int) -> None:
-        self.loop.post(lambda: self._admit(key, first_token))
+    def admit(self, key: str, first_token: int, first_logprob: Any = None) -> None:
+        self.loop.post(lambda: self._admit(key, first_token, first_logprob))
 
     def cancel(self, key: str) -> None:
         self.loop.post(lambda: None if self._cancel(key) else None)
@@ -106,10 +106,10 @@ class DecodeReplica(LoopedReplica):
         self.stats = self._stats()
         return KVDestination(self.targets, tuple(blocks))
 
-    def _admit(self, key: str, first_token: int) -> None:
+    def _admit(self, key: str, first_token: int, first_logprob: Any = None) -> None:
         if self._reserved_blocks.pop(key, None) is None:
             return  # cancelled or aborted meanwhile
-        delta = self.controller.admit_prefilled(key, first_token)
+        delta = self.controller.admit_prefilled(key, first_token, first_logprob)
         self._emit([delta])
 
     def _cancel(self, key: str) -> bool:
@@ -170,5 +170,5 @@ class RemoteDecode:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def admit(self, key: str, first_token: int) -> None:
-        self.handle.admit.remote(key, first_token)
+    def admit(self, key: str, first_token: int, first_logprob: Any = None) -> None:
+        self.handle.admit.remote(key, first_token, first_logprob)

@@ -58,6 +58,7 @@ class PDRequest:
             delta.text if not old else "",
             delta.finished,
             delta.finish_reason,
+            None if delta.logprobs is None else delta.logprobs[old:],
         )
         self.emitted += len(out.token_ids)
         self.token_times += [produced_at] * len(out.token_ids)

@@ -22,13 +22,14 @@ class IncrementalDetokenizer:
         self.text = ""  # released so far
         self.stopped = False
 
-    def add(self, token_ids: list[int], final: bool = False) -> str:
-        """Append tokens; return the newly released text. ``final`` releases everything."""
+    def add(self, token_ids: list[int], final: bool = False, check_stop: bool = True) -> str:
+        """Append tokens; return the newly released text. ``final`` releases everything;
+        ``check_stop=False`` looks for no stop string (``min_tokens`` not reached yet)."""
         if self.stopped:
             return ""
         self.token_ids.extend(token_ids)
         full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = self._first_stop(full)
+        cut = self._first_stop(full) if check_stop else None
         if cut is not None:
             self.stopped = True
             full = full[:cut]

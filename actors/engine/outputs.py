@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and the ``k`` most likely tokens' (best first), under
+    the request's ``logprobs_mode`` (see ``SamplingParams``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -17,6 +27,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
 @dataclass
@@ -28,3 +39,4 @@ class StreamDelta:
     text: str
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for

@@ -173,6 +173,7 @@ class RayExecutor:
         merged = StepResult(leaders[0].step_id, {}, list(leaders[0].timings))
         for out in leaders:
             merged.tokens.update(out.tokens)
+            merged.logprobs.update(out.logprobs)
         for out in outs:  # every last stage carries its earlier stages' reports
             merged.hook_reports += out.hook_reports
         return merged

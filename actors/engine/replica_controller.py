@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,11 @@ from actors.engine.collectives import Layout
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.executor import Executor, LocalExecutor, WorkerFailure
-from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.outputs import RequestOutput, StreamDelta, TokenLogprob
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.step_plan import PlanEntry, StepPlan, StepResult
+from actors.engine.structured import GrammarCompiler, GrammarState
 from actors.engine.worker import WorkerSpec
 from actors.engine.worker_hooks import HooksFactory, WorkerHooks
 from errors import InvalidRequestError
@@ -36,7 +37,7 @@ from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
 from models.sharding import kv_heads_per_rank
 from policies.chunking import FixedChunk
-from policies.request import Request
+from policies.request import Request, SampleSpec
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
 from store.block_pool import BlockPool
@@ -50,6 +51,9 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     kv_dest: Any = None  # where its KV is streamed as it is computed (a prefill replica's)
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    grammar: GrammarState | None = None  # its response_format's state, when it has one
+    prompt_set: tuple[int, ...] = ()  # distinct prompt ids, for a repetition penalty
 
 
 class ReplicaController:
@@ -145,6 +149,7 @@ class ReplicaController:
         self.eos_token_ids = frozenset(
             t for t in (cfg.eos_token_ids or [self.tokenizer.eos_token_id]) if t is not None
         )
+        self._grammar_compiler: GrammarCompiler | None = None  # on first use
         self._requests: dict[str, _Request] = {}
         self._reserved: dict[str, _Request] = {}  # KV reserved, prompt computed elsewhere
         self._step_ids = itertools.count()
@@ -194,7 +199,21 @@ class ReplicaController:
             stop_ids |= self.eos_token_ids
         seq = Sequence.from_request(request, stop_ids)
         assert isinstance(params.stop, list)
-        return _Request(request, seq, IncrementalDetokenizer(self.tokenizer, params.stop))
+        r = _Request(request, seq, IncrementalDetokenizer(self.tokenizer, params.stop))
+        if params.logprobs is not None:
+            r.logprobs = []
+        if params.response_format is not None:
+            r.grammar = self._grammars().state(params.response_format)
+        if params.repetition_penalty != 1.0:
+            r.prompt_set = tuple(sorted(set(request.prompt_token_ids)))
+        return r
+
+    def _grammars(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer.backend_json(), self.config.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self._grammar_compiler
 
     # -- disaggregated decode: requests whose prompt KV is computed elsewhere ----------------
     def reserve_prefilled(self, request: Request) -> list[int] | None:
@@ -219,7 +238,9 @@ class ReplicaController:
         self.kv.free(r.seq)
         return True
 
-    def admit_prefilled(self, request_id: str, first_token: int) -> StreamDelta:
+    def admit_prefilled(
+        self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
+    ) -> StreamDelta:
         """Every prompt block of a reservation holds its KV and ``first_token`` was sampled
         from the prompt's last position: the request joins the decode batch (as if this
         replica had computed the prompt) and ``first_token`` goes through the same
@@ -231,7 +252,9 @@ class ReplicaController:
         now = time.monotonic()
         self.scheduler.add_running(seq, now)
         admitted = ScheduledStep([(seq, 0)], [seq.num_computed_tokens])
-        (delta,) = self._postprocess(admitted, StepResult(-1, {request_id: first_token}))
+        logprobs = {request_id: first_logprob} if first_logprob is not None else {}
+        result = StepResult(-1, {request_id: first_token}, logprobs=logprobs)
+        (delta,) = self._postprocess(admitted, result)
         return delta
 
     def abort(self, request_id: str) -> None:
@@ -258,6 +281,7 @@ class ReplicaController:
             arrival_time=s.arrival_time,
             first_token_time=s.first_token_time,
             finish_time=s.finish_time,
+            logprobs=None if r.logprobs is None else list(r.logprobs),
         )
 
     def release(self, request_id: str) -> RequestOutput:
@@ -314,13 +338,30 @@ class ReplicaController:
             spec = None
             r = self._requests[seq.request_id]
             if samples:
-                spec = r.request.params.spec(r.request.seed, len(seq.output_token_ids))
+                spec = self._sample_spec(r)
             entry = PlanEntry(seq.request_id, start, seq.token_ids[start:end], shards, spec)
             if r.kv_dest is not None:
                 entry.kv_dest = r.kv_dest
                 entry.stream_from_block = 0 if start <= seq.num_cached_tokens else start // bs
             plan.entries.append(entry)
         return plan
+
+    def _sample_spec(self, r: _Request) -> SampleSpec:
+        """The spec of the request's next token, with what its history decides: counts of
+        its generated tokens (penalties), the stop ids ``min_tokens`` still forbids, and
+        its grammar's allowed tokens. Workers keep no per-request state."""
+        params, seq = r.request.params, r.seq
+        index = len(seq.output_token_ids)
+        context: dict[str, Any] = {}
+        if params.penalized and seq.output_token_ids:
+            context["output_counts"] = tuple(sorted(Counter(seq.output_token_ids).items()))
+        if r.prompt_set:
+            context["prompt_tokens"] = r.prompt_set
+        if index < params.min_tokens and seq.stop_token_ids:
+            context["suppress"] = tuple(sorted(seq.stop_token_ids))
+        if r.grammar is not None:
+            context["allowed"] = r.grammar.allowed()
+        return params.spec(r.request.seed, index, **context)
 
     def _postprocess(self, scheduled: ScheduledStep, result: StepResult) -> list[StreamDelta]:
         now = time.monotonic()
@@ -330,7 +371,14 @@ class ReplicaController:
             r = self._requests.get(rid)
             if r is None:
                 continue
-            text = r.detok.add([token], final=r.seq.is_finished)
+            logprob = result.logprobs.get(rid)
+            if r.logprobs is not None and logprob is not None:
+                r.logprobs.append(logprob)
+            if r.grammar is not None and not r.seq.is_finished:
+                if not r.grammar.accept(token) or r.grammar.done:
+                    self.scheduler.finish(rid, FinishReason.STOP, now)  # the document is done
+            check_stop = len(r.seq.output_token_ids) >= r.request.params.min_tokens
+            text = r.detok.add([token], final=r.seq.is_finished, check_stop=check_stop)
             if r.detok.stopped:
                 if r.seq.is_finished:  # the stop string completed on the last allowed token
                     r.seq.finish_reason = FinishReason.STOP
@@ -343,6 +391,7 @@ class ReplicaController:
                     text,
                     r.seq.is_finished,
                     r.seq.finish_reason.value if r.seq.finish_reason else None,
+                    None if logprob is None or r.logprobs is None else [logprob],
                 )
             )
         return deltas

@@ -62,7 +62,7 @@ class RequestBuilder:
             try:
                 requests.append(self.build(tokens, p, salt=salt, tenant=tenant))
             except InvalidRequestError as e:
-                raise type(e)(f"prompt {i}: {e}") from None
+                raise type(e)(f"prompt {i}: {e}", e.param) from None
         return requests
 
     def build_choices(

@@ -49,3 +49,25 @@ class RequestLimits:
                 f"prompt + max_tokens needs more KV than a replica holds for one request "
                 f"({capacity} tokens); lower max_tokens"
             )
+        self.validate_sampling(params)
+
+    def validate_sampling(self, params: SamplingParams) -> None:
+        """What the sampling parameters need of this model (InvalidRequestError naming the
+        field): token ids of ``logit_bias`` in the vocabulary, ``min_tokens`` within
+        ``max_tokens``, a ``response_format`` that compiles to a grammar."""
+        vocab = self.vocab_size
+        unknown = sorted(t for t in (params.logit_bias or {}) if not 0 <= t < vocab)
+        if unknown:
+            raise InvalidRequestError(
+                f"logit_bias: token ids must be in [0, {vocab}); got {unknown[:5]}", "logit_bias"
+            )
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                f"({params.max_tokens})",
+                "min_tokens",
+            )
+        if params.response_format is not None:
+            from actors.engine.structured import grammar_of
+
+            grammar_of(params.response_format)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.sampling import SampleSpec
+from actors.engine.sampling import SampleSpec, TokenLogprob
 
 # (kvp rank, first token position it holds, its block ids in position order). A request's
 # shards cover positions [0, start + n) in order; every shard but the last holds exactly
@@ -78,3 +78,5 @@ class StepResult:
     # what the workers' StepHook.end_step returned (actors.engine.worker_hooks), every
     # worker that handled the step
     hook_reports: list[Any] = field(default_factory=list)
+    # request id -> the sampled token's logprobs, for requests that asked for them
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from actors.engine.collectives import Collectives, Layout
-from actors.engine.sampling import sample
+from actors.engine.sampling import TokenLogprob, sample_tokens
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker_hooks import CacheGeometry, HooksFactory, PrivateKVCache, WorkerHooks
 from actors.engine.worker_inputs import build_worker_inputs
@@ -162,12 +162,16 @@ class Worker:
         if not shard.is_last:
             return StageOutput(plan.step_id, hidden.cpu().numpy(), timings, reports)
         tokens: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
         if self.tp_rank == 0 and inputs.sample_rows:
             rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
             logits = shard.compute_logits(hidden.index_select(0, rows))
-            sampled = sample(logits, inputs.sample_specs)
-            tokens = dict(zip(inputs.sample_ids, sampled, strict=True))
-        return StepResult(plan.step_id, tokens, timings, reports)
+            sampled = sample_tokens(logits, inputs.sample_specs)
+            for rid, s in zip(inputs.sample_ids, sampled, strict=True):
+                tokens[rid] = s.token_id
+                if s.logprob is not None:
+                    logprobs[rid] = s.logprob
+        return StepResult(plan.step_id, tokens, timings, reports, logprobs)
 
     def shutdown(self) -> None:
         if self.collectives is not None:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from actors.engine.config import EngineConfig
-from actors.engine.outputs import RequestOutput
+from actors.engine.outputs import RequestOutput, TokenLogprob
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.serving.router import make_router_state
@@ -130,8 +130,44 @@ def _json_params(p: SamplingParams) -> dict[str, Any]:
     """The OpenAI body fields of ``p`` (HTTP only; a Serve app takes SamplingParams)."""
     if p.stop_token_ids:
         raise InvalidRequestError("stop_token_ids cannot be sent over HTTP; use stop")
-    fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
-    return {f: getattr(p, f) for f in fields}
+    fields = (
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "logprobs",
+        "logprobs_mode",
+        "response_format",
+    )
+    body = {f: getattr(p, f) for f in fields}
+    if p.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
+    if p.logprobs is not None:
+        body["return_tokens_as_token_ids"] = True  # top logprobs keyed by id, not by text
+    return body
+
+
+def _token_logprobs(body: dict[str, Any] | None) -> list[TokenLogprob] | None:
+    """A completions choice's logprobs (tokens named ``token_id:<id>``) -> TokenLogprobs."""
+    if body is None:
+        return None
+
+    def tid(name: str) -> int:
+        return int(name.removeprefix("token_id:"))
+
+    return [
+        TokenLogprob(tid(t), lp, tuple((tid(k), v) for k, v in top.items()))
+        for t, lp, top in zip(
+            body["tokens"], body["token_logprobs"], body["top_logprobs"], strict=True
+        )
+    ]
 
 
 class ServeAppClient:
@@ -180,9 +216,11 @@ class HttpClient:
         data = r.json()
         c = data["choices"][0]
         cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        return RequestOutput(
+        out = RequestOutput(
             data["id"], tokens, c["token_ids"], c["text"], True, c["finish_reason"], cached
         )
+        out.logprobs = _token_logprobs(c.get("logprobs"))
+        return out
 
     def run(
         self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None

@@ -247,13 +247,17 @@ class Ingress:
         room = builder.limits.max_model_len - max(len(p) for p in prompts)
         if max_tokens is None:
             max_tokens = min(limits.default_max_tokens, max(room, 1))
-        params = [req.sampling_params(max_tokens, i) for i in range(req.n)]
+        try:
+            params = [req.sampling_params(max_tokens, i) for i in range(req.n)]
+        except InvalidRequestError as e:  # a sampling field out of its range
+            raise oai.APIError(400, str(e), e.param) from None
         built = []
         for tokens in prompts:
             try:
                 built.append(builder.build_choices(tokens, params, salt=salt, tenant=salt))
             except InvalidRequestError as e:  # the prompt, or prompt + max_tokens, too long
                 param = field if room >= 1 and isinstance(e, ContextLengthError) else prompt_field
+                param = e.param or param  # a sampling field the model cannot take
                 message = str(e) if param in str(e) else f"{param}: {e}"
                 code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
                 raise oai.APIError(400, message, param, code) from None
@@ -361,7 +365,8 @@ class Ingress:
                 completion += len(out.token_ids)
                 ids = out.token_ids if want_ids else None
                 reason = oai.finish_reason(out.finish_reason)
-                choices.append(oai.choice(pi * n + j, out.text, reason, chat, ids))
+                lps = self._logprobs(prep, out.logprobs, chat)
+                choices.append(oai.choice(pi * n + j, out.text, reason, chat, ids, lps))
         prompt_tokens = sum(p[0].num_prompt_tokens for p in prep.prompts)
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         use = oai.usage(prompt_tokens, completion, cached)
@@ -398,6 +403,7 @@ class Ingress:
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         started: set[int] = set()
+        offsets: dict[int, int] = {}  # per choice: text offset of its next logprob token
         completion, cached, live = 0, 0, len(streams)
         try:
             while live:
@@ -407,12 +413,13 @@ class Ingress:
                 elif isinstance(item, Delta):
                     idx, d = pi * n + item.index, item.delta
                     first = idx not in started
-                    if not (first or d.text or d.finished or want_ids):
+                    if not (first or d.text or d.finished or want_ids or d.logprobs):
                         continue  # a token that completes no character yet: nothing to send
                     started.add(idx)
                     reason = oai.finish_reason(d.finish_reason) if d.finished else None
                     ids = d.token_ids if want_ids else None
-                    yield chunk([oai.chunk_choice(idx, d.text, reason, chat, ids, first)])
+                    lps = self._logprobs(prep, d.logprobs, chat, offsets, idx)
+                    yield chunk([oai.chunk_choice(idx, d.text, reason, chat, ids, first, lps)])
                 elif isinstance(item, Done):
                     out = item.output
                     completion += len(out.token_ids)
@@ -434,6 +441,27 @@ class Ingress:
             for s in streams:
                 with contextlib.suppress(Exception):
                     await s.aclose()  # type: ignore[attr-defined]
+
+    def _logprobs(
+        self,
+        prep: _Prepared,
+        lps: list[Any] | None,
+        chat: bool,
+        offsets: dict[int, int] | None = None,
+        idx: int = 0,
+    ) -> dict[str, Any] | None:
+        """A choice's (or a stream chunk's) logprobs in OpenAI's shape; None when the
+        request did not ask for them. ``offsets``: text offsets streamed so far, per choice."""
+        if lps is None:
+            return None
+        as_ids = prep.req.return_tokens_as_token_ids
+        if chat:
+            return oai.chat_logprobs(lps, self.tokenizer, as_ids)
+        start = 0 if offsets is None else offsets.get(idx, 0)
+        body = oai.completion_logprobs(lps, self.tokenizer, as_ids, start)
+        if offsets is not None and lps:
+            offsets[idx] = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
 
     # -- auth, admission, responses ----------------------------------------------------------
     def _tenant(self, request: HTTPRequest) -> ApiKeyConfig | None:

@@ -1,9 +1,18 @@
 """OpenAI-compatible request models, response builders and the error shape.
 
-Requests are validated strictly (a string where a number belongs is an error, not coerced);
-unknown fields are ignored, as OpenAI-compatible servers do. Extensions beyond the OpenAI
-API: ``top_k``, ``ignore_eos``, ``return_token_ids`` (each choice carries ``token_ids``)
-and ``session_id`` (the key of consistent-hash routing).
+Requests are validated strictly (a string where a number belongs is an error, not coerced).
+A field this server does not implement is refused with 400 naming it, never ignored: an
+OpenAI field we lack (``best_of``, ``echo``, ``suffix``, ``tools``, ...) is accepted only
+with the value that asks for nothing (``NEUTRAL``), and an unknown field never.
+Extensions beyond the OpenAI API, as vLLM spells them: ``top_k``, ``ignore_eos``,
+``repetition_penalty``, ``min_tokens``, ``return_token_ids`` (each choice carries
+``token_ids``), ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:<id>"``),
+``logprobs_mode`` ("raw", the default, or "processed": see ``SamplingParams``) and
+``session_id`` (the key of consistent-hash routing).
+
+Logprobs come in OpenAI's shapes: completions ``{"tokens", "token_logprobs",
+"top_logprobs", "text_offset"}`` (``logprobs: k``), chat ``{"content": [{"token",
+"logprob", "bytes", "top_logprobs"}]}`` (``logprobs: true`` and ``top_logprobs: k``).
 
 Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``param``
 names the offending field.
@@ -13,17 +22,75 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from actors.engine.outputs import TokenLogprob
 from actors.engine.sampling import SamplingParams
+from errors import InvalidRequestError
+from policies.request import MAX_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
 
+# OpenAI fields this server does not implement, with the values that ask for nothing: such
+# a value is dropped; any other value (and any field not listed nor modelled) is a 400.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+    "tool_calls": (None, []),  # of a chat message
+    "refusal": (None,),  # of a chat message
+}
+
 
 class _Req(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(k in NEUTRAL for k in data):
+            data = {
+                k: v
+                for k, v in data.items()
+                if k in cls.model_fields or k not in NEUTRAL or v not in NEUTRAL[k]
+            }
+        return data
+
+
+class JsonSchemaFormat(_Req):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Req):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        spec = self.json_schema
+        return {
+            "type": "json_schema",
+            "json_schema": None if spec is None else {"name": spec.name, "schema": spec.schema_},
+        }
 
 
 class StreamOptions(_Req):
@@ -41,18 +108,40 @@ class _Sampling(_Req):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    response_format: ResponseFormat | None = None
     # extensions
     top_k: int = Field(0, ge=-1)
     ignore_eos: bool = False
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     session_id: str | None = None
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return stop
 
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each token carries (None: no logprobs)."""
+        raise NotImplementedError
+
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
-        """Choice ``i`` of a seeded request uses ``seed + i``: choices differ, reruns repeat."""
+        """Choice ``i`` of a seeded request uses ``seed + i``: choices differ, reruns repeat.
+        Raises InvalidRequestError naming the field."""
+        bias: dict[int, float] | None = None
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.strip().isdigit():
+                    raise InvalidRequestError(
+                        f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+                    )
+                bias[int(key)] = value
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -61,12 +150,23 @@ class _Sampling(_Req):
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            min_tokens=self.min_tokens,
+            logprobs=self.num_logprobs(),
+            logprobs_mode=self.logprobs_mode,
+            response_format=self.response_format.as_dict() if self.response_format else None,
         )
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Req):
@@ -88,6 +188,15 @@ class ChatMessage(_Req):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -136,6 +245,8 @@ _RANGE_ERRORS = {
     "too_short",
     "too_long",
     "value_error",
+    "extra_forbidden",
+    "literal_error",
 }
 
 
@@ -149,6 +260,17 @@ def validation_error(e: ValidationError) -> APIError:
     param = ".".join(str(p) for p in loc) or None
     status = 400 if all(err["type"] in _RANGE_ERRORS for err in errors) else 422
     msg = f"{param}: {first['msg']}" if param else first["msg"]
+    unsupported = [e for e in errors if e["type"] == "extra_forbidden"]
+    if unsupported:  # name the field this server does not implement, never ignore it
+        bad = unsupported[0]["loc"]
+        param = ".".join(str(p) for p in bad)
+        last = str(bad[-1])
+        status = 400
+        msg = (
+            f"{param}: this server does not support the field {last!r}"
+            + (" with this value" if last in NEUTRAL else "")
+            + "; remove it"
+        )
     if len(errors) > 1 and first["type"] not in _RANGE_ERRORS:
         msg += f" (and {len(errors) - 1} more problems with the same field or others)"
     return APIError(status, msg, param)
@@ -187,9 +309,14 @@ def completion_body(
 
 
 def choice(
-    index: int, text: str, finish_reason: str | None, chat: bool, token_ids: list[int] | None
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    chat: bool,
+    token_ids: list[int] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    c: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+    c: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         c["message"] = {"role": "assistant", "content": text}
     else:
@@ -206,8 +333,9 @@ def chunk_choice(
     chat: bool,
     token_ids: list[int] | None,
     first: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    c: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+    c: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
@@ -223,3 +351,49 @@ def chunk_choice(
 def finish_reason(reason: str | None) -> str | None:
     """Engine reasons to OpenAI's: stop, length; an abort never reaches a client."""
     return {"stop": "stop", "length": "length"}.get(reason or "", reason)
+
+
+# -- logprobs -------------------------------------------------------------------------------
+class _Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def token_text(tokenizer: _Decoder, token_id: int, as_ids: bool) -> str:
+    """How a token is named in logprobs (``"token_id:<id>"`` with
+    ``return_tokens_as_token_ids``, as vLLM does)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    lps: list[TokenLogprob], tokenizer: _Decoder, as_ids: bool, offset: int = 0
+) -> dict[str, Any]:
+    """OpenAI's completions logprobs of ``lps``; ``offset``: the text offset of the first
+    (the length of the text streamed before it)."""
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        tokens.append(token_text(tokenizer, lp.token_id, as_ids))
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{token_text(tokenizer, t, as_ids): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lps: list[TokenLogprob], tokenizer: _Decoder, as_ids: bool) -> dict[str, Any]:
+    """OpenAI's chat logprobs of ``lps``."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id, as_ids)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+            for lp in lps
+        ]
+    }
