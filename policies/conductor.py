@@ -186,7 +186,7 @@ class Conductor:
                 t_remote = self.transfer_time(best_len - local[i]) + remote_prefill
                 if t_remote < t_exec:
                     t_exec, blocks, source = t_remote, best_len, prefills[best].instance_id
-            ttft = t_queue + t_exec
+            ttft = adm.predict_ttft(t_queue, t_exec)
             if choice is None or ttft < choice.ttft:
                 choice = _PrefillChoice(i, ttft, t_queue, blocks, source, [], None)
         assert choice is not None
@@ -338,14 +338,16 @@ class Conductor:
         if dec is None:
             reason = "decode_full"
             retry = self._tbt_retry_after(request, decodes, now)
-        elif self.admission != "none" and adm.slo_load(ttft, tbt, self.ttft_slo, self.tbt_slo) > 1:
-            ttft_ratio, tbt_ratio = ttft / self.ttft_slo, tbt / self.tbt_slo
-            reason = "ttft_slo" if ttft_ratio >= tbt_ratio else "tbt_slo"
-            # Retry when both pools have drained enough: the later of the two estimates.
-            if ttft_ratio > 1:
-                retry = adm.ttft_retry_after(ttft, self.ttft_slo)
-            if tbt_ratio > 1:
-                retry = max(retry, self._tbt_retry_after(request, decodes, now))
+        elif self.admission != "none":
+            # Early rejection: the shared TTFT rule, and its TBT counterpart (the larger
+            # load decides, ``adm.slo_load``).
+            judged, tbt_ratio = adm.judge_ttft(ttft, self.ttft_slo), tbt / self.tbt_slo
+            if max(judged.load, tbt_ratio) > 1:
+                reason = "ttft_slo" if judged.load >= tbt_ratio else "tbt_slo"
+                # Retry when both pools have drained enough: the later of the two estimates.
+                retry = judged.retry_after
+                if tbt_ratio > 1:
+                    retry = max(retry, self._tbt_retry_after(request, decodes, now))
         if reason:
             return ConductorDecision(
                 accepted=False,
@@ -356,7 +358,7 @@ class Conductor:
                 replicate_blocks=[],
                 predicted_ttft=ttft,
                 predicted_tbt=tbt,
-                retry_after=max(self.min_retry_after, retry),
+                retry_after=adm.retry_after_at_least(retry, self.min_retry_after),
                 reason=reason,
             )
         assert dec is not None

@@ -56,6 +56,16 @@ class ConductorSectionConfig(_Strict):
     fit_costs: bool = True
 
 
+class AdmissionSectionConfig(_Strict):
+    """SLO-aware admission of a colocated group (``policies.admission.ColocatedAdmission``):
+    each replica predicts a new request's TTFT from its queued prefill work and decodes
+    (a step-cost model fitted from its measured steps) and refuses it with 429 and
+    Retry-After when that misses ``ttft_slo`` seconds. Without this section a replica
+    admits by queue length only (``limits.max_waiting_per_replica``)."""
+
+    ttft_slo: float = Field(gt=0)
+
+
 class PDLayoutConfig(_Strict):
     """The layout of each prefill (or decode) replica of a disaggregated group: tensor and
     sequence-pipeline degrees (KV-parallel P/D replicas are not supported)."""
@@ -97,6 +107,7 @@ class ReplicaGroupConfig(_Strict):
     num_decode: int | None = Field(None, ge=1)
     store: StoreSectionConfig | None = None
     conductor: ConductorSectionConfig | None = None
+    admission: AdmissionSectionConfig | None = None  # colocated groups (P/D: conductor)
     prefill: PDLayoutConfig | None = None
     decode: PDLayoutConfig | None = None
 
@@ -128,6 +139,11 @@ class ReplicaGroupConfig(_Strict):
                         f"disaggregated groups have one); remove {section} or add both"
                     )
             return self
+        if self.admission is not None:
+            raise ValueError(
+                f"{where}: a disaggregated group admits through its conductor section "
+                "(ttft_slo, tbt_slo, admission); remove admission"
+            )
         for name in ("tp", "spp", "kvp"):
             degree = self.engine.get(name, getattr(self, name))
             if degree != 1:

@@ -39,7 +39,8 @@ def _engine(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> Se
         from actors.disagg.engine import PDEngine
 
         return PDEngine.for_group(model, group, replica_id)
-    return ColocatedEngine(model, group.engine_config())
+    slo = group.admission.ttft_slo if group.admission is not None else None
+    return ColocatedEngine(model, group.engine_config(), ttft_slo=slo)
 
 
 class ReplicaServer:
