@@ -246,7 +246,6 @@ _RANGE_ERRORS = {
     "too_long",
     "value_error",
     "extra_forbidden",
-    "literal_error",
 }
 
 

@@ -24,6 +24,31 @@ PROMPTS = [list(range(3, 3 + n)) for n in (5, 37, 70)]
 LONG = 2  # index of the prompt that spans KV ranks
 OPTIONS = dict(dtype=torch.float64, chunk_size=20, num_blocks=64, kvp_rank_tokens=48)
 MAX_TOKENS = 8
+# One plain greedy prompt; one with penalties, a logit bias and raw logprobs; one seeded,
+# with min_tokens and processed logprobs: the worker that samples (last stage, TP rank 0,
+# the compute rank of a KV-split request) gets each request's history through the plan.
+PARAMS = [
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+    SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        presence_penalty=1.0,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.3,
+        logit_bias={7: 2.0},
+        logprobs=2,
+        ignore_eos=True,
+    ),
+    SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.8,
+        seed=11,
+        frequency_penalty=0.7,
+        min_tokens=MAX_TOKENS,
+        logprobs=3,
+        logprobs_mode="processed",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +60,48 @@ def cluster():
 
 
 def generate(
-    controller: ReplicaController, watch=None, prompts=PROMPTS, max_tokens=MAX_TOKENS
+    controller: ReplicaController,
+    watch=None,
+    prompts=PROMPTS,
+    max_tokens=MAX_TOKENS,
+    logprobs: list | None = None,
 ) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    """Token ids per prompt (``PARAMS`` for ``PROMPTS``, else greedy); ``logprobs``
+    collects each request's logprobs."""
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = PARAMS if prompts is PROMPTS else [plain] * len(prompts)
     builder = controller.request_builder()
-    ids = [controller.add_request(builder.build(p, params)) for p in prompts]
+    ids = [
+        controller.add_request(builder.build(t, p)) for t, p in zip(prompts, params, strict=True)
+    ]
     while controller.has_unfinished():
         controller.step()
         if watch is not None:
             watch(controller, ids)
-    return [controller.release(rid).token_ids for rid in ids]
+    outs = [controller.release(rid) for rid in ids]
+    if logprobs is not None:
+        logprobs.extend(o.logprobs for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def assert_logprobs_close(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        for a, b in zip(g or [], w or [], strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-6, abs=1e-9)
+
+
+REFERENCE_LOGPROBS: list = []
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     controller = ReplicaController(tiny_model_dir("dense"), **OPTIONS)
-    tokens = generate(controller)
+    tokens = generate(controller, logprobs=REFERENCE_LOGPROBS)
     controller.shutdown()
     assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert REFERENCE_LOGPROBS[1] and len(REFERENCE_LOGPROBS[2][0].top) == 3
     return tokens
 
 
@@ -70,11 +119,13 @@ def test_layout_matches_single_process(cluster, reference, tp, spp, kvp):
         shards = c.kv.shards(ids[LONG])
         shard_starts.update(first for _, first, _ in shards)
 
+    logprobs: list = []
     try:
-        tokens = generate(controller, watch)
+        tokens = generate(controller, watch, logprobs=logprobs)
     finally:
         controller.shutdown()
     assert tokens == reference
+    assert_logprobs_close(logprobs, REFERENCE_LOGPROBS)
     if kvp == 2:
         assert shard_starts == {0, 48}, "the long prompt must spill onto the second rank"
         assert 48 % OPTIONS["chunk_size"] != 0  # so the boundary falls inside a chunk

@@ -15,6 +15,8 @@ import pytest
 pytestmark = pytest.mark.timeout(900)
 
 N = 48
+# line 0 asks for penalties, a bias and top logprobs of its own
+LINE0 = {"presence_penalty": 1.0, "logit_bias": {"7": 3.0}, "logprobs": 2}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,7 @@ def test_rollout_job_killed_and_resumed(cluster, tmp_path):
     with open(inp, "w") as f:
         for i in range(N):
             rec = {"id": f"p{i}", "prompt": f"Prompt number {i}: tell me about {i * 7}"}
+            rec.update(LINE0 if i == 0 else {})
             f.write(json.dumps(rec) + "\n")
 
     job = submit(client, cluster, inp, out)
@@ -91,3 +94,19 @@ def test_rollout_job_killed_and_resumed(cluster, tmp_path):
     assert final[: len(first)] == first  # the first run's lines are kept as written
     assert all(r["finish_reason"] in {"stop", "length"} for r in records)
     assert all(r["index"] == int(r["id"][1:]) for r in records)
+    # every line carries each sampled token's logprob, as the in-process engine computes it
+    assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in records)
+    from actors import LLM, SamplingParams
+
+    llm = LLM()
+    by_id = {r["id"]: r for r in records}
+    for i, extra in ((0, LINE0), (5, {"logprobs": 0})):
+        p = SamplingParams(max_tokens=24, temperature=0.0, **extra)
+        (ref,) = llm.generate(f"Prompt number {i}: tell me about {i * 7}", p)
+        got = by_id[f"p{i}"]
+        assert got["token_ids"] == ref.token_ids
+        assert got["logprobs"] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5)
+        tops = [[t for t, _ in lp.top] for lp in ref.logprobs]
+        assert [[t for t, _ in top] for top in got.get("top_logprobs", [])] == (
+            tops if i == 0 else []
+        )

@@ -171,6 +171,73 @@ def test_stop_sequence(server, reference):
     assert r.usage.completion_tokens < 24
 
 
+def test_sampling_fields_and_logprobs_equal_in_process(server, reference):
+    """Penalties, a bias, min_tokens and logprobs over HTTP (completions, and chat streamed)
+    give the in-process engine's tokens and logprobs; a JSON schema is followed."""
+    kw = dict(
+        temperature=0.0,
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.3,
+        logit_bias={"42": 4.0},
+        min_tokens=6,
+    )
+    prompt = "Sampling over HTTP"
+    body = dict(kw, model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, return_token_ids=True)
+    got = server.post("/v1/completions", body).json()["choices"][0]
+    (ref,) = reference.generate(prompt, SamplingParams(max_tokens=6, logprobs=2, **p_kw(kw)))
+    assert got["token_ids"] == ref.token_ids
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(
+        [lp.logprob for lp in ref.logprobs], abs=1e-5
+    )
+    assert [len(t) for t in got["logprobs"]["top_logprobs"]] == [2] * 6
+
+    messages = [{"role": "user", "content": "Stream logprobs"}]
+    chunks = list(
+        server.client().chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            logprobs=True,
+            top_logprobs=1,
+            extra_body=kw,
+        )
+    )
+    content = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    ref = reference.chat(messages, SamplingParams(max_tokens=6, logprobs=1, **p_kw(kw)))
+    assert [e.logprob for e in content] == pytest.approx(
+        [lp.logprob for lp in ref.logprobs], abs=1e-5
+    )
+    assert all(len(e.top_logprobs) == 1 for e in content)
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    r = server.client().chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    data = json.loads(r.choices[0].message.content)
+    assert set(data) == {"n"} and isinstance(data["n"], int) and data["n"] <= 99
+
+
+def p_kw(kw: dict) -> dict:
+    """The HTTP sampling fields as SamplingParams keywords (logit_bias keyed by int)."""
+    return dict(kw, logit_bias={int(k): v for k, v in kw["logit_bias"].items()})
+
+
 # -- bad input ------------------------------------------------------------------------------
 GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -228,6 +295,48 @@ BAD = [
         "body",
     ),
     ("oversized body", "/v1/completions", dict(GOOD, prompt="x" * (BODY_LIMIT + 1)), 413, "body"),
+    # sampling fields: out of range, or what the model cannot take
+    (
+        "penalty out of range",
+        "/v1/completions",
+        dict(GOOD, presence_penalty=3),
+        400,
+        "presence_penalty",
+    ),
+    (
+        "unknown logit_bias token",
+        "/v1/completions",
+        dict(GOOD, logit_bias={"99999": 1}),
+        400,
+        "logit_bias",
+    ),
+    ("too many logprobs", "/v1/completions", dict(GOOD, logprobs=21), 400, "logprobs"),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        dict(CHAT, top_logprobs=2),
+        400,
+        "top_logprobs",
+    ),
+    ("min_tokens over max_tokens", "/v1/completions", dict(GOOD, min_tokens=9), 400, "min_tokens"),
+    (
+        "invalid json schema",
+        "/v1/chat/completions",
+        dict(
+            CHAT,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        ),
+        400,
+        "response_format",
+    ),
+    # fields this server does not implement: refused, never ignored
+    ("best_of", "/v1/completions", dict(GOOD, best_of=3), 400, "best_of"),
+    ("echo", "/v1/completions", dict(GOOD, echo=True), 400, "echo"),
+    ("tools", "/v1/chat/completions", dict(CHAT, tools=[{"type": "function"}]), 400, "tools"),
+    ("unknown field", "/v1/completions", dict(GOOD, frobnicate=1), 400, "frobnicate"),
 ]
 
 
