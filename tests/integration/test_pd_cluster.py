@@ -47,12 +47,32 @@ def test_llm_with_prefill_and_decode_pools_equals_colocated():
     from actors.llm import LLM
 
     prompts = [tokens(8, 7), tokens(9, 21)]
+    # the prefill replica samples the first token under the same rules: penalties over the
+    # prompt, a bias, min_tokens, the seed; its logprob reaches the caller with the rest
+    sampled = SamplingParams(
+        max_tokens=6,
+        temperature=0.8,
+        seed=3,
+        repetition_penalty=1.6,
+        frequency_penalty=0.5,
+        logit_bias={9: 3.0},
+        min_tokens=6,
+        logprobs=2,
+    )
     llm = LLM(None, num_prefill=1, num_decode=1, **OPTS)
     try:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        pd_sampled = llm.generate(prompt_token_ids=prompts, sampling_params=sampled)
     finally:
         llm.close()
     assert [o.token_ids for o in outs] == colocated(prompts)
+    refs = LLM(None, **OPTS).generate(prompt_token_ids=prompts, sampling_params=sampled)
+    assert [o.token_ids for o in pd_sampled] == [r.token_ids for r in refs]
+    for o, r in zip(pd_sampled, refs, strict=True):
+        assert [lp.token_id for lp in o.logprobs] == r.token_ids
+        assert [lp.logprob for lp in o.logprobs] == pytest.approx(
+            [lp.logprob for lp in r.logprobs], abs=1e-9
+        )
 
 
 def test_conductor_prefers_the_prefill_instance_holding_the_prefix():
