@@ -7,7 +7,10 @@ Three deployments, built from one ``ServeConfig`` (actors/serving/config.py):
 - ``Replica-<group>``: one deployment per replica group, each replica a ``ReplicaController``
   in an engine thread (actors/serving/replica.py), routed by ``RankedRequestRouter``; in a
   group with ``num_prefill`` / ``num_decode``, each replica owns a ``PDCluster`` of prefill
-  and decode replica actors instead, and the Conductor's rejections become 429s.
+  and decode replica actors instead, and the Conductor's rejections become 429s. A group
+  with an ``autoscaling`` section gets Serve's ``autoscaling_config`` instead of
+  ``num_replicas``, scaled by ``policies.autoscaling.LLMAutoscalingPolicy`` on the load its
+  replicas report (queued prefill tokens, KV usage).
 
 ``app`` is the demo (the built-in tiny model, defaults). For anything else use the builder:
 ``serve run serve_app:build_app config=my.yaml`` or a Serve config file whose application
@@ -22,10 +25,25 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
-from actors.serving.config import ServeConfig
+from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.ingress import Ingress
 from actors.serving.replica import ReplicaServer
 from actors.serving.router import RankedRequestRouter, RouterDeployment
+
+
+def _scaling_options(group: ReplicaGroupConfig) -> dict[str, Any]:
+    """A fixed ``num_replicas``, or Serve's ``autoscaling_config`` with Meridian's policy
+    (``policies.autoscaling``) and a drain: a replica Serve removes stops getting requests,
+    finishes the ones it holds (Serve checks every ``graceful_shutdown_wait_loop_s``, for at
+    most ``graceful_shutdown_timeout_s``), then leaves the router's view."""
+    scaling = group.autoscaling
+    if scaling is None:
+        return {"num_replicas": group.num_replicas}
+    return {
+        "autoscaling_config": scaling.serve_config(),
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_timeout_s": scaling.drain_timeout_s,
+    }
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
@@ -45,13 +63,13 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         g.name: deployment(
             ReplicaServer,
             name=f"Replica-{g.name}",
-            num_replicas=g.num_replicas,
             max_ongoing_requests=g.max_ongoing_requests,
             ray_actor_options={"num_cpus": g.num_cpus},
             health_check_period_s=5,
             request_router_config=RequestRouterConfig(
                 request_router_class=cast(Any, RankedRequestRouter)  # stubs want a dict
             ),
+            **_scaling_options(g),
         ).bind(raw, g.name, router)
         for g in cfg.groups
     }

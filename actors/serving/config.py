@@ -66,6 +66,81 @@ class AdmissionSectionConfig(_Strict):
     ttft_slo: float = Field(gt=0)
 
 
+class AutoscalingSectionConfig(_Strict):
+    """Autoscaling of a colocated group: Serve's ``autoscaling_config`` (the group then sets
+    no ``num_replicas``) with Meridian's policy (``policies.autoscaling``): the group's need
+    is the largest of its queued prefill tokens / ``target_queued_prefill_tokens``, its
+    summed KV usage / ``target_kv_usage`` and, if set, its running + waiting requests /
+    ``target_requests``; it shrinks only to where that load would be at most
+    ``downscale_threshold`` of the targets. A wish must hold ``upscale_delay_s`` /
+    ``downscale_delay_s`` before Serve acts on it; replicas report their load every
+    ``metrics_interval_s`` and Serve averages it over ``look_back_period_s``. A replica
+    being removed first finishes what it holds, for at most ``drain_timeout_s``."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(ge=1)
+    initial_replicas: int | None = Field(None, ge=1)  # None: min_replicas
+    target_queued_prefill_tokens: int = Field(2048, ge=1)
+    target_kv_usage: float = Field(0.8, gt=0, le=1)
+    target_requests: float | None = Field(None, gt=0)
+    downscale_threshold: float = Field(0.7, gt=0, le=1)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(300.0, ge=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+    drain_timeout_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingSectionConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"autoscaling.max_replicas ({self.max_replicas}) must be >= "
+                f"autoscaling.min_replicas ({self.min_replicas})"
+            )
+        start = self.start_replicas
+        if not self.min_replicas <= start <= self.max_replicas:
+            raise ValueError(
+                f"autoscaling.initial_replicas ({start}) must be between "
+                f"autoscaling.min_replicas ({self.min_replicas}) and "
+                f"autoscaling.max_replicas ({self.max_replicas})"
+            )
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"autoscaling.look_back_period_s ({self.look_back_period_s}) must be more "
+                f"than autoscaling.metrics_interval_s ({self.metrics_interval_s})"
+            )
+        return self
+
+    @property
+    def start_replicas(self) -> int:
+        return self.initial_replicas if self.initial_replicas is not None else self.min_replicas
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        """``policies.autoscaling.ScalingTargets`` fields (JSON, as Serve wants them)."""
+        return {
+            "queued_prefill_tokens": self.target_queued_prefill_tokens,
+            "kv_usage": self.target_kv_usage,
+            "requests": self.target_requests,
+            "downscale_threshold": self.downscale_threshold,
+        }
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config`` of the group's deployment."""
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": self.start_replicas,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "metrics_interval_s": self.metrics_interval_s,  # the replicas' push period
+            "policy": {
+                "policy_function": "policies.autoscaling:LLMAutoscalingPolicy",
+                "policy_kwargs": self.policy_kwargs(),
+            },
+        }
+
+
 class PDLayoutConfig(_Strict):
     """The layout of each prefill (or decode) replica of a disaggregated group: tensor and
     sequence-pipeline degrees (KV-parallel P/D replicas are not supported)."""
@@ -108,6 +183,7 @@ class ReplicaGroupConfig(_Strict):
     store: StoreSectionConfig | None = None
     conductor: ConductorSectionConfig | None = None
     admission: AdmissionSectionConfig | None = None  # colocated groups (P/D: conductor)
+    autoscaling: AutoscalingSectionConfig | None = None  # colocated groups; sets the count
     prefill: PDLayoutConfig | None = None
     decode: PDLayoutConfig | None = None
 
@@ -117,6 +193,11 @@ class ReplicaGroupConfig(_Strict):
         if isinstance(data, dict) and "num_replicas" not in data:
             pd = data.get("num_prefill") is not None or data.get("num_decode") is not None
             data = {**data, "num_replicas": 1 if pd else 2}
+            scaling = data.get("autoscaling")
+            if isinstance(scaling, dict):  # it starts with its initial (or min) replicas
+                start = scaling.get("initial_replicas") or scaling.get("min_replicas", 1)
+                if isinstance(start, int) and start >= 1:
+                    data["num_replicas"] = start
         return data
 
     @model_validator(mode="after")
@@ -131,6 +212,18 @@ class ReplicaGroupConfig(_Strict):
                 f"{where}: give both num_prefill and num_decode (a disaggregated group) "
                 "or neither (colocated replicas)"
             )
+        if self.autoscaling is not None:
+            if self.disaggregated:
+                raise ValueError(
+                    f"{where}: autoscaling is for colocated groups; remove autoscaling or "
+                    "num_prefill and num_decode"
+                )
+            if self.num_replicas != self.autoscaling.start_replicas:
+                raise ValueError(
+                    f"{where}: num_replicas ({self.num_replicas}) conflicts with autoscaling "
+                    f"(which starts {self.autoscaling.start_replicas}); remove num_replicas "
+                    "and set autoscaling.initial_replicas"
+                )
         if not self.disaggregated:
             for section in ("store", "conductor", "prefill", "decode"):
                 if getattr(self, section) is not None:

@@ -253,6 +253,7 @@ class EngineLoop:
         self._stats: ReplicaStats = engine.serving_stats()
         self._metrics: MetricsSnapshot = self.metrics.snapshot()
         self._submitted = 0  # requests queued but not yet seen by the engine thread
+        self._held = 0  # requests the engine thread holds (published with the stats)
         self._stop = False
         self._last_publish = 0.0
         self._thread = threading.Thread(target=self._run, name="meridian-engine", daemon=True)
@@ -358,6 +359,21 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def drain(self, timeout: float) -> bool:
+        """Wait (blocking) until the engine holds no request and none is queued for it, at
+        most ``timeout`` seconds; True when it drained. New requests are still taken: the
+        caller stops sending them first (Serve stops routing to a replica it removes)."""
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive():
+            with self._lock:
+                if self._held == 0 and self._submitted == 0:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()  # an idle engine thread publishes at once
+            time.sleep(0.02)
+        return True  # a dead engine thread holds nothing any more
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; it fails what still runs and shuts the engine down.
         Idempotent."""
@@ -431,6 +447,7 @@ class EngineLoop:
         """Every choice is added, or none is left in the engine and the request is refused."""
         with self._lock:
             self._submitted -= len(requests)
+            self._held += len(requests)  # until the next publish counts the sinks
         added: list[str] = []
         refusal: MeridianError | None = None
         if self._stop:
@@ -490,6 +507,7 @@ class EngineLoop:
         metrics = self.metrics.snapshot()
         with self._lock:
             self._stats, self._metrics = stats, metrics
+            self._held = len(self._sinks)
             if self._want_resync or len(self._events) > MAX_BUFFERED_EVENTS:
                 self._want_resync = False
                 self._resync = self.engine.cached_block_hashes()  # includes ``events``

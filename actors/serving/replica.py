@@ -7,7 +7,13 @@ replica owns and shuts down when it stops.
 Replica -> router: a reporter thread pushes the replica's block stored/evicted events,
 stats and metrics to the router deployment every ``report_interval_s`` (sooner never,
 later only if the router is slow). Each push waits for the previous one, so the router
-applies one replica's events in the order they happened.
+applies one replica's events in the order they happened. The first push makes the router
+route to a new replica; the last, when the replica stops, is ``leave``.
+
+Serve -> replica: ``record_autoscaling_stats`` (an autoscaled group) reports the load that
+``policies.autoscaling`` scales on. When Serve removes a replica it stops routing to it and
+waits until its ongoing calls end (graceful shutdown); ``__del__`` then waits until the
+engine holds nothing, tells the router it left, and only then stops the engine.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from actors.engine.request_limits import RequestLimits
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
 from errors import MeridianError
+from policies.autoscaling import ReplicaLoad
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0  # an idle replica still reports this often (the router expires the silent)
+DRAIN_TIMEOUT_S = 30.0  # a stopping replica's wait for its engine, when the group sets none
 
 
 def _engine(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> ServingEngine:
@@ -65,9 +73,12 @@ class ReplicaServer:
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica)
         self.router = router
         self.interval = cfg.report_interval_s
+        scaling = g.autoscaling
+        self.drain_timeout_s = scaling.drain_timeout_s if scaling else DRAIN_TIMEOUT_S
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_forever, daemon=True)
         self._reporter.start()
+        self._closed = False
 
     async def limits(self) -> RequestLimits:
         return self.engine.limits
@@ -91,6 +102,11 @@ class ReplicaServer:
         fut = self.loop.call(lambda engine: engine.check_blocks())
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (polled only in an autoscaled group): what
+        ``policies.autoscaling.LLMAutoscalingPolicy`` scales on."""
+        return ReplicaLoad.of(self.loop.stats()).as_metrics()
+
     def check_health(self) -> None:
         if not self.loop.is_alive():
             raise RuntimeError("the engine thread died")
@@ -98,11 +114,21 @@ class ReplicaServer:
             raise RuntimeError("the reporter thread died")
 
     def __del__(self) -> None:
-        """Serve calls this when the replica stops (Python may again later): the engine
-        thread fails what still runs and shuts the engine down (a PDCluster's actors too)."""
+        """Serve calls this when the replica stops, after its graceful-shutdown drain (no
+        call ongoing, no new ones routed here); Python may call it again later. The engine
+        first finishes what it still holds (at most ``drain_timeout_s``), the reporter sends
+        its last push and ``leave``s the router, then the engine thread fails whatever is
+        left and shuts the engine down (a PDCluster's actors too)."""
+        if getattr(self, "_closed", True):  # a second call, or __init__ failed early
+            if hasattr(self, "loop"):
+                self.loop.shutdown()
+            return
+        self._closed = True
+        if not self.loop.drain(self.drain_timeout_s):
+            log.warning("replica %s stops with requests unfinished", self.replica_id)
         self._stop.set()
-        if hasattr(self, "loop"):  # not when __init__ failed before the engine started
-            self.loop.shutdown()
+        self._reporter.join(timeout=10)
+        self.loop.shutdown()
 
     # -- reporting (its own thread: blocking handle calls never touch the event loop) -----
     def _report_forever(self) -> None:
@@ -132,6 +158,10 @@ class ReplicaServer:
             except Exception:  # the router restarts: resend the whole set when it is back
                 log.warning("router report failed; will resync", exc_info=True)
                 self.loop.request_resync()
+        try:  # stopping: the router forgets this replica now, not after its timeout
+            self.router.leave.remote(self.replica_id).result(timeout_s=10)
+        except Exception:
+            log.warning("could not tell the router that %s left", self.replica_id, exc_info=True)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
 
 REPLICA_TIMEOUT_S = 30.0  # a replica silent this long is dropped from the view
+MAX_DEPARTED = 4096  # ids of replicas that left, remembered so a late report is ignored
 
 
 def make_router_state(policy: str, block_size: int, options: dict[str, Any]) -> RouterState:
@@ -57,6 +58,7 @@ class RouterDeployment:
         self.last_seen: dict[str, float] = {}
         self.snapshots: dict[str, ReplicaSample] = {}  # each replica's latest, for /metrics
         self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, outcome) -> count
+        self.departed: dict[str, None] = {}  # replicas that left (insertion-ordered, bounded)
 
     async def route(self, request: RouteRequest) -> list[tuple[str, str]]:
         """(replica id, group) pairs, best first. Records the decision in the view."""
@@ -77,7 +79,14 @@ class RouterDeployment:
         first: bool,
     ) -> bool:
         """Apply one replica push. Returns True when the router needs the replica's whole
-        cached set (it does not know this replica's history: a router restart)."""
+        cached set (it does not know this replica's history: a router restart).
+
+        Membership: a replica's first report adds it to the view (a replica Serve just
+        started); one that ``leave``s, or stays silent for ``REPLICA_TIMEOUT_S`` (it died),
+        is dropped. A report from a replica that left (a push in flight as it left) is
+        ignored, so it cannot come back."""
+        if replica_id in self.departed:
+            return False
         known = replica_id in self.groups
         if not known:
             self.state.add_replica(replica_id, total_blocks=stats.total_blocks)
@@ -89,6 +98,15 @@ class RouterDeployment:
         self.state.on_stats(replica_id, stats)
         self.snapshots[replica_id] = ReplicaSample(group, stats, metrics)
         return not known and not first and resync is None
+
+    async def leave(self, replica_id: str) -> None:
+        """A replica stops (Serve scaled its group down, or the app shuts down): forget it
+        at once rather than after ``REPLICA_TIMEOUT_S``. Serve has already stopped sending it
+        requests and it has finished what it held."""
+        self._drop(replica_id)
+        self.departed[replica_id] = None
+        while len(self.departed) > MAX_DEPARTED:
+            del self.departed[next(iter(self.departed))]
 
     async def snapshot(self) -> dict[str, ReplicaSample]:
         self._expire(time.time())
