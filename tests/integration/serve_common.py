@@ -80,5 +80,6 @@ def serve_running(
             time.sleep(1)
         yield url
     finally:
-        cluster.kill_group(proc, signal.SIGINT, grace=30)  # serve run shuts the app down on SIGINT
+        # serve run shuts the app down on SIGINT (~5 s) but may then linger; the cluster stops
+        cluster.kill_group(proc, signal.SIGINT, grace=8)
         cluster.stop()
