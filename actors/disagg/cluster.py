@@ -34,7 +34,8 @@ With ``fit_costs`` (default) the Conductor's estimates are refitted (``CostFitte
 the steps and store loads this deployment measures. Replicas and shards spread over the
 cluster's nodes (``placement.nodes``).
 
-Faults: a dead store shard drops out of the map (its blocks are recomputed). A dead prefill
+Faults: a dead store shard drops out of the map (its blocks are recomputed) and
+``refresh_store`` replaces it with an empty one. A dead prefill
 replica's decode reservations are cancelled; a dead decode replica's requests run again
 from their prompt, never streaming a token twice (seeded sampling draws the same tokens).
 Either is replaced by a fresh actor and its requests are placed again.
@@ -42,6 +43,7 @@ Either is replaced by a fresh actor and its requests are placed again.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from pathlib import Path
@@ -649,8 +651,19 @@ class PDCluster:
         return held | self.store.all_blocks() if self.store else held
 
     def refresh_store(self) -> list[str]:
-        """Apply shard events to the Conductor's map; returns shards found dead."""
-        return self.store.refresh() if self.store is not None else []
+        """Apply shard events to the Conductor's map; returns shards found dead, each
+        replaced at once by an empty shard under its id that every prefill replica is told
+        of (the dead one's blocks are recomputed by whoever needs them)."""
+        if self.store is None:
+            return []
+        self.store.refresh()
+        dead = [sid for sid in self.store.shards if sid not in self.store.live()]
+        for sid in dead:  # found dead now, or earlier by a failed read or write
+            handle = self.store.restart(sid)
+            for prefill in self.prefills.values():
+                with contextlib.suppress(*DEAD):  # a dead one is replaced with the live set
+                    ray.get(prefill.add_shard.remote(sid, handle))
+        return dead
 
     def shutdown(self) -> None:
         for handle in [*self.prefills.values(), *self.decodes.values()]:

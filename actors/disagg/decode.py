@@ -146,11 +146,14 @@ class DecodeReplica(LoopedReplica):
             self.loop.emit(ReservationLost(key))
 
     def _emit(self, deltas: list[Any]) -> None:
+        """A finished request's last ``TokenDelta`` and its ``Finished`` go out in one
+        report: the Conductor must never see a request's end before its output."""
         now = time.monotonic()
         for d in deltas:
-            self.loop.emit(TokenDelta(d.request_id, d, now))
+            events: list[Any] = [TokenDelta(d.request_id, d, now)]
             if d.finished:
-                self.loop.emit(Finished(d.request_id, self.controller.release(d.request_id)))
+                events.append(Finished(d.request_id, self.controller.release(d.request_id)))
+            self.loop.emit(*events)
 
     def _stats(self) -> DecodeStats:
         c = self.controller

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from actors.disagg.cluster import PDCluster
@@ -29,6 +30,7 @@ from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
 POLL_WAIT_S = 0.05  # the engine thread applies new commands at least this often
+STORE_REFRESH_S = 1.0  # under load, the store's map is brought up to date this often
 
 
 class PDEngine:
@@ -40,6 +42,7 @@ class PDEngine:
         self._cached: set[int] = set()  # the snapshot the last drain reported
         self._prompt_tokens = 0
         self._cached_tokens = 0
+        self._store_refreshed = time.monotonic()
 
     @classmethod
     def for_group(cls, model: str | None, group: ReplicaGroupConfig, replica_id: str) -> PDEngine:
@@ -74,8 +77,13 @@ class PDEngine:
         return rid
 
     def step(self) -> list[StreamDelta]:
-        """React to the replicas: waits up to ``POLL_WAIT_S`` for their reports."""
+        """React to the replicas: waits up to ``POLL_WAIT_S`` for their reports. Every
+        ``STORE_REFRESH_S`` also the store shards' events (a dead shard is replaced)."""
         deltas = self.cluster.poll(POLL_WAIT_S)
+        now = time.monotonic()
+        if now - self._store_refreshed > STORE_REFRESH_S:
+            self._store_refreshed = now
+            self.cluster.refresh_store()
         for d in deltas:
             if d.finished:
                 self._live.discard(d.request_id)

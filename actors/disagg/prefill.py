@@ -147,6 +147,21 @@ class PrefillReplica(LoopedReplica):
             self.loop.call(lambda: self._export(request_hashes, tokens, wanted, shard_id)).result()
         )
 
+    def add_shard(self, shard_id: str, handle: Any) -> None:
+        """Use a store shard started after this replica (a dead shard's replacement, under
+        the dead one's id), on the loop thread that owns the store client."""
+        client = self.client
+        if client is None:
+            return
+
+        def add() -> None:
+            assert client is not None
+            if shard_id in client.handles:
+                client.mark_dead(shard_id)  # the old one: this replica had not noticed yet
+            client.add_shard(shard_id, handle)
+
+        self.loop.call(add).result()
+
     def drop_local_cache(self) -> int:
         """Forget this replica's own cached prefixes (so a hit must come from the store)."""
         return int(self.loop.call(self.controller.pool.evict_all_cached).result())

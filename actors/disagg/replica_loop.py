@@ -114,9 +114,10 @@ class ReplicaLoop:
         return self._thread.is_alive()
 
     # -- the loop thread --------------------------------------------------------------------
-    def emit(self, event: Any) -> None:
+    def emit(self, *events: Any) -> None:
+        """Queue ``events`` for the next ``take``, all in one report (never split)."""
         with self._out_cond:
-            self._out.append(event)
+            self._out.extend(events)
             self._out_cond.notify_all()
 
     def _apply(self) -> None:

@@ -13,6 +13,7 @@ the cluster-wide block -> shards map, and what the Conductor asks of them:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,23 +43,43 @@ class PDStore:
     def __init__(self, cfg: StoreConfig, block_bytes: int, placement: NodePlacement) -> None:
         if cfg.ssd_bytes > 0 and cfg.ssd_dir is None:
             raise ValueError("StoreConfig.ssd_bytes > 0 needs ssd_dir")
-        shard_cls = kv_store_shard_actor()
+        self.cfg, self.block_bytes, self.placement = cfg, block_bytes, placement
+        self._shard_cls = kv_store_shard_actor()
         self.shards: dict[str, Any] = {}
+        self.num_restarts = 0
         for sid in placement.place_shards(cfg.num_shards):
-            ssd_dir = None
-            if cfg.ssd_bytes > 0 and cfg.ssd_dir is not None:
-                ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{sid[1:]}")
-            self.shards[sid] = pinned(shard_cls, placement.node_id(sid)).remote(
-                sid,
-                block_bytes,
-                cfg.dram_bytes,
-                cfg.ssd_bytes,
-                ssd_dir,
-                tcp_host=placement.tcp_host(sid),
-            )
+            self.shards[sid] = self._start(sid)
         self.client = KVStoreClient("pd-conductor")
         for sid, handle in self.shards.items():
             self.client.add_shard(sid, handle)
+
+    def _start(self, sid: str) -> Any:
+        cfg = self.cfg
+        ssd_dir = None
+        if cfg.ssd_bytes > 0 and cfg.ssd_dir is not None:
+            suffix = f"-r{self.num_restarts}" if self.num_restarts else ""  # never a dead one's
+            ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{sid[1:]}{suffix}")
+        return pinned(
+            self._shard_cls, self.placement.node_id(sid), soft=self.num_restarts > 0
+        ).remote(
+            sid,
+            self.block_bytes,
+            cfg.dram_bytes,
+            cfg.ssd_bytes,
+            ssd_dir,
+            tcp_host=self.placement.tcp_host(sid),
+        )
+
+    def restart(self, shard_id: str) -> Any:
+        """Replace a dead shard with an empty one under the same id (its blocks are gone:
+        whoever needs them recomputes); returns the new handle."""
+        self.client.mark_dead(shard_id)
+        with contextlib.suppress(*DEAD):
+            ray.kill(self.shards[shard_id])
+        self.num_restarts += 1
+        self.shards[shard_id] = handle = self._start(shard_id)
+        self.client.add_shard(shard_id, handle)
+        return handle
 
     def live(self) -> dict[str, Any]:
         """Handles of the shards not known dead."""

@@ -264,7 +264,10 @@ class EngineLoop:
         """Queue the choices of one request (choice i is tagged ``i`` on the sink); the
         engine thread answers ``Accepted`` or ``Refused`` on the sink first.
 
-        Raises OverloadedError (the queue is full; nothing queued)."""
+        Raises OverloadedError (the queue is full; nothing queued), EngineUnavailableError
+        (the engine thread has stopped)."""
+        if not self._thread.is_alive():
+            raise EngineUnavailableError("the engine thread is not running; retry the request")
         with self._lock:
             waiting = self._stats.num_waiting + self._submitted
             if waiting + len(requests) > self.max_waiting:
@@ -384,6 +387,13 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve_until_stopped()
+        except Exception:  # a bug: fail what runs (retriable) rather than leave it hanging
+            log.exception("the engine thread failed")
+        self._stopped()
+
+    def _serve_until_stopped(self) -> None:
         idle_since: float | None = None
         while not self._stop:
             self._wake.clear()
@@ -414,17 +424,23 @@ class EngineLoop:
                     # The loop's own aborts never come back as deltas: an aborted one here
                     # was lost by the engine (a replica died), so it is a retriable error.
                     lost = d.finish_reason == "abort"
-                    self._finish(d.request_id, "the request was lost; retry it" if lost else None)
+                    error = "the request was lost; retry it" if lost else None
+                    try:
+                        self._finish(d.request_id, error)
+                    except Exception as e:  # a bug: fail this request, never the thread
+                        log.exception("could not finish %s", d.request_id)
+                        self._abort(d.request_id, f"the request failed: {e}; retry it")
             self._publish()
-        self._stopped()
 
     def _stopped(self) -> None:
+        self._stop = True  # from now on ``_add`` refuses
         self._apply_commands()
         self._fail_all("the replica is shutting down; retry the request")
         try:
             self.engine.shutdown()
         except Exception:
             log.exception("engine shutdown failed")
+        self._apply_commands()  # refuse what was submitted meanwhile
 
     def _apply_commands(self) -> None:
         while True:
@@ -477,8 +493,8 @@ class EngineLoop:
         sink(Accepted())
 
     def _finish(self, rid: str, error: str | None = None) -> None:
+        out = self.engine.release(rid)  # first: if it raises, the sink is still there
         sink, index = self._sinks.pop(rid)
-        out = self.engine.release(rid)
         self.metrics.on_finished(out)
         sink(Failed(index, error) if error else Done(index, out))
 

@@ -40,7 +40,10 @@ from actors.serving.router_state import RouterState
 from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
 
-REPLICA_TIMEOUT_S = 30.0  # a replica silent this long is dropped from the view
+# A replica silent this long (5 of its idle heartbeats) is dropped from the view: a killed
+# replica leaves /health and the rankings this soon (a live one that was only slow comes
+# back with its next report, which resyncs it).
+REPLICA_TIMEOUT_S = 10.0
 MAX_DEPARTED = 4096  # ids of replicas that left, remembered so a late report is ignored
 
 
