@@ -102,6 +102,11 @@ class ReplicaServer:
         fut = self.loop.call(lambda engine: engine.check_blocks())
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
 
+    async def blocks_report(self, payload: dict[str, Any]) -> tuple[str, dict[str, int]]:
+        """(this replica's id, ``check_blocks()``); ``payload["ranking"]`` pins the call to
+        one replica (``RankedRequestRouter``), so a caller can read each replica in turn."""
+        return self.replica_id, await self.check_blocks()
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (polled only in an autoscaled group): what
         ``policies.autoscaling.LLMAutoscalingPolicy`` scales on."""

@@ -1,0 +1,568 @@
+"""Reliability soak: kill every kind of actor of a live Serve app under steady load.
+
+A real Serve app (``serve_app.build_app``) on a local Ray cluster, in two phases (one app
+with both groups is too heavy for a 2-core machine):
+
+- ``colocated``: one group of ``tp=2`` replicas (so worker actors exist); kills workers,
+  replicas, the router deployment and the ingress;
+- ``pd``: one disaggregated group (a prefill and a decode replica, a KV store shard); kills
+  prefill replicas, decode replicas and store shards (and the router).
+
+Closed-loop HTTP clients send greedy requests (token-id prompts, EOS ignored, half of them
+streamed) whose tokens were computed in this process on the same weights. A fault injector
+waits until the app is at full strength, sleeps a random while, then kills one live actor
+of a kind (SIGKILL of its process for unnamed actors, ``ray.kill`` for Serve replicas),
+until every kind got ``--faults`` kills. Full strength: every expected actor alive,
+``/health`` 200 counting every replica, and a probe request returns its exact tokens.
+
+Per request: ``ok`` (its exact tokens), ``retriable`` (429/503 with an error body, or an
+error event in its stream, what it streamed before being a prefix of the right tokens),
+``lost`` (anything else: a hang past the timeout, another 5xx, a dropped connection, a
+stream ending without ``[DONE]`` or an error), ``wrong`` (a token differs). After the load
+stops, every replica's pools must be back to 0 blocks in use (``check_blocks``).
+
+    python bench/soak.py [--faults 3] [--clients 4] [--phases colocated,pd]
+
+Last line: ``lost/wrong/leaked: <a>/<b>/<c>`` (target 0/0/0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+MODEL = "meridian-tiny"
+APP = "meridian"
+MAX_TOKENS = 12
+REQUEST_TIMEOUT_S = 90.0
+RECOVERY_TIMEOUT_S = 240.0
+
+# kind -> how to recognise its actors in the GCS actor table (class name)
+KIND_CLASS: dict[str, Callable[[str], bool]] = {
+    "ingress": lambda c: c.endswith(":Ingress"),
+    "router": lambda c: c.endswith(":Router"),
+    "replica": lambda c: ":Replica-" in c,
+    "worker": lambda c: c == "Worker",
+    "prefill": lambda c: c == "PrefillReplica",
+    "decode": lambda c: c == "DecodeReplica",
+    "store": lambda c: c == "KVStoreShard",
+}
+
+
+@dataclass
+class Phase:
+    name: str
+    group: dict[str, Any]
+    kinds: list[str]  # the kinds killed in this phase
+    expect: dict[str, int]  # kind -> live actors at full strength
+
+    @property
+    def replicas(self) -> int:
+        return self.expect["replica"]
+
+    def app_args(self) -> dict[str, Any]:
+        return {"model_name": MODEL, "groups": [self.group], "report_interval_s": 0.2}
+
+
+def colocated_phase(kinds: list[str] | None = None, replicas: int = 2) -> Phase:
+    group = {
+        "name": "main",
+        "num_replicas": replicas,
+        "tp": 2,
+        "engine": {"dtype": "float64", "num_blocks": 256, "block_size": 16},
+    }
+    expect = {"ingress": 1, "router": 1, "replica": replicas, "worker": 2 * replicas}
+    return Phase("colocated", group, kinds or ["worker", "replica", "router", "ingress"], expect)
+
+
+def pd_phase(kinds: list[str] | None = None) -> Phase:
+    group = {
+        "name": "pd",
+        "num_prefill": 1,
+        "num_decode": 1,
+        "engine": {"dtype": "float64", "num_blocks": 256, "block_size": 16},
+        "store": {"dram_bytes": 8 << 20},
+        "conductor": {"fit_costs": False},
+    }
+    expect = {"ingress": 1, "router": 1, "replica": 1, "prefill": 1, "decode": 1, "store": 1}
+    return Phase("pd", group, kinds or ["prefill", "decode", "store", "router"], expect)
+
+
+# -- prompts and their reference tokens ---------------------------------------------------------
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 60))] for _ in range(n)]
+
+
+def reference_tokens(token_lists: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of the in-process engine on the same (built-in tiny) weights."""
+    from actors import LLM, SamplingParams
+
+    llm = LLM(dtype="float64")
+    p = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=token_lists, sampling_params=p)]
+
+
+# -- the app --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(phase: Phase, num_cpus: int = 4) -> Iterator[str]:
+    """Ray in this process, the Serve app of ``phase`` on a free port; yields its URL once
+    ``/health`` counts every replica. Stops Serve and Ray afterwards."""
+    import ray
+    from ray import serve
+
+    env = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
+    os.environ.update(env)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+    )
+    try:
+        from serve_app import build_app
+
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(phase.app_args()), name=APP, route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while not health_ok(url, phase.replicas):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the app did not become healthy")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        with contextlib.suppress(Exception):
+            from store.shared_segment import remove_stale_segments
+
+            remove_stale_segments()
+
+
+def health_ok(url: str, replicas: int) -> bool:
+    try:
+        r = httpx.get(url + "/health", timeout=5)
+        return r.status_code == 200 and r.json().get("replicas") == replicas
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+# -- actors ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActorInfo:
+    kind: str
+    class_name: str
+    name: str
+    pid: int
+
+
+def live_actors() -> list[ActorInfo]:
+    """Every live actor of a known kind, from the GCS actor table (no dashboard needed)."""
+    from ray._private import state
+
+    out = []
+    for a in state.actors().values():
+        if a.get("State") != "ALIVE":
+            continue
+        cls = a.get("ActorClassName", "")
+        for kind, match in KIND_CLASS.items():
+            if match(cls):
+                out.append(ActorInfo(kind, cls, a.get("Name", ""), int(a.get("Pid") or 0)))
+                break
+    return out
+
+
+def kill(actor: ActorInfo) -> None:
+    """A crash: ``ray.kill`` of a named (Serve) actor, SIGKILL of an unnamed one's process."""
+    import ray
+
+    if actor.name:
+        ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
+    else:
+        os.kill(actor.pid, signal.SIGKILL)
+
+
+def serve_replica_ids(group: str) -> list[str]:
+    """Unique ids of the group's live Serve replicas (their actor names end with them)."""
+    tag = f"#Replica-{group}#"
+    return [a.name.rsplit("#", 1)[1] for a in live_actors() if tag in a.name]
+
+
+def blocks_in_use(group: str, wait_s: float = 60.0) -> dict[str, dict[str, int]]:
+    """Blocks in use per pool of each live replica of ``group`` (read on its engine thread),
+    polled until all are 0 or ``wait_s`` passes (aborts land asynchronously)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"Replica-{group}", app_name=APP)
+    deadline = time.monotonic() + wait_s
+    while True:
+        seen: dict[str, dict[str, int]] = {}
+        for rid in serve_replica_ids(group):
+            got_id, blocks = handle.blocks_report.remote({"ranking": [rid]}).result(timeout_s=60)
+            seen[got_id] = blocks
+        if all(v == 0 for b in seen.values() for v in b.values()):
+            return seen
+        if time.monotonic() > deadline:
+            return seen
+        time.sleep(0.5)
+
+
+# -- load -------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    ok: int = 0
+    retriable: int = 0
+    dropped: int = 0
+    lost: int = 0
+    wrong: int = 0
+    why: Counter[str] = field(default_factory=Counter)
+
+
+def one_request(
+    http: httpx.Client, prompt: list[int], want: list[int], stream: bool
+) -> tuple[str, str]:
+    """(outcome, why): outcome in ok / retriable / lost / wrong."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    try:
+        if not stream:
+            r = http.post("/v1/completions", json=body)
+            return classify_whole(r, want)
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return classify_whole(r, want)
+            got: list[int] = []
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    return ("ok", "") if got == want else ("wrong", f"{got} != {want}")
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    if got != want[: len(got)]:
+                        return "wrong", f"streamed {got} before the error; want {want}"
+                    message = chunk["error"].get("message", "")[:80]
+                    return "retriable", f"stream error: {message}"
+                for c in chunk.get("choices", []):
+                    got += c.get("token_ids") or []
+            if got != want[: len(got)]:
+                return "wrong", f"streamed {got}; want {want}"
+            return "lost", "stream ended without [DONE] or an error"
+    except httpx.TimeoutException:
+        return "lost", "timed out"
+    except httpx.HTTPError as e:  # the connection broke: the client sees the failure
+        return "dropped", f"connection broke: {type(e).__name__}"
+
+
+def classify_whole(r: httpx.Response, want: list[int]) -> tuple[str, str]:
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if r.status_code == 200 and isinstance(body, dict):
+        got = body["choices"][0].get("token_ids")
+        return ("ok", "") if got == want else ("wrong", f"{got} != {want}")
+    error = body.get("error") if isinstance(body, dict) else None
+    if r.status_code in (429, 503) and isinstance(error, dict) and error.get("message"):
+        return "retriable", f"{r.status_code}: {error['message'][:80]}"
+    if r.status_code >= 500:  # an error, but not ours: the Serve proxy's
+        return "dropped", f"{r.status_code}: {r.text[:80]!r}"
+    return "lost", f"{r.status_code}: {r.text[:80]!r}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    start: float
+    end: float
+    outcome: str  # ok / retriable / dropped / lost / wrong
+    why: str
+
+
+class Load:
+    """``clients`` closed-loop clients, each recording every request's ``Outcome``."""
+
+    def __init__(
+        self, url: str, cases: list[tuple[list[int], list[int]]], clients: int, seed: int
+    ) -> None:
+        self.url = url
+        self.cases = cases
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.outcomes: list[Outcome] = []
+        self.threads = [
+            threading.Thread(target=self._client, args=(seed + i,), daemon=True)
+            for i in range(clients)
+        ]
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(REQUEST_TIMEOUT_S + 30)
+
+    def _client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S) as http:
+            while not self.stop.is_set():
+                prompt, want = rng.choice(self.cases)
+                start = time.monotonic()
+                outcome, why = one_request(http, prompt, want, stream=rng.random() < 0.5)
+                with self.lock:
+                    self.outcomes.append(Outcome(start, time.monotonic(), outcome, why))
+                if outcome != "ok":
+                    time.sleep(0.2)  # as a client backing off before a retry
+
+
+def tally(outcomes: list[Outcome], windows: list[tuple[str, float, float]]) -> dict[str, Tally]:
+    """Per fault kind: the requests that overlapped one of its windows (kill .. full
+    strength again), each under the last fault before it ended; the rest under ``none``."""
+    out: dict[str, Tally] = {}
+    for o in outcomes:
+        hit = [(a, k) for k, a, b in windows if o.start <= b and o.end >= a]
+        kind = max(hit)[1] if hit else "none"
+        t = out.setdefault(kind, Tally())
+        setattr(t, o.outcome, getattr(t, o.outcome) + 1)
+        if o.outcome != "ok":
+            t.why[f"{o.outcome}: {o.why}"] += 1
+    return out
+
+
+# -- faults ---------------------------------------------------------------------------------------
+def strength(url: str, phase: Phase) -> str:
+    """What is missing from full strength ('' when nothing): actors, /health, the router's
+    view (exactly the live replicas)."""
+    from ray import serve
+
+    counts = Counter(a.kind for a in live_actors())
+    missing = [f"{k} {counts[k]}/{n}" for k, n in phase.expect.items() if counts[k] != n]
+    if not health_ok(url, phase.replicas):
+        missing.append("/health")
+    try:
+        router = serve.get_deployment_handle("Router", app_name=APP)
+        seen = set(router.snapshot.remote().result(timeout_s=10))
+        if seen != set(serve_replica_ids(phase.group["name"])):
+            missing.append(f"router view {len(seen)} replicas")
+    except Exception as e:
+        missing.append(f"router: {type(e).__name__}")
+    return ", ".join(missing)
+
+
+def full_strength(url: str, phase: Phase, probe: tuple[list[int], list[int]]) -> bool:
+    if strength(url, phase):
+        return False
+    with httpx.Client(base_url=url, timeout=30) as http:
+        outcome, _ = one_request(http, probe[0], probe[1], stream=False)
+    return outcome == "ok"
+
+
+def wait_full_strength(url: str, phase: Phase, probe: Any, timeout: float) -> float | None:
+    """Seconds until full strength (None: not within ``timeout``)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if full_strength(url, phase, probe):
+            return time.monotonic() - start
+        time.sleep(0.25)
+    return None
+
+
+@dataclass
+class KindResult:
+    faults: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    not_recovered: int = 0
+
+
+def inject(
+    url: str,
+    phase: Phase,
+    faults: int,
+    rng: random.Random,
+    probe: Any,
+    pause: tuple[float, float],
+    log: Callable[[str], None],
+) -> tuple[dict[str, KindResult], list[tuple[str, float, float]]]:
+    """Kill ``faults`` actors of each kind of ``phase``, in a random order, each at a random
+    moment once the app is at full strength. Returns per kind its results, and the windows
+    (kind, kill, full strength again)."""
+    plan = [k for k in phase.kinds for _ in range(faults)]
+    rng.shuffle(plan)
+    results = {k: KindResult() for k in phase.kinds}
+    windows: list[tuple[str, float, float]] = []
+    for kind in plan:
+        if wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S) is None:
+            log(f"  not at full strength before a {kind} kill: {strength(url, phase)}")
+        time.sleep(rng.uniform(*pause))
+        victims = [a for a in live_actors() if a.kind == kind]
+        if not victims:
+            log(f"  no live {kind} actor to kill")
+            continue
+        victim = rng.choice(victims)
+        start = time.monotonic()
+        kill(victim)
+        results[kind].faults += 1
+        while victim in live_actors() and time.monotonic() - start < 30:
+            time.sleep(0.1)  # until Ray saw it die: full strength means its replacement
+        took = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S)
+        who = victim.name.rsplit("#", 2)[-1] if victim.name else f"pid {victim.pid}"
+        if took is None:
+            results[kind].not_recovered += 1
+            windows.append((kind, start, time.monotonic()))
+            log(
+                f"  killed {kind} {who}: NOT back in {RECOVERY_TIMEOUT_S:.0f}s: "
+                f"{strength(url, phase)}"
+            )
+        else:
+            took = time.monotonic() - start
+            results[kind].recovery_s.append(took)
+            windows.append((kind, start, time.monotonic()))
+            log(f"  killed {kind} {who}: full strength after {took:.1f}s")
+    return results, windows
+
+
+@dataclass
+class PhaseReport:
+    phase: str
+    kinds: dict[str, KindResult]
+    tally: dict[str, Tally]
+    blocks: dict[str, dict[str, int]]
+
+    @property
+    def leaked(self) -> int:
+        return sum(v for b in self.blocks.values() for v in b.values())
+
+
+def run_phase(
+    phase: Phase,
+    cases: list[tuple[list[int], list[int]]],
+    faults: int,
+    clients: int,
+    seed: int = 0,
+    pause: tuple[float, float] = (1.0, 4.0),
+    log: Callable[[str], None] = print,
+) -> PhaseReport:
+    with running_app(phase) as url:
+        log(f"phase {phase.name}: app up at {url}")
+        return soak(url, phase, cases, faults, clients, seed, pause, log)
+
+
+def soak(
+    url: str,
+    phase: Phase,
+    cases: list[tuple[list[int], list[int]]],
+    faults: int,
+    clients: int,
+    seed: int = 0,
+    pause: tuple[float, float] = (1.0, 4.0),
+    log: Callable[[str], None] = print,
+) -> PhaseReport:
+    """Load the running app at ``url``, inject the faults, stop the load, read the blocks."""
+    rng = random.Random(seed)
+    with Load(url, cases, clients, seed) as load:
+        time.sleep(2.0)
+        kinds, windows = inject(url, phase, faults, rng, cases[0], pause, log)
+        time.sleep(2.0)
+    blocks = blocks_in_use(phase.group["name"])
+    return PhaseReport(phase.name, kinds, tally(load.outcomes, windows), blocks)
+
+
+def table(reports: list[PhaseReport]) -> str:
+    rows = [
+        ("phase", "kind", "faults", "ok", "retriable", "dropped", "lost", "wrong", "back (s)"),
+    ]
+    for rep in reports:
+        for kind in ["none", *rep.kinds]:
+            t = rep.tally.get(kind, Tally())
+            k = rep.kinds.get(kind)
+            back = "-"
+            if k is not None and k.recovery_s:
+                back = f"{statistics.median(k.recovery_s):.1f}/{max(k.recovery_s):.1f}"
+            if k is not None and k.not_recovered:
+                back += f" ({k.not_recovered} never)"
+            rows.append(
+                (
+                    rep.phase,
+                    kind if kind != "none" else "(no fault)",
+                    str(k.faults if k else 0),
+                    str(t.ok),
+                    str(t.retriable),
+                    str(t.dropped),
+                    str(t.lost),
+                    str(t.wrong),
+                    back,
+                )
+            )
+        rows.append((rep.phase, "blocks in use after", str(rep.leaked), *[""] * 6))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--faults", type=int, default=3, help="kills per actor kind")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--phases", default="colocated,pd")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    token_lists = prompts(16, args.seed)
+    cases = list(zip(token_lists, reference_tokens(token_lists), strict=True))
+    phases = {"colocated": colocated_phase(), "pd": pd_phase()}
+    reports = []
+    for name in args.phases.split(","):
+        reports.append(run_phase(phases[name], cases, args.faults, args.clients, args.seed))
+    print(table(reports))
+    for rep in reports:
+        for kind, t in rep.tally.items():
+            for why, n in sorted(t.why.items()):
+                print(f"{rep.phase}/{kind} x{n} {why}")
+    lost = sum(t.lost for r in reports for t in r.tally.values())
+    wrong = sum(t.wrong for r in reports for t in r.tally.values())
+    never = sum(k.not_recovered for r in reports for k in r.kinds.values())
+    dropped = sum(t.dropped for r in reports for t in r.tally.values())
+    print(f"dropped (a 5xx of the Serve proxy or a broken connection): {dropped}")
+    print(f"faults not recovered from (full strength within {RECOVERY_TIMEOUT_S:.0f}s): {never}")
+    print(f"lost/wrong/leaked: {lost}/{wrong}/{sum(r.leaked for r in reports)}")
+
+
+if __name__ == "__main__":
+    main()
