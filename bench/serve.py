@@ -1,0 +1,532 @@
+"""Served throughput: the OpenAI HTTP endpoint against the in-process engine, one run.
+
+The bench model of ``bench/bench_model.py`` (8 layers, hidden 512, random weights, fp32,
+written in Hugging Face format) served two ways on the same machine, config and workload:
+
+- HTTP: the Meridian Serve app (``serve_app.build_app``) with ONE colocated replica, driven
+  through its real endpoint: ``POST /v1/completions``, streaming (SSE) with
+  ``stream_options.include_usage``, by N concurrent closed-loop clients (``httpx``, each
+  chunk timestamped as it arrives);
+- in process: a ``ColocatedEngine`` on the same weights and engine config in an
+  ``EngineLoop`` (the replica's own engine path), N client tasks in the same closed loop
+  submitting built requests through ``loop.stream``.
+
+Workload: random 256-token prompts (token ids, fresh for every run, so no prefix hits),
+64 new tokens, ``ignore_eos``, greedy. Each concurrency level runs a fixed number of
+requests; per level the HTTP and in-process runs alternate (HTTP, in-process, HTTP, ...),
+``--repeats`` times each, and every figure printed is the median over the repeats (ranges
+for throughput). Metrics as ``vllm bench serve`` reports them: TTFT from sending the
+request to its first token, TPOT = (E2E - TTFT) / (output tokens - 1), ITL between
+successive chunks (tokens, in process) of one request, E2E per request; throughput =
+requests / wall time of the run. The HTTP client sends ``return_token_ids`` so every
+token's chunk is streamed (the bench model's random weights mostly emit reserved tokens
+that decode to no text; ``--no-token-ids`` for a server that rejects the field). Each
+table also shows the engine's own mean inter-token gap (the replica's
+``inter_token_latency`` metric, from ``/metrics``, and the same metric in process): the
+HTTP path's loss split into a slower engine step (CPU and GIL contention from the per-token
+relay work) and relay latency. ``--torch-threads`` (default 1, as the vLLM peer ran) holds
+for both engines.
+
+    python bench/serve.py [--concurrency 1 8 32] [--repeats 3] [--per-stream 3]
+    python bench/serve.py --base-url http://host:8000 --model NAME   # any OpenAI server
+
+Last line: ``http/in-process at 32 streams: <ratio>`` (the median of the per-repeat ratios
+of request throughput; targets: >= 0.85, and HTTP throughput at 32 >= at 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_model import MODEL, write_bench_model  # noqa: E402
+
+APP = "bench-serve"
+MODEL_NAME = "bench"
+
+
+@dataclass
+class Sample:
+    """One request: seconds from send to first token and to the end, gaps between chunks."""
+
+    ttft: float
+    e2e: float
+    itls: list[float]
+    output_tokens: int
+
+
+@dataclass
+class Run:
+    side: str
+    concurrency: int
+    duration: float = 0.0
+    samples: list[Sample] = field(default_factory=list)
+    input_tokens: int = 0
+    engine_itl: float = float("nan")  # the engine's own mean gap between tokens (its metric)
+
+    @property
+    def throughput(self) -> float:
+        return len(self.samples) / self.duration
+
+    def metrics(self) -> dict[str, float]:
+        ttft = [s.ttft * 1e3 for s in self.samples]
+        e2e = [s.e2e * 1e3 for s in self.samples]
+        tpot = [
+            (s.e2e - s.ttft) * 1e3 / (s.output_tokens - 1)
+            for s in self.samples
+            if s.output_tokens > 1
+        ]
+        itl = [x * 1e3 for s in self.samples for x in s.itls]
+        out_tokens = sum(s.output_tokens for s in self.samples)
+        m = {
+            "requests": len(self.samples),
+            "duration": self.duration,
+            "input_tokens": self.input_tokens,
+            "output_tokens": out_tokens,
+            "req_s": self.throughput,
+            "out_tok_s": out_tokens / self.duration,
+            "tot_tok_s": (out_tokens + self.input_tokens) / self.duration,
+            "engine_itl": self.engine_itl * 1e3,
+        }
+        for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+            m[f"mean_{name}"] = statistics.fmean(xs) if xs else float("nan")
+            m[f"median_{name}"] = statistics.median(xs) if xs else float("nan")
+            m[f"p99_{name}"] = percentile(xs, 0.99)
+        return m
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)  # linear interpolation, as numpy's default
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(length)] for _ in range(count)]
+
+
+async def closed_loop(
+    one: Callable[[list[int]], Awaitable[Sample]], prompts: list[list[int]], concurrency: int
+) -> tuple[float, list[Sample]]:
+    """``concurrency`` clients, each sending its next prompt as soon as its last one ends."""
+    todo = iter(prompts)
+    samples: list[Sample] = []
+
+    async def client() -> None:
+        for prompt in todo:  # one shared iterator: each prompt goes to one client
+            samples.append(await one(prompt))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - t0, samples
+
+
+# -- the HTTP side --------------------------------------------------------------------------
+class HttpClient:
+    def __init__(
+        self, base_url: str, model: str, new_tokens: int, api_key: str | None, token_ids: bool
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            timeout=httpx.Timeout(600.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
+            headers=headers,
+        )
+        self.model = model
+        self.new_tokens = new_tokens
+        self.token_ids = token_ids
+
+    async def one(self, prompt: list[int]) -> Sample:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": self.new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.token_ids:  # every token's chunk, even one that completes no character
+            body["return_token_ids"] = True
+        t0 = time.perf_counter()
+        first: float | None = None
+        last = t0
+        itls: list[float] = []
+        tokens = 0
+        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or ()
+                if not any(c.get("text") or c.get("token_ids") for c in choices):
+                    continue
+                if first is None:
+                    first = now
+                else:
+                    itls.append(now - last)
+                last = now
+        end = time.perf_counter()
+        if first is None:
+            raise RuntimeError("the stream carried no tokens")
+        if not tokens:
+            raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
+        return Sample(first - t0, end - t0, itls, tokens)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+# -- the in-process side ----------------------------------------------------------------------
+class InProcess:
+    def __init__(self, model_dir: Path, cfg: Any, new_tokens: int) -> None:
+        from actors.serving.engine_loop import ColocatedEngine, EngineLoop
+        from policies.request import SamplingParams
+
+        group = cfg.groups[0]
+        self.engine = ColocatedEngine(model_dir, group.engine_config())
+        self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica)
+        self.builder = self.engine.request_builder()
+        self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(self, prompt: list[int]) -> Sample:
+        from actors.engine.events import Delta, Done, Failed
+
+        t0 = time.perf_counter()
+        request = self.builder.build(prompt, self.params)
+        first: float | None = None
+        last = t0
+        itls: list[float] = []
+        tokens = 0
+        async for item in self.loop.stream([request]):
+            now = time.perf_counter()
+            if isinstance(item, Delta) and item.delta.token_ids:
+                if first is None:
+                    first = now
+                else:
+                    itls.append(now - last)
+                last = now
+            elif isinstance(item, Done):
+                tokens = len(item.output.token_ids)
+            elif isinstance(item, Failed):
+                raise RuntimeError(item.message)
+        end = time.perf_counter()
+        assert first is not None
+        return Sample(first - t0, end - t0, itls, tokens)
+
+    def itl(self) -> tuple[float, float]:
+        snap = self.loop.metrics.snapshot()
+        return itl_totals((s.name, s.value) for m in snap.families for s in m.samples)
+
+    def close(self) -> None:
+        self.loop.shutdown()
+
+
+# -- the Serve app ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health_ok(url: str) -> bool:
+    try:
+        r = httpx.get(url + "/health", timeout=5)
+        return r.status_code == 200 and r.json().get("replicas") == 1
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def serve_app(app_args: dict[str, Any], env: dict[str, str]) -> Iterator[str]:
+    """Ray in this process and the Serve app on a free port; yields its URL once healthy."""
+    import ray
+    from ray import serve
+
+    os.environ.update(env)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env}
+    )
+    try:
+        from serve_app import build_app
+
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args), name=APP, route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while not health_ok(url):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the app did not become healthy")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+# -- output -----------------------------------------------------------------------------------
+ROWS = [
+    ("Successful requests:", "requests", "{:.0f}"),
+    ("Benchmark duration (s):", "duration", "{:.2f}"),
+    ("Total input tokens:", "input_tokens", "{:.0f}"),
+    ("Total generated tokens:", "output_tokens", "{:.0f}"),
+    ("Request throughput (req/s):", "req_s", "{:.2f}"),
+    ("Output token throughput (tok/s):", "out_tok_s", "{:.2f}"),
+    ("Total Token throughput (tok/s):", "tot_tok_s", "{:.2f}"),
+    ("Time to First Token", None, None),
+    ("Mean TTFT (ms):", "mean_ttft", "{:.2f}"),
+    ("Median TTFT (ms):", "median_ttft", "{:.2f}"),
+    ("P99 TTFT (ms):", "p99_ttft", "{:.2f}"),
+    ("Time per Output Token (excl. 1st token)", None, None),
+    ("Mean TPOT (ms):", "mean_tpot", "{:.2f}"),
+    ("Median TPOT (ms):", "median_tpot", "{:.2f}"),
+    ("P99 TPOT (ms):", "p99_tpot", "{:.2f}"),
+    ("Inter-token Latency", None, None),
+    ("Mean ITL (ms):", "mean_itl", "{:.2f}"),
+    ("Median ITL (ms):", "median_itl", "{:.2f}"),
+    ("P99 ITL (ms):", "p99_itl", "{:.2f}"),
+    ("End-to-end Latency", None, None),
+    ("Mean E2EL (ms):", "mean_e2el", "{:.2f}"),
+    ("Median E2EL (ms):", "median_e2el", "{:.2f}"),
+    ("P99 E2EL (ms):", "p99_e2el", "{:.2f}"),
+    ("Engine side (the replica's metrics)", None, None),
+    ("Mean engine ITL (ms):", "engine_itl", "{:.2f}"),
+]
+ITL_METRIC = "meridian:inter_token_latency_seconds"
+
+
+def itl_totals(lines: Iterable[tuple[str, float]]) -> tuple[float, float]:
+    """(sum, count) of the engine's inter-token latency histogram, over every replica."""
+    total, count = 0.0, 0.0
+    for name, value in lines:
+        if name == ITL_METRIC + "_sum":
+            total += value
+        elif name == ITL_METRIC + "_count":
+            count += value
+    return total, count
+
+
+async def http_itl(client: httpx.AsyncClient) -> tuple[float, float]:
+    r = await client.get("/metrics")
+    pairs = []
+    for line in r.text.splitlines():
+        if line.startswith(ITL_METRIC):
+            name, _, value = line.rpartition(" ")
+            pairs.append((name.split("{")[0], float(value)))
+    return itl_totals(pairs)
+
+
+def mean_between(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else float("nan")
+
+
+WIDTH = 64
+
+
+def median_metrics(runs: list[Run]) -> dict[str, float]:
+    per_run = [r.metrics() for r in runs]
+    return {k: statistics.median(m[k] for m in per_run) for k in per_run[0]}
+
+
+def print_table(title: str, columns: dict[str, list[Run]]) -> None:
+    """One ``vllm bench serve`` result block with a column per side (medians of runs)."""
+    names = list(columns)
+    meds = {name: median_metrics(runs) for name, runs in columns.items()}
+    col = 14
+    label_w = WIDTH - col * len(names)
+    print(f" {title} ".center(WIDTH, "="))
+    print(" " * label_w + "".join(f"{n:>{col}}" for n in names))
+    for label, key, fmt in ROWS:
+        if key is None:
+            print(f"{label}".center(WIDTH, "-"))
+            continue
+        assert fmt is not None
+        cells = "".join(f"{fmt.format(meds[n][key]):>{col}}" for n in names)
+        print(f"{label:<{label_w}}{cells}")
+    for n in names:
+        tps = sorted(r.throughput for r in columns[n])
+        runs = ", ".join(f"{t:.2f}" for t in tps)
+        print(f"{n} req/s over {len(tps)} run(s): {runs}")
+    print("=" * WIDTH)
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.1f} {five:.1f} {fifteen:.1f}"
+
+
+# -- main -------------------------------------------------------------------------------------
+def requests_at(args: argparse.Namespace, concurrency: int) -> int:
+    return max(args.min_requests, args.per_stream * concurrency)
+
+
+async def run_http_only(args: argparse.Namespace) -> None:
+    client = HttpClient(
+        args.base_url, args.model, args.new_tokens, args.api_key, not args.no_token_ids
+    )
+    try:
+        await closed_loop(client.one, prompts_for(-1, 2, args.prompt_len), 2)  # warm-up
+        results: dict[int, list[Run]] = {c: [] for c in args.concurrency}
+        for rep in range(args.repeats):
+            for c in args.concurrency:
+                prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
+                run = Run("http", c, input_tokens=sum(map(len, prompts)))
+                run.duration, run.samples = await closed_loop(client.one, prompts, c)
+                results[c].append(run)
+                print(f"[rep {rep}] {c:>3} streams http {run.throughput:.2f} req/s ({load()})")
+        for c in args.concurrency:
+            print_table(f"{c} streams", {"http": results[c]})
+        for c in args.concurrency:
+            print(f"{c} streams: {statistics.median(r.throughput for r in results[c]):.2f} req/s")
+    finally:
+        await client.close()
+
+
+async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> None:
+    client = HttpClient(url, MODEL_NAME, args.new_tokens, None, True)
+
+    async def inproc_itl() -> tuple[float, float]:
+        return inproc.itl()
+
+    try:
+        warm = prompts_for(-1, 4, args.prompt_len)
+        await closed_loop(client.one, warm, 4)
+        await closed_loop(inproc.one, warm, 4)
+        results: dict[tuple[str, int], list[Run]] = {}
+        for c in args.concurrency:
+            for rep in range(args.repeats):
+                # HTTP first on even repeats, in process first on odd ones.
+                order = [("http", client.one), ("in-process", inproc.one)]
+                for side, one in order if rep % 2 == 0 else order[::-1]:
+                    prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
+                    run = Run(side, c, input_tokens=sum(map(len, prompts)))
+                    itl = (lambda: http_itl(client.client)) if side == "http" else inproc_itl
+                    before = await itl()
+                    run.duration, run.samples = await closed_loop(one, prompts, c)
+                    # An idle replica pushes its last metrics within its 2 s heartbeat.
+                    await asyncio.sleep(2.2 if side == "http" else 0.3)
+                    run.engine_itl = mean_between(before, await itl())
+                    results.setdefault((side, c), []).append(run)
+                    print(
+                        f"[rep {rep}] {c:>3} streams {side:>10} {run.throughput:5.2f} req/s, "
+                        f"median ITL {run.metrics()['median_itl']:.0f} ms, engine ITL "
+                        f"{run.engine_itl * 1e3:.0f} ms ({load()})",
+                        flush=True,
+                    )
+    finally:
+        await client.close()
+    print()
+    for c in args.concurrency:
+        print_table(
+            f"{c} streams", {"http": results[("http", c)], "in-process": results[("in-process", c)]}
+        )
+    print()
+    head = ("streams", "http req/s", "in-proc req/s", "ratio", "ratio range")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (7, 11, 14, 6, 12), strict=True)))
+    ratio_at: dict[int, float] = {}
+    for c in args.concurrency:
+        h, p = results[("http", c)], results[("in-process", c)]
+        ratios = [a.throughput / b.throughput for a, b in zip(h, p, strict=True)]
+        ratio_at[c] = statistics.median(ratios)
+        rng = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        hm = statistics.median(r.throughput for r in h)
+        pm = statistics.median(r.throughput for r in p)
+        print(f"{c:>7} {hm:>11.2f} {pm:>14.2f} {ratio_at[c]:>6.2f} {rng:>12}")
+    top = max(args.concurrency)
+    print(f"http/in-process at {top} streams: {ratio_at[top]:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--per-stream", type=int, default=3, help="requests per stream and run")
+    ap.add_argument("--min-requests", type=int, default=12, help="at least this many per run")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--base-url", help="only the HTTP side, against this OpenAI-style server")
+    ap.add_argument("--model", default=None, help="the model name to send (with --base-url)")
+    ap.add_argument("--api-key", default=None, help="a Bearer key (with --base-url)")
+    ap.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="do not send return_token_ids (a server that rejects it; with --base-url)",
+    )
+    args = ap.parse_args()
+
+    if args.base_url:
+        if not args.model:
+            ap.error("--base-url needs --model")
+        asyncio.run(run_http_only(args))
+        return
+
+    import torch
+
+    from actors.serving.config import ServeConfig
+
+    threads = str(args.torch_threads)
+    torch.set_num_threads(args.torch_threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env["RAY_CGRAPH_buffer_size_bytes"] = str(1 << 24)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_bench_model(Path(tmp) / "bench")
+        app_args = {
+            "model": str(model_dir),
+            "model_name": MODEL_NAME,
+            "groups": [
+                {"name": "default", "num_replicas": 1, "engine": {"kv_cache_memory": 256 << 20}}
+            ],
+        }
+        cfg = ServeConfig.model_validate(app_args)
+        print(
+            f"model: {MODEL}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+            f"greedy, ignore_eos; torch threads {args.torch_threads}; {load()}",
+            flush=True,
+        )
+        with serve_app(app_args, env) as url:
+            inproc = InProcess(model_dir, cfg, args.new_tokens)
+            try:
+                asyncio.run(run_both(args, url, inproc))
+            finally:
+                inproc.close()
+
+
+if __name__ == "__main__":
+    main()
