@@ -30,10 +30,16 @@ pytestmark = pytest.mark.timeout(420)
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACES = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc"]
 # Inside the namespaces: bring up loopback, a private /tmp and HOME (no ~/.ray/auth_token yet,
-# as on a fresh machine), then the README's lines from the repository root.
+# as on a fresh machine), then the README's lines from the repository root. The checkout is
+# bound back at its own path, so a checkout under /tmp stays visible.
 PRELUDE = """set -euo pipefail
 ip link set lo up
+hold=$(mktemp -d /dev/shm/meridian-readme-XXXXXX)
+mount --bind {repo} "$hold"
 mount -t tmpfs tmpfs /tmp
+mkdir -p {repo}
+mount --bind "$hold" {repo}
+umount "$hold" && rmdir "$hold"
 export HOME=/tmp/home && mkdir -p "$HOME"
 cd {repo}
 """
