@@ -97,6 +97,16 @@ from policies.request import Request
 REPORT_WAIT_S = 0.25  # a replica's long poll returns at the latest after this long
 
 
+def _call(method: Any, *args: Any) -> bool:
+    """Call a replica's actor method and wait for it; False when the replica is gone (its
+    death is handled when its long poll fails)."""
+    try:
+        ray.get(method.remote(*args))
+    except DEAD:
+        return False
+    return True
+
+
 class PDCluster:
     def __init__(
         self,
@@ -331,9 +341,7 @@ class PDCluster:
         req.start_attempt(key, pid, did)
         self._by_key[key] = req
         task = PrefillTask(key, request, dest, RemoteDecode(decode), self.home_shard(pid))
-        try:
-            ray.get(self.prefills[pid].submit.remote(task))
-        except DEAD:
+        if not _call(self.prefills[pid].submit, task):
             self._prefill_died(pid)  # places this request again
 
     def _home_blocks(self, pid: str) -> set[int]:
@@ -394,10 +402,7 @@ class PDCluster:
         for rid, handles in ((req.prefill_id, self.prefills), (req.decode_id, self.decodes)):
             if rid is None or (handles is self.prefills and not req.in_prefill):
                 continue
-            try:
-                ray.get(handles[rid].abort.remote(key))  # queued before any later call
-            except DEAD:
-                pass  # its death is handled when its poll fails
+            _call(handles[rid].abort, key)  # queued before any later call
         self._by_key.pop(key, None)
         req.drop_attempt()
 
@@ -487,11 +492,8 @@ class PDCluster:
         if req is None or req.decode_id is None:
             return
         req.in_prefill = False
-        try:
-            ray.get(self.decodes[req.decode_id].cancel.remote(e.key))
-        except DEAD:
-            return
-        self._requeue(req)
+        if _call(self.decodes[req.decode_id].cancel, e.key):
+            self._requeue(req)
 
     def _on_reservation_lost(self, e: ReservationLost) -> None:
         """The decode side already freed it: stop the prefill, run the request again."""
@@ -499,10 +501,7 @@ class PDCluster:
         if req is None:
             return
         if req.in_prefill and req.prefill_id is not None:
-            try:
-                ray.get(self.prefills[req.prefill_id].abort.remote(e.key))
-            except DEAD:
-                pass  # its death is handled when its poll fails
+            _call(self.prefills[req.prefill_id].abort, e.key)
         self._requeue(req)
 
     def _on_tokens(self, e: TokenDelta) -> StreamDelta | None:
@@ -536,10 +535,7 @@ class PDCluster:
         lost = [r for r in self._reqs.values() if r.decode_id == did and r.output is None]
         for req in lost:
             if req.in_prefill and req.prefill_id is not None and req.key is not None:
-                try:
-                    ray.get(self.prefills[req.prefill_id].abort.remote(req.key))
-                except DEAD:
-                    pass  # its death is handled when its poll fails
+                _call(self.prefills[req.prefill_id].abort, req.key)
         self._forget_replica(self.decodes[did])
         self.num_decode_restarts += 1
         self._start_decode(did)
@@ -551,10 +547,7 @@ class PDCluster:
         lost = [r for r in self._reqs.values() if r.prefill_id == pid and r.in_prefill]
         for req in lost:
             assert req.decode_id is not None and req.key is not None
-            try:
-                ray.get(self.decodes[req.decode_id].cancel.remote(req.key))
-            except DEAD:
-                pass  # its death is handled when its poll fails
+            _call(self.decodes[req.decode_id].cancel, req.key)
         self._forget_replica(self.prefills[pid])
         self.num_prefill_restarts += 1
         self._start_prefill(pid)
@@ -667,10 +660,7 @@ class PDCluster:
 
     def shutdown(self) -> None:
         for handle in [*self.prefills.values(), *self.decodes.values()]:
-            try:
-                ray.get(handle.shutdown.remote())
-            except DEAD:
-                pass
+            _call(handle.shutdown)
             ray.kill(handle)
         if self.store is not None:
             self.store.close()
