@@ -299,6 +299,22 @@ class EngineLoop:
         one ``Done`` or ``Failed`` per choice. Closing the iterator early aborts what is
         still running. Raises (before any yield) the refusal: InvalidRequestError,
         OverloadedError or EngineUnavailableError."""
+        batches = self.stream_batches(requests)
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
+
+    async def stream_batches(
+        self, requests: Sequence[Request]
+    ) -> AsyncGenerator[list[Accepted | Event], None]:
+        """``stream`` in batches: the first batch is ``[Accepted]``; each later one holds
+        every event that arrived since the consumer last asked (at least one), in order.
+        A consumer slower than the engine (a relay to another process) so pays one hop per
+        batch rather than one per token. Closing early aborts; refusals raise as in
+        ``stream``."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Verdict | Event] = asyncio.Queue()
 
@@ -317,13 +333,18 @@ class EngineLoop:
                 remaining = 0  # the engine holds none of them
                 raise verdict.error()
             assert isinstance(verdict, Accepted)
-            yield verdict
+            yield [verdict]
             while remaining:
-                item = await q.get()
-                assert not isinstance(item, Accepted | Refused)
-                if not isinstance(item, Delta):
-                    remaining -= 1
-                yield item
+                batch: list[Accepted | Event] = []
+                ready = [await q.get()]
+                while not q.empty():
+                    ready.append(q.get_nowait())
+                for item in ready:
+                    assert not isinstance(item, Accepted | Refused)
+                    if not isinstance(item, Delta):
+                        remaining -= 1
+                    batch.append(item)
+                yield batch
         finally:
             if remaining:
                 self.abort(ids)

@@ -339,8 +339,9 @@ class Ingress:
                 param = "prompt" if first.status == 400 else None
                 raise oai.APIError(first.status, first.message, param, headers=headers)
             yield first
-            async for item in gen:
-                yield item
+            async for batch in gen:  # the replica sends its events in lists
+                for item in batch:
+                    yield item
         finally:
             gen.cancel()  # no-op when finished; aborts the replica's request otherwise
 

@@ -57,9 +57,11 @@ class ReplicaServer:
     ``generate(payload)`` is a streaming method; the payload is a dict with ``requests``
     (the ``Request`` of each choice, built by the ingress) and ``ranking`` (read by
     ``RankedRequestRouter``). It yields ``Accepted(replica id)`` once the engine took the
-    request, then the ``EngineLoop`` events; a request the replica refuses yields one
-    ``Refused`` instead (400 bad input, 429 overloaded or rejected by the Conductor, 503
-    failed). ``limits()``: what a request must fit here, for the ingress's builder.
+    request, then the ``EngineLoop`` events in lists (every event ready when the relay
+    asks: one hop per batch, not per token, when the relay lags the engine); a request
+    the replica refuses yields one ``Refused`` instead (400 bad input, 429 overloaded or
+    rejected by the Conductor, 503 failed). ``limits()``: what a request must fit here,
+    for the ingress's builder.
     """
 
     def __init__(self, config: dict[str, Any], group: str, router: Any) -> None:
@@ -83,17 +85,19 @@ class ReplicaServer:
     async def limits(self) -> RequestLimits:
         return self.engine.limits
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[Verdict | Event]:
-        stream = self.loop.stream(payload["requests"])
+    async def generate(
+        self, payload: dict[str, Any]
+    ) -> AsyncIterator[Verdict | list[Accepted | Event]]:
+        stream = self.loop.stream_batches(payload["requests"])
         try:
-            await anext(stream)  # Accepted: queued, or raises the refusal
+            await anext(stream)  # [Accepted]: queued, or raises the refusal
         except MeridianError as e:  # bad input (400), overloaded (429), failed (503)
             yield Refused.of(e)
             return
         yield Accepted(self.replica_id)
         try:
-            async for item in stream:
-                yield item
+            async for batch in stream:  # one Ray item per batch of events, not per token
+                yield batch
         finally:
             await stream.aclose()  # aborts whatever still runs (client gone, cancelled)
 

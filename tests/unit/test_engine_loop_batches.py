@@ -1,0 +1,107 @@
+"""The relay side of a replica's engine loop: ``stream_batches`` hands a slow consumer every
+event that is ready in one batch (one Ray item per batch, not per token), in order, and
+ends a request exactly as ``stream`` does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from actors.engine.events import Accepted, Delta, Done
+from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.serving.engine_loop import EngineLoop
+from policies.replica_stats import ReplicaStats
+
+TOKENS = 12
+
+
+class CountingEngine:
+    """Each running request gets one token per step (token i is ``i``) and finishes after
+    ``TOKENS``; a step takes 2 ms."""
+
+    block_size = 16
+    limits: Any = None
+
+    def __init__(self) -> None:
+        self.made: dict[str, int] = {}
+
+    def add_request(self, request: Any) -> str:
+        self.made[request.request_id] = 0
+        return request.request_id
+
+    def step(self) -> list[StreamDelta]:
+        time.sleep(0.002)
+        out = []
+        for rid, n in list(self.made.items()):
+            if n < TOKENS:
+                self.made[rid] = n + 1
+                done = n + 1 == TOKENS
+                out.append(StreamDelta(rid, [n], str(n), done, "length" if done else None))
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self.made[request_id] = TOKENS
+
+    def release(self, request_id: str) -> RequestOutput:
+        del self.made[request_id]
+        now = time.monotonic()
+        ids = list(range(TOKENS))
+        return RequestOutput(request_id, [1], ids, "", True, "length", 0, now, now, now)
+
+    def has_unfinished(self) -> bool:
+        return any(n < TOKENS for n in self.made.values())
+
+    def on_idle(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def serving_stats(self) -> ReplicaStats:
+        return ReplicaStats(0, 0, 0, 1, 1, 0.0, 0.0, time.time())
+
+    def cached_block_hashes(self) -> list[int]:
+        return []
+
+    def drain_cache_events(self) -> list[tuple[str, int]]:
+        return []
+
+
+def test_a_slow_consumer_gets_every_event_in_order_in_fewer_batches():
+    loop = EngineLoop(CountingEngine())  # type: ignore[arg-type]
+
+    async def run() -> list[list[Any]]:
+        batches = []
+        async for batch in loop.stream_batches([SimpleNamespace(request_id="r")]):
+            batches.append(batch)
+            await asyncio.sleep(0.01)  # a relay slower than the engine's 2 ms steps
+        return batches
+
+    try:
+        batches = asyncio.run(asyncio.wait_for(run(), 10))
+    finally:
+        loop.shutdown()
+    assert len(batches[0]) == 1 and isinstance(batches[0][0], Accepted)
+    items = [item for batch in batches[1:] for item in batch]
+    deltas = [item.delta.token_ids[0] for item in items if isinstance(item, Delta)]
+    assert deltas == list(range(TOKENS))
+    assert isinstance(items[-1], Done) and items[-1].output.token_ids == list(range(TOKENS))
+    assert all(batch for batch in batches)
+    assert len(batches) - 1 < len(items)  # some batch carried several events
+
+
+def test_stream_is_the_flattened_batches():
+    loop = EngineLoop(CountingEngine())  # type: ignore[arg-type]
+
+    async def run() -> list[Any]:
+        return [item async for item in loop.stream([SimpleNamespace(request_id="s")])]
+
+    try:
+        items = asyncio.run(asyncio.wait_for(run(), 10))
+    finally:
+        loop.shutdown()
+    assert isinstance(items[0], Accepted)
+    assert [i.delta.token_ids[0] for i in items if isinstance(i, Delta)] == list(range(TOKENS))
+    assert isinstance(items[-1], Done) and len(items) == TOKENS + 2
