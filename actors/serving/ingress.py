@@ -26,6 +26,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused
 from actors.engine.outputs import RequestOutput
@@ -34,6 +35,7 @@ from actors.engine.request_limits import RequestLimits
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
+from actors.serving.replay import ReplayDiverged, StreamLedger
 from actors.serving.router import own_request_id
 from errors import (
     ContextLengthError,
@@ -49,6 +51,8 @@ from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
 log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 3  # per prompt: the first run and two replays on another replica
+REPLICA_GONE = (RayActorError, ActorUnavailableError)  # the replica died mid-request
 app = FastAPI(title="Meridian", docs_url=None, redoc_url=None)
 
 
@@ -316,7 +320,55 @@ class Ingress:
         """Route one prompt (the built request of each of its choices) and relay its replica
         stream; the first item is ``Accepted``.
 
+        A replica that dies mid-request (or fails a choice retriably) costs a replay, not
+        the request: the prompt is routed again, up to ``MAX_ATTEMPTS`` in all, and the
+        replay continues each stream where its consumer stopped (``StreamLedger``: no
+        token twice, and a replay that differs ends its choices with a retriable error).
+
         Raises APIError (before the first yield) when the replica refuses it."""
+        gen, first = await self._open(choices, session)
+        yield first
+        ledger = StreamLedger(len(choices))
+        attempt = 1
+        while True:
+            reason = None
+            try:
+                async for batch in gen:  # the replica sends its events in lists
+                    for item in batch:
+                        if isinstance(item, Failed) and item.retriable and attempt < MAX_ATTEMPTS:
+                            reason = item.message
+                            break
+                        passed = ledger.admit(item)
+                        if passed is not None:
+                            yield passed
+                    if reason is not None:
+                        break
+            except REPLICA_GONE as e:
+                if attempt >= MAX_ATTEMPTS:
+                    raise
+                reason = f"{type(e).__name__}: {e}"
+            except ReplayDiverged as e:
+                for i in ledger.open_choices():
+                    yield Failed(i, f"{e}; retry the request")
+                return
+            finally:
+                gen.cancel()  # no-op when finished; aborts the replica's request otherwise
+            if reason is None or not ledger.open_choices():
+                return
+            attempt += 1
+            log.warning("replaying request %s (attempt %d): %s", first, attempt, reason)
+            retry = [c.with_id(f"{c.request_id}#{attempt}") for c in choices]
+            try:
+                gen, _ = await self._open(retry, session)
+            except oai.APIError as e:
+                for i in ledger.open_choices():
+                    yield Failed(i, f"its replica failed and a retry was refused: {e.message}")
+                return
+            ledger.begin_replay()
+
+    async def _open(self, choices: list[Request], session: str | None) -> tuple[Any, Accepted]:
+        """Route the choices of one prompt and start them on a replica: (its event stream,
+        its ``Accepted``). Raises APIError when the replica refuses them."""
         first_choice = choices[0]
         route_req = RouteRequest(
             first_choice.request_id,
@@ -332,18 +384,16 @@ class Ingress:
             gen = self.replicas[group].options(stream=True).generate.remote(payload)
         try:
             first = await anext(gen)
-            if isinstance(first, Refused):
-                headers = None
-                if first.status == 429:
-                    headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
-                param = "prompt" if first.status == 400 else None
-                raise oai.APIError(first.status, first.message, param, headers=headers)
-            yield first
-            async for batch in gen:  # the replica sends its events in lists
-                for item in batch:
-                    yield item
-        finally:
-            gen.cancel()  # no-op when finished; aborts the replica's request otherwise
+        except BaseException:
+            gen.cancel()
+            raise
+        if isinstance(first, Refused):
+            headers = None
+            if first.status == 429:
+                headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
+            param = "prompt" if first.status == 400 else None
+            raise oai.APIError(first.status, first.message, param, headers=headers)
+        return gen, first
 
     async def _collect(
         self, prep: _Prepared, streams: list[AsyncIterator[Accepted | Event]], chat: bool
