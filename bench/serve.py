@@ -29,6 +29,13 @@ for both engines.
 
     python bench/serve.py [--concurrency 1 8 32] [--repeats 3] [--per-stream 3]
     python bench/serve.py --base-url http://host:8000 --model NAME   # any OpenAI server
+    python bench/serve.py --write-model DIR        # the bench weights, for a peer server
+    python bench/serve.py --model-dir DIR --peer-url http://host:8001 --peer-model NAME
+
+With ``--peer-url`` a third side joins the interleaving (HTTP, in process, peer, ...): a
+peer OpenAI server (vLLM's CPU server, say) started on the same weights (``--write-model``
+writes them; ``--model-dir`` serves that folder), driven by the same HTTP client and
+workload; one more line before the last gives ``http/peer`` per concurrency.
 
 Last line: ``http/in-process at 32 streams: <ratio>`` (the median of the per-repeat ratios
 of request throughput; targets: >= 0.85, and HTTP throughput at 32 >= at 8).
@@ -424,19 +431,33 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
     async def inproc_itl() -> tuple[float, float]:
         return inproc.itl()
 
+    peer = None
+    if args.peer_url:
+        token_ids = not args.no_token_ids
+        peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
+
+    async def no_itl() -> tuple[float, float]:
+        return (0.0, 0.0)
+
     try:
         warm = prompts_for(-1, 4, args.prompt_len)
         await closed_loop(client.one, warm, 4)
         await closed_loop(inproc.one, warm, 4)
+        sides = [
+            ("http", client.one, lambda: http_itl(client.client)),
+            ("in-process", inproc.one, inproc_itl),
+        ]
+        if peer is not None:
+            await closed_loop(peer.one, warm, 4)
+            sides.append(("peer", peer.one, no_itl))
         results: dict[tuple[str, int], list[Run]] = {}
         for c in args.concurrency:
             for rep in range(args.repeats):
-                # HTTP first on even repeats, in process first on odd ones.
-                order = [("http", client.one), ("in-process", inproc.one)]
-                for side, one in order if rep % 2 == 0 else order[::-1]:
+                # The sides take turns; the one that goes first rotates with the repeat.
+                k = rep % len(sides)
+                for side, one, itl in sides[k:] + sides[:k]:
                     prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
                     run = Run(side, c, input_tokens=sum(map(len, prompts)))
-                    itl = (lambda: http_itl(client.client)) if side == "http" else inproc_itl
                     before = await itl()
                     run.duration, run.samples = await closed_loop(one, prompts, c)
                     # An idle replica pushes its last metrics within its 2 s heartbeat.
@@ -451,11 +472,11 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
                     )
     finally:
         await client.close()
+        if peer is not None:
+            await peer.close()
     print()
     for c in args.concurrency:
-        print_table(
-            f"{c} streams", {"http": results[("http", c)], "in-process": results[("in-process", c)]}
-        )
+        print_table(f"{c} streams", {side: results[(side, c)] for side, _, _ in sides})
     print()
     head = ("streams", "http req/s", "in-proc req/s", "ratio", "ratio range")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (7, 11, 14, 6, 12), strict=True)))
@@ -468,6 +489,13 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
         hm = statistics.median(r.throughput for r in h)
         pm = statistics.median(r.throughput for r in p)
         print(f"{c:>7} {hm:>11.2f} {pm:>14.2f} {ratio_at[c]:>6.2f} {rng:>12}")
+    if peer is not None:
+        vs_peer = []
+        for c in args.concurrency:
+            pairs = zip(results[("http", c)], results[("peer", c)], strict=True)
+            ratio = statistics.median(a.throughput / b.throughput for a, b in pairs)
+            vs_peer.append(f"{ratio:.2f} at {c}")
+        print(f"http/peer ({args.peer_model}) req/s: " + ", ".join(vs_peer) + " streams")
     top = max(args.concurrency)
     print(f"http/in-process at {top} streams: {ratio_at[top]:.2f}")
 
@@ -489,8 +517,17 @@ def main() -> None:
         action="store_true",
         help="do not send return_token_ids (a server that rejects it; with --base-url)",
     )
+    ap.add_argument("--write-model", help="write the bench model into this folder and exit")
+    ap.add_argument("--model-dir", help="serve the bench model from this folder")
+    ap.add_argument("--peer-url", help="a peer OpenAI server on the same weights, interleaved")
+    ap.add_argument("--peer-model", default="bench", help="the model name the peer serves")
     args = ap.parse_args()
 
+    if args.write_model:
+        print(write_bench_model(Path(args.write_model)))
+        return
+    if args.peer_url and not args.model_dir:
+        ap.error("--peer-url needs --model-dir: the folder the peer serves")
     if args.base_url:
         if not args.model:
             ap.error("--base-url needs --model")
@@ -506,7 +543,12 @@ def main() -> None:
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env["RAY_CGRAPH_buffer_size_bytes"] = str(1 << 24)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_bench_model(Path(tmp) / "bench")
+        if args.model_dir:
+            model_dir = Path(args.model_dir)
+            if not (model_dir / "config.json").exists():
+                write_bench_model(model_dir)
+        else:
+            model_dir = write_bench_model(Path(tmp) / "bench")
         app_args = {
             "model": str(model_dir),
             "model_name": MODEL_NAME,
