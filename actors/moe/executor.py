@@ -10,6 +10,7 @@ process (the exactness reference for the message plumbing).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -23,9 +24,11 @@ from models.config import ModelConfig, read_model_config
 from policies.expert_balance import plan_placement
 
 
-def merge_results(step_id: int, results: list[AttentionResult]) -> StepResult:
-    """One ``StepResult`` from every attention worker's micro-batch results; timings are
-    kept as ``MoESpec`` stage times in ``hook_reports`` (they are not pipeline stages)."""
+def merge_results(
+    step_id: int, results: list[AttentionResult]
+) -> tuple[StepResult, list[StageTime]]:
+    """One ``StepResult`` from every attention worker's micro-batch results, and the step's
+    stage times (every attention and expert round), by start time."""
     merged = StepResult(step_id, {})
     times: list[StageTime] = []
     for r in results:
@@ -33,8 +36,7 @@ def merge_results(step_id: int, results: list[AttentionResult]) -> StepResult:
         merged.tokens.update(r.tokens)
         merged.logprobs.update(r.logprobs)
         times.extend(r.timings)
-    merged.hook_reports.append(sorted(set(times), key=lambda t: (t[4], t[0], t[1])))
-    return merged
+    return merged, sorted(set(times), key=lambda t: (t[4], t[0], t[1]))
 
 
 class LocalMoEExecutor:
@@ -45,6 +47,7 @@ class LocalMoEExecutor:
     def __init__(self, spec: MoESpec) -> None:
         self.spec = spec
         self.num_layers = read_model_config(spec.model_dir).num_hidden_layers
+        self.timeline: deque[tuple[int, list[StageTime]]] = deque(maxlen=64)  # last steps
         self._start()
 
     def _start(self) -> None:
@@ -79,7 +82,9 @@ class LocalMoEExecutor:
                         expert.expert_round(layer, j, *(batches[w] for batches in sent))
                         for w, expert in enumerate(self.experts)
                     ]
-        return merge_results(plan.step_id, results)
+        merged, times = merge_results(plan.step_id, results)
+        self.timeline.append((plan.step_id, times))
+        return merged
 
     def result(self, handle: StepResult) -> StepResult:
         return handle

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,6 +49,12 @@ from kernels.kv_cache import allocate_kv_cache
 from kernels.moe import ExpertDispatch
 from models import load_model
 from models.moe_split import AttentionPart, ExpertPart
+
+
+def _flat(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Inputs as one flat tuple: a compiled graph hands a method with one destination its
+    whole returned tuple rather than the tuple's only element."""
+    return tuple(v for x in values for v in (x if isinstance(x, tuple) else (x,)))
 
 
 @dataclass
@@ -102,6 +109,7 @@ class AttentionWorker:
         began = time.time()
         part = self.part
         assert part is not None, "call setup() first"
+        inputs = _flat(inputs)
         if layer == 0:
             (plan,) = inputs
             assert isinstance(plan, StepPlan)
@@ -236,6 +244,7 @@ class ExpertWorker:
         part = self.part
         assert part is not None, "call setup() first"
         self.rounds += 1
+        batches = _flat(batches)
         hidden = [from_wire(b.hidden, self.dtype, self.device) for b in batches]
         experts = [torch.from_numpy(np.array(b.experts)) for b in batches]
         outs = [torch.empty_like(h) for h in hidden]
