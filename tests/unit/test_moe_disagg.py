@@ -121,3 +121,33 @@ def test_bad_layouts_are_refused(model_dir, tmp_path):
     dense = write_tiny_model(tmp_path / "dense", kind="dense")
     with pytest.raises(ValueError, match="dense"):
         LLM(dense, attention_workers=1, expert_workers=1, moe_in_process=True)
+
+
+def test_serve_replica_group_takes_the_same_keys():
+    from actors.serving.config import ReplicaGroupConfig
+
+    group = ReplicaGroupConfig(
+        name="moe", num_replicas=1, attention_workers=2, expert_workers=3, micro_batches=3
+    )
+    config = group.engine_config()
+    assert (config.attention_workers, config.expert_workers, config.micro_batches) == (2, 3, 3)
+    assert "attention_workers" not in ReplicaGroupConfig(name="plain").engine_options()
+    with pytest.raises(ValueError, match="together"):
+        ReplicaGroupConfig(name="bad", attention_workers=2)
+    with pytest.raises(ValueError, match="colocated replicas"):
+        ReplicaGroupConfig(
+            name="pd", num_prefill=1, num_decode=1, attention_workers=1, expert_workers=1
+        )
+
+
+def test_default_micro_batches_follow_the_rule(model_dir):
+    from actors.moe.executor import default_micro_batches
+    from models.config import read_model_config
+
+    cfg = read_model_config(model_dir)
+    m = default_micro_batches(cfg, attention_workers=2, tokens_per_step=256, device="cpu")
+    assert m in (3, 4)  # 2 (1 + Tc / Tf) with 0 < Tc < Tf
+    llm = _disagg(model_dir, None)
+    assert llm.engine.executor.spec.micro_batches == default_micro_batches(
+        cfg, 2, llm.engine.engine_config.max_num_seqs, "cpu"
+    )
