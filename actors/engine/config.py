@@ -56,6 +56,9 @@ class EngineConfig:
     expert_workers: int = 0
     expert_slots: int | None = None
     micro_batches: int | None = None
+    # re-plan the expert placement from observed rows per expert at most this often (None:
+    # the placement stays as started)
+    rebalance_experts_s: float | None = None
     moe_in_process: bool = False  # the MoE workers in this process (no Ray), for tests
 
     def __post_init__(self) -> None:

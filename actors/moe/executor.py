@@ -10,6 +10,8 @@ process (the exactness reference for the message plumbing).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import deque
 from typing import Any
 
@@ -21,33 +23,75 @@ from actors.engine.worker import WorkerSpec
 from actors.moe.messages import AttentionResult, ExpertBatch, ExpertReply, MoESpec, StageTime
 from actors.moe.workers import AttentionWorker, ExpertWorker
 from models.config import ModelConfig, read_model_config
-from policies.expert_balance import plan_placement
+from policies.expert_balance import ExpertBalancer, ExpertPlacement, plan_placement
 
 
 def merge_results(
     step_id: int, results: list[AttentionResult]
-) -> tuple[StepResult, list[StageTime]]:
-    """One ``StepResult`` from every attention worker's micro-batch results, and the step's
-    stage times (every attention and expert round), by start time."""
+) -> tuple[StepResult, list[StageTime], dict[int, int]]:
+    """One ``StepResult`` from every attention worker's micro-batch results, the step's
+    stage times (every attention and expert round) by start time, and rows per expert."""
     merged = StepResult(step_id, {})
     times: list[StageTime] = []
+    rows: dict[int, int] = {}
     for r in results:
         assert r.step_id == step_id, (r.step_id, step_id)
         merged.tokens.update(r.tokens)
         merged.logprobs.update(r.logprobs)
         times.extend(r.timings)
-    return merged, sorted(set(times), key=lambda t: (t[4], t[0], t[1]))
+        for e, n in r.expert_rows.items():
+            rows[e] = rows.get(e, 0) + n
+    return merged, sorted(set(times), key=lambda t: (t[4], t[0], t[1])), rows
 
 
-class LocalMoEExecutor:
-    """Every attention and expert worker in this process; rounds run one at a time."""
+class MoEExecutorBase:
+    """What both executors keep between steps: the last steps' stage times, rows per expert,
+    and (with a ``balancer``) the expert placement, re-planned between steps when the
+    observed rows drift (``policies.expert_balance.ExpertBalancer``)."""
 
     depth = 1
 
-    def __init__(self, spec: MoESpec) -> None:
+    def __init__(self, spec: MoESpec, balancer: ExpertBalancer | None = None) -> None:
         self.spec = spec
         self.num_layers = read_model_config(spec.model_dir).num_hidden_layers
         self.timeline: deque[tuple[int, list[StageTime]]] = deque(maxlen=64)  # last steps
+        self.balancer = balancer
+        if balancer is not None:
+            balancer.placement = spec.placement
+        self.num_replans = 0
+        self._rows = [0] * spec.placement.num_experts
+
+    def _record(self, step_id: int, results: list[AttentionResult]) -> StepResult:
+        merged, times, rows = merge_results(step_id, results)
+        self.timeline.append((step_id, times))
+        counts = [0] * len(self._rows)
+        for e, n in rows.items():
+            counts[e] = n
+            self._rows[e] += n
+        if self.balancer is not None:
+            now = time.monotonic()
+            self.balancer.observe(counts, now)
+            placement = self.balancer.maybe_replan(now)
+            if placement is not None:
+                self.num_replans += 1
+                self.spec = dataclasses.replace(self.spec, placement=placement)
+                self._apply_placement(placement)
+        return merged
+
+    def _apply_placement(self, placement: ExpertPlacement) -> None:
+        raise NotImplementedError
+
+    def token_counts(self) -> list[int]:
+        """Rows each expert served since the last call, summed over its copies."""
+        counts, self._rows = self._rows, [0] * len(self._rows)
+        return counts
+
+
+class LocalMoEExecutor(MoEExecutorBase):
+    """Every attention and expert worker in this process; rounds run one at a time."""
+
+    def __init__(self, spec: MoESpec, balancer: ExpertBalancer | None = None) -> None:
+        super().__init__(spec, balancer)
         self._start()
 
     def _start(self) -> None:
@@ -56,6 +100,13 @@ class LocalMoEExecutor:
         self.experts = [ExpertWorker(spec, w) for w in range(spec.expert_workers)]
         for attention in self.attention:
             attention.setup()
+        for expert in self.experts:
+            expert.setup()
+
+    def _apply_placement(self, placement: ExpertPlacement) -> None:
+        for attention in self.attention:
+            attention.set_placement(placement)
+        self.experts = [ExpertWorker(self.spec, w) for w in range(self.spec.expert_workers)]
         for expert in self.experts:
             expert.setup()
 
@@ -82,20 +133,10 @@ class LocalMoEExecutor:
                         expert.expert_round(layer, j, *(batches[w] for batches in sent))
                         for w, expert in enumerate(self.experts)
                     ]
-        merged, times = merge_results(plan.step_id, results)
-        self.timeline.append((plan.step_id, times))
-        return merged
+        return self._record(plan.step_id, results)
 
     def result(self, handle: StepResult) -> StepResult:
         return handle
-
-    def token_counts(self) -> list[int]:
-        """Rows each expert served since the last call, summed over its copies."""
-        total = [0] * self.spec.placement.num_experts
-        for expert in self.experts:
-            for e, c in enumerate(expert.take_counts()):
-                total[e] += c
-        return total
 
     def hook_info(self) -> list[Any]:
         return [None] * (len(self.attention) + len(self.experts))
@@ -178,8 +219,20 @@ def build_moe_executor(
         placement=placement,
         micro_batches=m,
     )
+    balancer = None
+    if config.rebalance_experts_s is not None:
+        if config.rebalance_experts_s < 0:
+            raise ValueError("rebalance_experts_s must be >= 0 or None")
+        balancer = ExpertBalancer(
+            n_e,
+            slots,
+            experts,
+            window_s=max(10.0, 2 * config.rebalance_experts_s),
+            min_interval_s=config.rebalance_experts_s,
+            placement=placement,
+        )
     if config.moe_in_process:
-        return LocalMoEExecutor(moe_spec)
+        return LocalMoEExecutor(moe_spec, balancer)
     from actors.moe.ray_executor import RayMoEExecutor
 
-    return RayMoEExecutor(moe_spec)
+    return RayMoEExecutor(moe_spec, balancer)

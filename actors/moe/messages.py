@@ -63,7 +63,9 @@ class ExpertReply:
     micro_batch: int
     sender: int  # expert worker index
     out: np.ndarray  # [n, H]
-    timings: list[StageTime] = field(default_factory=list)  # to attention worker 0 only
+    # to attention worker 0 only: the round's stage time and rows per expert (all senders)
+    timings: list[StageTime] = field(default_factory=list)
+    served: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class AttentionResult:
     tokens: dict[str, int]
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     timings: list[StageTime] = field(default_factory=list)
+    expert_rows: dict[int, int] = field(default_factory=dict)  # rows per expert, all rounds
 
 
 def to_wire(t: torch.Tensor) -> np.ndarray:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from typing import Any
 
 import ray
@@ -29,10 +28,10 @@ import ray
 from actors.engine.executor import WorkerFailure
 from actors.engine.ray_executor import _DEATH, CHANNEL_BYTES
 from actors.engine.step_plan import StepPlan, StepResult
-from actors.moe.executor import merge_results
-from actors.moe.messages import MoESpec, StageTime
+from actors.moe.executor import MoEExecutorBase
+from actors.moe.messages import MoESpec
 from actors.moe.workers import AttentionWorker, ExpertWorker
-from models.config import read_model_config
+from policies.expert_balance import ExpertBalancer, ExpertPlacement
 
 
 def _outputs(node: Any, n: int) -> list[Any]:
@@ -40,23 +39,20 @@ def _outputs(node: Any, n: int) -> list[Any]:
     return list(node) if n > 1 else [node]
 
 
-class RayMoEExecutor:
-    depth = 1
-
+class RayMoEExecutor(MoEExecutorBase):
     def __init__(
         self,
         spec: MoESpec,
+        balancer: ExpertBalancer | None = None,
         *,
         num_cpus_per_worker: float = 0.0,
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 300.0,
     ) -> None:
-        self.spec = spec
-        self.num_layers = read_model_config(spec.model_dir).num_hidden_layers
+        super().__init__(spec, balancer)
         self.num_cpus_per_worker = num_cpus_per_worker
         self.step_timeout_s = step_timeout_s
         self.setup_timeout_s = setup_timeout_s
-        self.timeline: deque[tuple[int, list[StageTime]]] = deque(maxlen=64)  # last steps
         self.attention: list[Any] = []
         self.experts: list[Any] = []
         self._graph: Any = None
@@ -67,28 +63,42 @@ class RayMoEExecutor:
         self._start()
 
     # -- workers ----------------------------------------------------------------------------
-    def _start(self) -> None:
-        spec = self.spec
-        options = dict(
+    def _options(self) -> dict[str, Any]:
+        return dict(
             num_cpus=self.num_cpus_per_worker,
-            num_gpus=1 if spec.device == "cuda" else 0,
+            num_gpus=1 if self.spec.device == "cuda" else 0,
             runtime_env={"env_vars": self._env},
             max_restarts=0,
         )
+
+    def _start(self) -> None:
+        spec = self.spec
         attention: Any = ray.remote(AttentionWorker)
-        expert: Any = ray.remote(ExpertWorker)
         self.attention = [
-            attention.options(**options).remote(spec, a) for a in range(spec.attention_workers)
+            attention.options(**self._options()).remote(spec, a)
+            for a in range(spec.attention_workers)
         ]
-        self.experts = [
-            expert.options(**options).remote(spec, w) for w in range(spec.expert_workers)
-        ]
+        self._start_experts()
         # Load the model (and import torch) in every actor before the graph is compiled: a
         # first execute that does it can pass the channels' timeout.
-        ray.get(
-            [w.setup.remote() for w in [*self.attention, *self.experts]],
-            timeout=self.setup_timeout_s,
-        )
+        ray.get([w.setup.remote() for w in self.attention], timeout=self.setup_timeout_s)
+
+    def _start_experts(self) -> None:
+        expert: Any = ray.remote(ExpertWorker)
+        self.experts = [
+            expert.options(**self._options()).remote(self.spec, w)
+            for w in range(self.spec.expert_workers)
+        ]
+        ray.get([w.setup.remote() for w in self.experts], timeout=self.setup_timeout_s)
+
+    def _apply_placement(self, placement: ExpertPlacement) -> None:
+        """New expert actors holding the new placement's experts; the attention actors keep
+        their KV and route by it from the next step (the graph is compiled again)."""
+        self._teardown()
+        ray.get([a.set_placement.remote(placement) for a in self.attention])
+        for actor in self.experts:
+            ray.kill(actor, no_restart=True)
+        self._start_experts()
 
     def _compile(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
@@ -140,19 +150,7 @@ class RayMoEExecutor:
             outs = ray.get(ref, timeout=self.step_timeout_s)
         except _DEATH as exc:
             raise WorkerFailure(f"a MoE worker of the replica died: {exc}") from exc
-        merged, times = merge_results(step_id, list(outs))
-        self.timeline.append((step_id, times))
-        return merged
-
-    def token_counts(self) -> list[int]:
-        """Rows each expert served since the last call, summed over its copies (tears the
-        graph down first: a compiled-graph actor runs no other call)."""
-        self._teardown()
-        total = [0] * self.spec.placement.num_experts
-        for counts in ray.get([w.take_counts.remote() for w in self.experts]):
-            for e, c in enumerate(counts):
-                total[e] += c
-        return total
+        return self._record(step_id, list(outs))
 
     def hook_info(self) -> list[Any]:
         return [None] * (len(self.attention) + len(self.experts))

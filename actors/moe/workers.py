@@ -23,6 +23,7 @@ actors and wires the rounds into one compiled graph.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from kernels.kv_cache import allocate_kv_cache
 from kernels.moe import ExpertDispatch
 from models import load_model
 from models.moe_split import AttentionPart, ExpertPart
+from policies.expert_balance import ExpertPlacement
 
 
 def _flat(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -67,6 +69,7 @@ class _MicroBatch:
     dispatch: ExpertDispatch | None = None
     routes: list[torch.Tensor] | None = None
     timings: list[StageTime] | None = None
+    served: dict[int, int] | None = None  # rows per expert over its rounds (worker 0)
 
 
 class AttentionWorker:
@@ -102,6 +105,13 @@ class AttentionWorker:
     def ping(self) -> bool:
         return True
 
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Send rows by a new expert placement from the next round on (between steps)."""
+        if placement.num_workers != self.spec.expert_workers:
+            raise ValueError("a new placement must keep the number of expert workers")
+        self.spec = dataclasses.replace(self.spec, placement=placement)
+        self._replicas = placement.replica_table()
+
     @torch.inference_mode()
     def attention_round(
         self, layer: int, micro_batch: int, *inputs: StepPlan | ExpertReply
@@ -136,7 +146,7 @@ class AttentionWorker:
         inputs = build_worker_inputs(self._plans[micro_batch], 0, 1, spec.block_size, self.device)
         assert self.part is not None
         x = self.part.embed(inputs.input_ids)
-        mb = _MicroBatch(inputs, x, timings=[])
+        mb = _MicroBatch(inputs, x, timings=[], served={})
         self._mbs[micro_batch] = mb
         return mb
 
@@ -187,6 +197,9 @@ class AttentionWorker:
             if len(idx):
                 expert_out[idx.to(mb.x.device)] = from_wire(reply.out, self.dtype, self.device)
             mb.timings.extend(reply.timings)
+            assert mb.served is not None
+            for e, rows in reply.served.items():
+                mb.served[e] = mb.served.get(e, 0) + rows
         if mb.x.shape[0]:
             mb.x = AttentionPart.combine(mb.x, expert_out, mb.dispatch, mb.weights)
         mb.weights = mb.dispatch = mb.routes = None
@@ -194,7 +207,9 @@ class AttentionWorker:
     def _finish(self, mb: _MicroBatch, micro_batch: int) -> AttentionResult:
         part = self.part
         assert part is not None and mb.timings is not None
-        result = AttentionResult(self._step_id, micro_batch, {}, {}, list(mb.timings))
+        result = AttentionResult(
+            self._step_id, micro_batch, {}, {}, list(mb.timings), dict(mb.served or {})
+        )
         inputs = mb.inputs
         if inputs.sample_rows:
             hidden = part.final(mb.x)
@@ -217,7 +232,6 @@ class ExpertWorker:
         self.dtype = getattr(torch, spec.dtype)
         self.experts = spec.placement.workers[index]
         self.part: ExpertPart | None = None
-        self._counts = [0] * spec.placement.num_experts  # rows served per expert
         self.rounds = 0  # rounds answered (every round reaches every expert worker)
         # rows per held expert in each of the last rounds: (layer, micro-batch, counts)
         self.recent: deque[tuple[int, int, dict[int, int]]] = deque(maxlen=256)
@@ -230,11 +244,6 @@ class ExpertWorker:
 
     def ping(self) -> bool:
         return True
-
-    def take_counts(self) -> list[int]:
-        """Rows each expert served here since the last call (for ``ExpertBalancer``)."""
-        counts, self._counts = self._counts, [0] * len(self._counts)
-        return counts
 
     @torch.inference_mode()
     def expert_round(
@@ -255,7 +264,6 @@ class ExpertWorker:
             served[e] = sum(sizes)
             if not sum(sizes):
                 continue
-            self._counts[e] += sum(sizes)
             rows = torch.cat([h.index_select(0, p) for h, p in zip(hidden, picks, strict=True)])
             y = part.run(layer, e, rows)
             for out, p, part_y in zip(outs, picks, y.split(sizes), strict=True):
@@ -266,7 +274,13 @@ class ExpertWorker:
         timing: StageTime = ("expert", self.index, layer, micro_batch, began, time.time())
         return tuple(
             ExpertReply(
-                step_id, layer, micro_batch, self.index, to_wire(out), [timing] if a == 0 else []
+                step_id,
+                layer,
+                micro_batch,
+                self.index,
+                to_wire(out),
+                [timing] if a == 0 else [],
+                served if a == 0 else {},
             )
             for a, out in enumerate(outs)
         )

@@ -9,22 +9,34 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from actors import LLM, SamplingParams
 from actors.engine.step_plan import PlanEntry
 from actors.moe.executor import LocalMoEExecutor
 from actors.moe.messages import attention_worker_of, micro_batches_of
 from models import write_tiny_model
+from policies.expert_balance import plan_placement
 
 NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # 8 experts, top 2: a decode micro-batch of a few tokens leaves most experts idle.
-    return write_tiny_model(
+    """8 experts, top 2 (a decode micro-batch of a few tokens leaves most experts idle),
+    with uneven routing: the router rows of experts 6 and 1 are scaled up, so their logits
+    are often the largest, and expert 3's down, so it is rarely chosen."""
+    path = write_tiny_model(
         tmp_path_factory.mktemp("moe8"), kind="moe", seed=7, num_local_experts=8
     )
+    weights = load_file(path / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith("block_sparse_moe.gate.weight"):
+            tensor[6] *= 4.0
+            tensor[1] *= 3.0
+            tensor[3] *= 0.2
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +81,9 @@ def test_disaggregated_tokens_equal_the_single_process_model(model_dir, prompts,
     # Every expert worker answered every round: (layers + 0) x m per step, same count.
     rounds = {w.rounds for w in executor.experts}
     assert len(rounds) == 1 and rounds.pop() % (4 * m) == 0
-    # Routing is uneven: the experts served different numbers of rows.
+    # Routing is uneven: the hot experts served far more rows than the cold one.
     counts = executor.token_counts()
-    assert sum(counts) > 0 and len(set(counts)) > 1
+    assert min(counts[6], counts[1]) > 2 * counts[3]
 
 
 def test_hot_expert_copies_and_idle_experts(model_dir, prompts, reference):
@@ -96,6 +108,28 @@ def test_hot_expert_copies_and_idle_experts(model_dir, prompts, reference):
     assert any(sum(r[2].values()) == 0 for rounds in last for r in rounds)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == reference
+
+
+def test_expert_placement_is_replanned_from_observed_rows(model_dir, prompts, reference):
+    llm = _disagg(model_dir, 2, expert_slots=4, rebalance_experts_s=0.0)
+    executor = llm.engine.executor
+    first = executor.spec.placement
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == reference
+    assert executor.num_replans >= 1
+    now = executor.spec.placement
+    assert now != first and now == executor.balancer.placement
+    # On the rows observed, the starting placement's busiest worker carried over 1.2x what
+    # a fresh plan's does; the placement in use is within the balancer's threshold.
+    counts = executor.balancer.window_counts()
+    fresh = plan_placement(counts, 3, 4)
+    assert first.max_load(counts) > 1.2 * fresh.max_load(counts)
+    assert executor.balancer.imbalance() <= 1.2
+    # The expert workers hold what the new placement says.
+    assert [w.experts for w in executor.experts] == list(now.workers)
+    again = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in again] == reference
 
 
 def test_micro_batches_split_by_tokens():
