@@ -335,11 +335,13 @@ def search_plan(
     workload: Workload,
     micro_batches: Sequence[int] = (3, 4),
     eff: Efficiency = Efficiency(),
+    max_gpus: int | None = None,
 ) -> MoEPlan:
     """Algorithm 1 over every (attention hardware, expert hardware) pair: the plan with the
     highest throughput per cost under the TPOT SLO. ``expert_hw=None``: the same types as
     attention, each used for both modules only (homogeneous). ``micro_batches``: the ``m``
-    tried (the paper: 3 to N_m = 4)."""
+    tried (the paper: 3 to N_m = 4). ``max_gpus``: the most GPUs a plan may use (beyond
+    the paper: a cluster's size); the attention nodes are then capped to fit."""
     if not attention_hw:
         raise ValueError("give at least one hardware type")
     if expert_hw is None:
@@ -352,7 +354,11 @@ def search_plan(
             te_line = expert_time(model, hw_e, tp_e, eff)
             for tp_a in tp_choices(hw_a.gpus_per_node):
                 ta_line = attention_time(model, hw_a, tp_a, workload.avg_context, eff)
-                for n_a in balanced_attention_nodes(ta_line, te_line, model):
+                candidates = balanced_attention_nodes(ta_line, te_line, model)
+                if max_gpus is not None:
+                    cap = (max_gpus - tp_e * model.num_experts) // tp_a
+                    candidates = sorted({min(n, cap) for n in candidates if cap >= 1})
+                for n_a in candidates:
                     for m in micro_batches:
                         plan = largest_batch(model, hw_a, tp_a, n_a, hw_e, tp_e, m, workload, eff)
                         if plan is not None and (
@@ -360,9 +366,10 @@ def search_plan(
                         ):
                             best = plan
     if best is None:
+        within = "" if max_gpus is None else f" within {max_gpus} GPUs"
         raise ValueError(
             f"no plan for {model.name} meets TPOT <= {workload.tpot_slo_s * 1e3:g} ms on "
-            f"{', '.join(sorted({hw.gpu.name for p in pairs for hw in p}))}: raise the SLO "
-            "or allow larger GPUs"
+            f"{', '.join(sorted({hw.gpu.name for p in pairs for hw in p}))}{within}: raise "
+            "the SLO, allow more GPUs or larger ones"
         )
     return best
