@@ -373,3 +373,66 @@ def search_plan(
             "the SLO, allow more GPUs or larger ones"
         )
     return best
+
+
+@dataclass(frozen=True)
+class ColocatedPlan:
+    """A colocated replica for comparison: attention and every expert tensor-sliced over the
+    same ``tp`` GPUs (each GPU holds 1/tp of every expert), no micro-batches, per layer
+    ``T_a(B) + E * T_e(B K / E)`` from the same linear model as the disaggregated plan."""
+
+    gpu: str
+    tp: int
+    batch: int
+    t_iter: float
+    cost: float
+
+    @property
+    def throughput(self) -> float:
+        return self.batch / self.t_iter
+
+    @property
+    def per_gpu_throughput(self) -> float:
+        return self.throughput / self.tp
+
+    @property
+    def throughput_per_cost(self) -> float:
+        return self.throughput / self.cost
+
+
+def colocated_plan(
+    model: ModelSpec,
+    hw: Hardware,
+    workload: Workload,
+    eff: Efficiency = Efficiency(),
+    max_batch: int = 1 << 17,
+) -> ColocatedPlan:
+    """The best colocated tensor-parallel replica under the same SLO and memory limits."""
+    weights = model.weight_bytes
+    best: ColocatedPlan | None = None
+    for tp in tp_choices(hw.gpus_per_node):
+        room = tp * hw.gpu.mem_bytes * eff.mem_util - weights
+        if room <= 0:
+            continue
+        ta, te = (
+            attention_time(model, hw, tp, workload.avg_context, eff),
+            expert_time(model, hw, tp, eff),
+        )
+
+        def tpot(b: int, ta: LinearTime = ta, te: LinearTime = te) -> float:
+            per_layer = ta(b) + model.num_experts * te(b * model.top_k / model.num_experts)
+            return model.num_layers * per_layer
+
+        cap = min(max_batch, int(room // (workload.avg_context * model.kv_bytes_per_token)))
+        if cap < 1 or tpot(1) > workload.tpot_slo_s:
+            continue
+        lo, hi = 1, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if tpot(mid) <= workload.tpot_slo_s else (lo, mid - 1)
+        plan = ColocatedPlan(hw.gpu.name, tp, lo, tpot(lo), tp * hw.gpu.price)
+        if best is None or plan.throughput_per_cost > best.throughput_per_cost:
+            best = plan
+    if best is None:
+        raise ValueError(f"{model.name} fits no tensor-parallel group of {hw.gpu.name}")
+    return best
