@@ -2,7 +2,8 @@
 
 Pure data in, plain dicts out (the CLI in ``placement/__main__.py`` reads files and writes
 YAML). A plan maps onto one replica group of ``attention_workers = n_a`` and
-``expert_workers = n_e`` with ``micro_batches = m`` and room for the plan's global batch.
+``expert_workers = n_e`` with ``micro_batches = m``, room for the plan's global batch and the
+plan's KV bytes per attention node.
 The runtime runs each attention and expert worker on one device (no tensor parallelism
 inside them), so only plans with ``tp_a = tp_e = 1`` become a config; the plan's GPU types
 are written as comments (a group has no per-worker device type).
@@ -10,6 +11,7 @@ are written as comments (a group has no per-worker device type).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -80,6 +82,8 @@ def serve_args(
                     "block_size": block_size,
                     "max_num_seqs": plan.batch,
                     "token_budget": max(2048, plan.batch),
+                    # the KV the plan holds per attention node (Eq. 8's left side)
+                    "kv_cache_memory": max(1 << 20, math.ceil(plan.kv_bytes_per_node)),
                 },
             }
         ],
