@@ -16,7 +16,6 @@ from actors.engine.step_plan import PlanEntry
 from actors.moe.executor import LocalMoEExecutor
 from actors.moe.messages import attention_worker_of, micro_batches_of
 from models import write_tiny_model
-from policies.expert_balance import plan_placement
 
 NEW_TOKENS = 6
 
@@ -25,7 +24,10 @@ NEW_TOKENS = 6
 def model_dir(tmp_path_factory):
     """8 experts, top 2 (a decode micro-batch of a few tokens leaves most experts idle),
     with uneven routing: the router rows of experts 6 and 1 are scaled up, so their logits
-    are often the largest, and expert 3's down, so it is rarely chosen."""
+    are often the largest, and expert 3's down, so it is rarely chosen. In layer 0 the
+    post-attention norm keeps only hidden dimension 0, and the router's logits are
+    ``(5, 4, 0, 0, 0, 0, -4, -5) * h_0``: every token goes to experts {0, 1} or {6, 7}, so
+    experts 2-5 of layer 0 never receive a token."""
     path = write_tiny_model(
         tmp_path_factory.mktemp("moe8"), kind="moe", seed=7, num_local_experts=8
     )
@@ -35,6 +37,11 @@ def model_dir(tmp_path_factory):
             tensor[6] *= 4.0
             tensor[1] *= 3.0
             tensor[3] *= 0.2
+    norm = weights["model.layers.0.post_attention_layernorm.weight"]
+    norm.zero_()
+    norm[0] = 1.0
+    gate = weights["model.layers.0.block_sparse_moe.gate.weight"]
+    gate[:, 0] = torch.tensor([5.0, 4.0, 0.0, 0.0, 0.0, 0.0, -4.0, -5.0])
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
@@ -84,6 +91,13 @@ def test_disaggregated_tokens_equal_the_single_process_model(model_dir, prompts,
     # Routing is uneven: the hot experts served far more rows than the cold one.
     counts = executor.token_counts()
     assert min(counts[6], counts[1]) > 2 * counts[3]
+    # Experts 2-5 of layer 0 received no token in any round, yet their workers got a
+    # message every round.
+    for worker in executor.experts:
+        layer0 = [served for layer, _, served in worker.recent if layer == 0]
+        assert len(layer0) == worker.rounds // 4
+        for served in layer0:
+            assert all(served[e] == 0 for e in served if 2 <= e <= 5)
 
 
 def test_hot_expert_copies_and_idle_experts(model_dir, prompts, reference):
@@ -120,11 +134,8 @@ def test_expert_placement_is_replanned_from_observed_rows(model_dir, prompts, re
     assert executor.num_replans >= 1
     now = executor.spec.placement
     assert now != first and now == executor.balancer.placement
-    # On the rows observed, the starting placement's busiest worker carried over 1.2x what
-    # a fresh plan's does; the placement in use is within the balancer's threshold.
-    counts = executor.balancer.window_counts()
-    fresh = plan_placement(counts, 3, 4)
-    assert first.max_load(counts) > 1.2 * fresh.max_load(counts)
+    # The placement in use is within the balancer's threshold on the rows it observed
+    # (policies/expert_balance.py's tests check when it re-plans).
     assert executor.balancer.imbalance() <= 1.2
     # The expert workers hold what the new placement says.
     assert [w.experts for w in executor.experts] == list(now.workers)
