@@ -157,7 +157,8 @@ def default_micro_batches(
     """The paper's rule ``m >= 2 (1 + T_c / T_f)`` with ``T_a``, ``T_e`` and ``T_c`` from the
     roofline of this model (``placement.moe_plan``) on the device (the ``CPU`` spec on CPU;
     messages move at the machine's memcpy speed there), for a step of ``tokens_per_step``
-    decode tokens split over the attention workers in three micro-batches."""
+    decode tokens split over the attention workers in three micro-batches, each request
+    holding a quarter of the model's positions of KV (an assumption, not a measurement)."""
     from placement.gpus import get_gpu
     from placement.model_specs import ModelSpec
     from placement.moe_plan import (
