@@ -1,7 +1,7 @@
 """A disaggregated MoE replica on Ray (actors/moe/ray_executor.py): attention and expert
 workers as actors exchanging M2N/N2M messages over compiled-graph channels give the
 single-process tokens; with m = 3 micro-batches attention and expert workers compute at the
-same time (ping-pong); an expert worker killed mid-generation is replaced and the requests
+same time (ping-pong); an expert or attention worker killed mid-generation is replaced and the requests
 finish with the same tokens."""
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def test_attention_and_expert_workers_overlap_with_three_micro_batches(cluster, 
     assert overlapping >= 5, f"only {overlapping} expert rounds overlapped an attention round"
 
 
-def test_expert_worker_killed_mid_generation_is_replaced(cluster, model_dir, prompts, reference):
+@pytest.mark.parametrize("victim", ["expert", "attention"])
+def test_worker_killed_mid_generation_is_replaced(cluster, model_dir, prompts, reference, victim):
     controller = ReplicaController(
         model_dir, dtype=torch.float64, block_size=4, chunk_size=8, **LAYOUT
     )
@@ -125,7 +126,8 @@ def test_expert_worker_killed_mid_generation_is_replaced(cluster, model_dir, pro
             controller.step()
         executor = controller.executor
         assert isinstance(executor, RayMoEExecutor)
-        ray.kill(executor.experts[1], no_restart=True)
+        killed = executor.experts[1] if victim == "expert" else executor.attention[0]
+        ray.kill(killed, no_restart=True)
         while controller.has_unfinished():
             controller.step()
         assert controller.num_recoveries >= 1
