@@ -1,8 +1,8 @@
 """A disaggregated MoE replica on Ray (actors/moe/ray_executor.py): attention and expert
 workers as actors exchanging M2N/N2M messages over compiled-graph channels give the
 single-process tokens; with m = 3 micro-batches attention and expert workers compute at the
-same time (ping-pong); an expert or attention worker killed mid-generation is replaced and the requests
-finish with the same tokens."""
+same time (ping-pong); an expert or attention worker killed mid-generation is replaced and
+the requests finish with the same tokens."""
 
 from __future__ import annotations
 
