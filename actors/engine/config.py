@@ -47,6 +47,19 @@ class EngineConfig:
     kvp: int = 1
     kvp_rank_tokens: int | None = None
     use_compiled_graph: bool = True
+    # MoE attention/expert disaggregation (actors/moe): attention_workers data-parallel
+    # attention workers and expert_workers expert workers holding expert_slots whole
+    # experts each (default: just enough for every expert; spare slots hold copies of hot
+    # experts); the decode batch in micro_batches micro-batches (None: the paper's rule
+    # m >= 2 (1 + Tc / Tf) from the cost model). 0 workers: the colocated model.
+    attention_workers: int = 0
+    expert_workers: int = 0
+    expert_slots: int | None = None
+    micro_batches: int | None = None
+    # re-plan the expert placement from observed rows per expert at most this often (None:
+    # the placement stays as started)
+    rebalance_experts_s: float | None = None
+    moe_in_process: bool = False  # the MoE workers in this process (no Ray), for tests
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory", "token_budget", "max_num_seqs"):
@@ -55,7 +68,24 @@ class EngineConfig:
         for name in ("tp", "spp", "kvp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("num_blocks", "max_model_len", "chunk_size", "kvp_rank_tokens"):
+        if (self.attention_workers > 0) != (self.expert_workers > 0) or min(
+            self.attention_workers, self.expert_workers
+        ) < 0:
+            raise ValueError(
+                "attention/expert disaggregation needs attention_workers >= 1 and "
+                f"expert_workers >= 1 together, got {self.attention_workers} and "
+                f"{self.expert_workers}"
+            )
+        if self.attention_workers and (self.tp, self.spp, self.kvp) != (1, 1, 1):
+            raise ValueError("attention/expert disaggregation runs with tp = spp = kvp = 1")
+        for name in (
+            "num_blocks",
+            "max_model_len",
+            "chunk_size",
+            "kvp_rank_tokens",
+            "expert_slots",
+            "micro_batches",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive or None, got {value}")

@@ -102,7 +102,10 @@ class ReplicaController:
         self.pools = [BlockPool(num_blocks, block_size) for _ in range(kvp)]
         self.kv: KVCacheManager | ShardedKVManager
         if kvp == 1:
-            self.kv = KVCacheManager(self.pools[0], config.enable_prefix_caching)
+            # Data-parallel MoE attention workers each hold only their requests' KV, so a
+            # prefix cached by one is not on another: no prefix caching across them.
+            prefix = config.enable_prefix_caching and config.attention_workers <= 1
+            self.kv = KVCacheManager(self.pools[0], prefix)
         else:
             kvp_rank_tokens = config.kvp_rank_tokens
             if kvp_rank_tokens is None:
@@ -129,6 +132,12 @@ class ReplicaController:
             layout=self.layout,
             pack_weights=config.pack_weights,
         )
+        if executor is None and config.attention_workers:
+            if worker_hooks is not None:
+                raise ValueError("attention/expert disaggregation takes no worker hooks")
+            from actors.moe.executor import build_moe_executor
+
+            executor = build_moe_executor(config, cfg, self.worker_spec)
         if executor is None:
             if self.layout.world_size == 1:
                 executor = LocalExecutor(self.worker_spec, worker_hooks)

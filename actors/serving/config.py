@@ -186,6 +186,10 @@ class ReplicaGroupConfig(_Strict):
     autoscaling: AutoscalingSectionConfig | None = None  # colocated groups; sets the count
     prefill: PDLayoutConfig | None = None
     decode: PDLayoutConfig | None = None
+    # MoE attention/expert disaggregation of each replica (actors/moe): 0 = colocated
+    attention_workers: int = Field(0, ge=0)
+    expert_workers: int = Field(0, ge=0)
+    micro_batches: int | None = Field(None, ge=1)  # None: the paper's rule
 
     @model_validator(mode="before")
     @classmethod
@@ -232,6 +236,11 @@ class ReplicaGroupConfig(_Strict):
                         f"disaggregated groups have one); remove {section} or add both"
                     )
             return self
+        if self.attention_workers or self.engine.get("attention_workers"):
+            raise ValueError(
+                f"{where}: attention/expert workers are a layout of colocated replicas; "
+                "remove attention_workers/expert_workers or num_prefill and num_decode"
+            )
         if self.admission is not None:
             raise ValueError(
                 f"{where}: a disaggregated group admits through its conductor section "
@@ -262,6 +271,9 @@ class ReplicaGroupConfig(_Strict):
         opts = dict(self.engine)
         for name in ("tp", "spp", "kvp"):
             if getattr(self, name) != 1:
+                opts[name] = getattr(self, name)
+        for name in ("attention_workers", "expert_workers", "micro_batches"):
+            if getattr(self, name):
                 opts[name] = getattr(self, name)
         return opts
 

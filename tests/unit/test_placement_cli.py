@@ -1,0 +1,130 @@
+"""``python -m placement plan``: the plan search from the command line, and the Serve config
+it writes for a MoE model the runtime can run."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from actors.serving.config import ServeConfig
+from models import write_tiny_model
+from placement.__main__ import main
+from placement.model_specs import get_model
+from placement.moe_plan import Hardware, Workload, search_plan
+from placement.serve_plan import decode_context, model_spec_from_hf, serve_args
+
+
+def test_heterogeneous_plan_is_printed(capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "dbrx",
+                "--gpus",
+                "H20,L40S",
+                "--heterogeneous",
+                "--avg-context",
+                "650",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "of 8 x H20" in out.split("experts:")[0] and "x L40S" in out.split("experts:")[1]
+    # A price that makes L40S dear moves the experts off it.
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "dbrx",
+                "--gpus",
+                "H20,L40S",
+                "--heterogeneous",
+                "--avg-context",
+                "650",
+                "--price",
+                "L40S=5",
+            ]
+        )
+        == 0
+    )
+    assert "L40S" not in capsys.readouterr().out
+
+
+def test_writes_a_serve_config_the_schema_accepts(tmp_path, capsys):
+    model_dir = write_tiny_model(tmp_path / "moe", kind="moe")
+    out = tmp_path / "plan.yaml"
+    argv = [
+        "plan",
+        "--model",
+        str(model_dir),
+        "--gpus",
+        "CPU",
+        "--gpus-per-node",
+        "1",
+        "--max-gpus",
+        "5",
+        "--tpot-slo",
+        "0.5",
+        "--avg-context",
+        "64",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert text.startswith("# Written by python -m placement plan")
+    config = yaml.safe_load(text)
+    (app,) = config["applications"]
+    assert app["import_path"] == "serve_app:build_app"
+    serve = ServeConfig.model_validate(app["args"])
+    (group,) = serve.groups
+    assert (group.attention_workers, group.expert_workers) == (1, 4)  # 5 GPUs, 4 experts
+    assert group.micro_batches in (3, 4)
+    engine = group.engine_config()
+    assert engine.attention_workers == 1 and engine.expert_workers == 4
+    assert serve.model == str(model_dir.resolve())
+
+
+def test_tensor_parallel_plans_are_not_written():
+    model = get_model("mixtral-8x22b")
+    plan = search_plan(model, [Hardware.named("A800")], None, Workload(650))
+    assert plan.tp_a > 1 or plan.tp_e > 1
+    with pytest.raises(ValueError, match="--gpus-per-node 1"):
+        serve_args(plan, None, "mixtral")
+
+
+def test_bad_arguments_say_what_to_fix(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="unknown GPU"):
+        main(["plan", "--model", "dbrx", "--gpus", "XYZ", "--avg-context", "10"])
+    with pytest.raises(SystemExit, match="--avg-context"):
+        main(["plan", "--model", "dbrx"])
+    with pytest.raises(SystemExit, match="dense"):
+        main(["plan", "--model", "llama3-8b", "--avg-context", "10"])
+    with pytest.raises(SystemExit, match="neither a known spec"):
+        main(["plan", "--model", str(tmp_path / "nothing"), "--avg-context", "10"])
+    with pytest.raises(SystemExit, match="GPU=NUMBER"):
+        main(["plan", "--model", "dbrx", "--avg-context", "10", "--price", "H20"])
+
+
+def test_model_spec_from_hf_and_decode_context():
+    raw = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "torch_dtype": "float32",
+    }
+    spec = model_spec_from_hf(raw, "tiny")
+    assert (spec.head_dim, spec.num_experts, spec.top_k, spec.dtype_bytes) == (16, 4, 2, 4)
+    with pytest.raises(ValueError, match="lacks 'vocab_size'"):
+        model_spec_from_hf({k: v for k, v in raw.items() if k != "vocab_size"}, "x")
+    assert decode_context([(100, 10), (300, 30)]) == pytest.approx((105 + 315) / 2)
+    with pytest.raises(ValueError):
+        decode_context([])
