@@ -99,6 +99,7 @@ class RegionBalancer:
         region: str,
         config: BalancerConfig | None = None,
         residency: ResidencyPolicy | None = None,
+        local_choice: TargetChoice | None = None,  # default: by ``config.choice``
     ) -> None:
         self.name = name
         self.region = region
@@ -113,7 +114,7 @@ class RegionBalancer:
         else:
             self.local = AlwaysAvailable()
         self.remotes = RemoteAvailability(cfg.remote_max_queue, cfg.push_ttl)
-        self.local_choice = _make_choice(cfg)
+        self.local_choice = local_choice or _make_choice(cfg)
         self.snapshot_choice = _make_choice(cfg)  # targets: peer balancers
         self.remote_region: dict[str, str] = {}
         self.outstanding: dict[str, int] = {}  # replica -> pushed, unfinished

@@ -5,6 +5,9 @@ Targets are local replicas or remote balancers; the caller passes only available
 - ``TrieChoice`` (SkyWalker): the available target with the longest recorded prefix of the
   request in a ``PrefixTrie``; ties go to the fewest outstanding requests, then the given
   order. ``record`` inserts the request's prefix under the chosen target.
+- ``CachedPrefixChoice``: the exact view instead of the trie: each replica's cached block
+  hashes as its own events report them (a ``PrefixIndex``'s live sets, or a simulator's);
+  the longest cached prefix wins, ties as for the trie;
 - ``SessionHashChoice`` (SkyWalker-CH): a ring hash over all known targets keyed by the
   session id (else the first block hash, else the request id); walk the ring from the key
   and take the first available target, skipping unavailable ones.
@@ -14,11 +17,11 @@ Pure: stdlib only, deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Protocol
 
 from policies.prefix_trie import PrefixTrie
-from policies.routing import ConsistentHash, ReplicaView, RouteRequest
+from policies.routing import ConsistentHash, ReplicaView, RouteRequest, cached_prefix_blocks
 
 
 class TargetChoice(Protocol):
@@ -66,6 +69,40 @@ class TrieChoice:
 
     def forget(self, target: str) -> None:
         self.trie.remove_target(target)
+
+
+class CachedPrefixChoice:
+    def __init__(self, cached: Mapping[str, Set[int]]) -> None:
+        self.cached = cached  # replica id -> its cached block hashes (live, exact)
+
+    def choose(
+        self,
+        block_hashes: Sequence[int],
+        session_id: str | None,
+        request_id: str,
+        candidates: Sequence[str],
+        known: Sequence[str],
+        outstanding: Mapping[str, int],
+    ) -> tuple[str, int] | None:
+        if not candidates:
+            return None
+        empty: Set[int] = frozenset()
+        scored = [
+            (
+                -cached_prefix_blocks(block_hashes, self.cached.get(c, empty)),
+                outstanding.get(c, 0),
+                k,
+            )
+            for k, c in enumerate(candidates)
+        ]
+        best = min(scored)
+        return candidates[best[2]], -best[0]
+
+    def record(self, block_hashes: Sequence[int], target: str) -> None:
+        """Nothing: the replica's own events will say what it stored."""
+
+    def forget(self, target: str) -> None:
+        pass
 
 
 class SessionHashChoice:

@@ -28,6 +28,7 @@ from functools import partial
 from policies.region_balancer import BalancedRequest, BalancerConfig, Placement, RegionBalancer
 from policies.routing import ReplicaView, RouteRequest, RoutingPolicy
 from policies.sequence import Sequence
+from policies.target_choice import CachedPrefixChoice
 from sim.cluster import Arrival, ClusterBase, InstanceSpec
 from sim.events import Event
 from sim.instance import SimInstance
@@ -57,6 +58,7 @@ class MultiRegionCluster(ClusterBase):
         balancer: BalancerConfig | None = None,  # SkyWalker mode
         global_policy: RoutingPolicy | None = None,  # global mode
         probe_interval: float = 0.1,
+        exact_local: bool = False,  # local view: the replicas' exact caches, not the trie
     ) -> None:
         super().__init__()
         if (balancer is None) == (global_policy is None):
@@ -86,10 +88,13 @@ class MultiRegionCluster(ClusterBase):
         self.global_policy = global_policy
         if balancer is not None:
             for region in self.regions:
-                lb = RegionBalancer(f"lb-{region}", region, balancer)
-                for inst in self._instances:
-                    if self.instance_region[inst.instance_id] == region:
-                        lb.add_replica(inst.instance_id)
+                mine = [i for i in self._instances if self.instance_region[i.instance_id] == region]
+                exact = CachedPrefixChoice({i.instance_id: i.cached for i in mine})
+                lb = RegionBalancer(
+                    f"lb-{region}", region, balancer, local_choice=exact if exact_local else None
+                )
+                for inst in mine:
+                    lb.add_replica(inst.instance_id)
                 self.balancers[region] = lb
             for region, lb in self.balancers.items():
                 for other in self.regions:

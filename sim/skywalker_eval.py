@@ -8,6 +8,8 @@ one period spans the replayed slice). Systems, all driven by the runtime's own p
 - SkyWalker: one ``RegionBalancer`` per region, selective pushing by pending requests, prefix
   trie, forwarding to peers by snapshot trie; SkyWalker-CH: the same with session hashing;
 - region-local: the SkyWalker balancers with forwarding off (each region on its own);
+- SkyWalker with an exact local index: the local view is each replica's real cache (what a
+  ``PrefixIndex`` fed by block events holds) instead of the trie of what was sent;
 - one global balancer in us with blind pushing: round robin, least load, consistent hashing
   on the session id, and the prefix-aware policy (``policies.routing``).
 
@@ -37,7 +39,9 @@ SKYWALKER_SYSTEMS = {
     "SkyWalker": BalancerConfig(),
     "SkyWalker-CH": BalancerConfig(choice="hash"),
     "region-local": BalancerConfig(forward=False),
+    "SkyWalker, exact local index": BalancerConfig(),
 }
+EXACT_LOCAL = {"SkyWalker, exact local index"}
 GLOBAL_SYSTEMS = {
     "global round robin": "round-robin",
     "global least load": "least-loaded",
@@ -78,6 +82,7 @@ def build(run: RegionRun) -> tuple[MultiRegionCluster, list]:
             region_of,
             balancer=SKYWALKER_SYSTEMS[run.system],
             probe_interval=run.probe_interval,
+            exact_local=run.system in EXACT_LOCAL,
         )
     elif run.system in GLOBAL_SYSTEMS:
         policy = routing_policy(GLOBAL_SYSTEMS[run.system], run.seed)

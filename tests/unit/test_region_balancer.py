@@ -145,3 +145,23 @@ def test_status_and_nearest_alive():
     assert nearest_alive("us", alive, delay) == "lb-eu"
     assert nearest_alive("asia", alive, delay) == "lb-asia"
     assert nearest_alive("us", [], delay) is None
+
+
+def test_exact_local_index_follows_what_replicas_hold_not_what_was_sent():
+    from policies.target_choice import CachedPrefixChoice
+
+    cached = {"us0": set(), "us1": {1, 2}}
+    b = RegionBalancer("lb", "us", BalancerConfig(), local_choice=CachedPrefixChoice(cached))
+    for r in ("us0", "us1"):
+        b.add_replica(r)
+        b.on_replica_probe(r, 0, 0.0, 0.0)
+    b.submit(req("a", [1, 2, 3]), 0.0)
+    (p,) = b.dispatch(0.0)
+    assert (p.target, p.matched_blocks) == ("us1", 2)
+    b.on_finished("a", 0.1)
+    cached["us1"].clear()  # us1 evicted it (its events said so); us0 now holds it
+    cached["us0"].update({1, 2, 3})
+    b.on_replica_probe("us1", 0, 0.2, 0.2)
+    b.submit(req("b", [1, 2, 3, 4]), 0.2)
+    (p,) = b.dispatch(0.2)
+    assert (p.target, p.matched_blocks) == ("us0", 3)
