@@ -98,17 +98,23 @@ def _exact_note(rows: list[dict]) -> list[str]:
         "",
         *out,
         "",
-        "Inside a region the exact index is the better local view: the balancer sits next to "
-        "its replicas, so",
-        "their event streams are cheap, and the index knows what a replica evicted (the trie "
-        "keeps pointing",
-        "at a replica long after its cache dropped the prefix, until its own size bound "
-        "evicts the entry) and",
-        "what reached a replica through another balancer (forwarded requests, a stand-in "
-        "balancer during",
-        "failover), which the trie never sees. The trie is what works across regions: a "
-        "snapshot of what was",
-        "forwarded to each peer needs no event stream over the WAN.",
+        "Where the exact index should serve better as the local view: inside a region the "
+        "balancer sits next",
+        "to its replicas, so their event streams are cheap, and the index knows what a "
+        "replica evicted (the",
+        "trie keeps pointing at a replica after its cache dropped the prefix, until its own "
+        "size bound evicts",
+        "the entry) and what reached a replica through another balancer (requests forwarded "
+        "in, a stand-in",
+        "balancer during failover), which the trie never sees. The trie is what works across "
+        "regions: a",
+        "snapshot of what was forwarded to each peer needs no event stream over the WAN. In "
+        "these runs the two",
+        "local views end within about a point of hit ratio (the trie slightly ahead on "
+        "Mooncake), so this",
+        "simulation does not show the difference: the cases where the exact index wins "
+        "(eviction under cache",
+        "pressure, requests forwarded in) are a small share of this slice.",
         "",
     ]
 
@@ -172,7 +178,21 @@ def skywalker_section(path: Path) -> list[str]:
         "pool, not SGLang",
         "  on an L4; Mooncake's trace is long-prompt (12k tokens mean) with little reuse in "
         "a short slice,",
-        "  while the paper's ToT workloads reach 90% hit ratios.",
+        "  while the paper's ToT workloads reach 90% hit ratios;",
+        "- a conversation's later turns that SkyWalker forwards run away from the replica "
+        "holding its earlier",
+        "  turns (this trace has no prefix shared across regions), so its hit ratio sits "
+        "below region-local's;",
+        "  forwarding pays off only while a region's peak fills all its replicas, which at "
+        "this load is rare,",
+        "  so SkyWalker and region-local end close, and the sweep shows no replica saving;",
+        "- the global least-load and prefix-aware balancers push every request at once: they "
+        "weigh a running",
+        "  request at 16 prompt tokens, so replicas busy decoding long (12k-token) prompts "
+        "keep getting new ones",
+        "  until their KV cache is full and requests wait or are preempted (likely the cause "
+        "of their P90; not",
+        "  measured separately). Selective pushing stops at the first waiting request.",
         *notes,
         "",
     ]
