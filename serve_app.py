@@ -11,6 +11,9 @@ Three deployments, built from one ``ServeConfig`` (actors/serving/config.py):
   with an ``autoscaling`` section gets Serve's ``autoscaling_config`` instead of
   ``num_replicas``, scaled by ``policies.autoscaling.LLMAutoscalingPolicy`` on the load its
   replicas report (queued prefill tokens, KV usage).
+- ``Balancer-<region>``: with a ``regions`` section, one SkyWalker balancer per region
+  (actors/regions/serve_balancer.py): the ingress asks the client's region balancer
+  (``X-Meridian-Region`` header) where to send each prompt instead of the router.
 
 ``app`` is the demo (the built-in tiny model, defaults). For anything else use the builder:
 ``serve run serve_app:build_app config=my.yaml`` or a Serve config file whose application
@@ -25,6 +28,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
+from actors.regions.serve_balancer import RegionBalancerDeployment, balancer_name
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.ingress import Ingress
 from actors.serving.replica import ReplicaServer
@@ -80,7 +84,18 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=cfg.limits.max_pending_requests + 64,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(raw, router, replicas)
+    balancers = {
+        r.name: deployment(
+            RegionBalancerDeployment,
+            name=balancer_name(r.name),
+            num_replicas=1,
+            max_ongoing_requests=100_000,  # requests wait in its queue, not Serve's
+            ray_actor_options={"num_cpus": 0},
+            logging_config=LoggingConfig(enable_access_log=False),
+        ).bind(raw, r.name, router)
+        for r in (cfg.regions.regions if cfg.regions else [])
+    }
+    return ingress.bind(raw, router, replicas, balancers)
 
 
 app = build_app({})

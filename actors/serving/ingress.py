@@ -45,6 +45,7 @@ from errors import (
 from models import load_tokenizer, read_model_config, tiny_model_dir
 from policies.api_keys import KeyRing
 from policies.rate_limit import RateLimited, RateLimiter
+from policies.region_balancer import BalancedRequest
 from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
@@ -71,8 +72,15 @@ def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
 
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, config: dict[str, Any], router: Any, replicas: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        router: Any,
+        replicas: dict[str, Any],
+        balancers: dict[str, Any] | None = None,  # region -> its balancer (regions section)
+    ) -> None:
         self.cfg = ServeConfig.model_validate(config)
+        self.balancers = balancers or {}
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
         positions = read_model_config(model_dir).max_position_embeddings
@@ -95,6 +103,12 @@ class Ingress:
             return self._error("/health", oai.APIError(503, f"router unavailable: {e}"))
         status = 200 if snap else 503
         return JSONResponse({"status": "ok" if snap else "starting", "replicas": len(snap)}, status)
+
+    @app.get("/regions")
+    async def regions(self) -> Response:
+        """Each region balancer's counters (a config with a regions section; else empty)."""
+        stats = await asyncio.gather(*(b.stats.remote() for b in self.balancers.values()))
+        return JSONResponse({"regions": list(stats)})
 
     @app.get("/v1/models")
     async def models(self, request: HTTPRequest) -> Response:
@@ -131,6 +145,7 @@ class Ingress:
         token_lists: list[list[int]],
         params: list[SamplingParams],
         api_key: str | None = None,
+        region: str | None = None,
     ) -> list[RequestOutput]:
         tenant = self._check_key(api_key)
         salt = tenant.tenant if tenant else None
@@ -139,7 +154,7 @@ class Ingress:
 
         async def one(request: Request) -> RequestOutput:
             outs: list[Any] = [None]
-            async for item in self._start([request], None):
+            async for item in self._start([request], None, region):
                 if isinstance(item, Done):
                     outs[0] = item.output
                 elif isinstance(item, Failed):
@@ -176,7 +191,8 @@ class Ingress:
             prep = await self._prepare(request, chat, tenant.tenant if tenant else None)
             self._reserve(tenant, prep)
             session = prep.req.session_id or prep.req.user
-            streams = [self._start(choices, session) for choices in prep.prompts]
+            region = request.headers.get("x-meridian-region")
+            streams = [self._start(choices, session, region) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.
             firsts = [await anext(s) for s in streams]
             assert all(isinstance(f, Accepted) for f in firsts)
@@ -311,7 +327,7 @@ class Ingress:
         return raw
 
     async def _start(
-        self, choices: list[Request], session: str | None
+        self, choices: list[Request], session: str | None, region: str | None = None
     ) -> AsyncIterator[Accepted | Event]:
         """Route one prompt (the built request of each of its choices) and relay its replica
         stream; the first item is ``Accepted``.
@@ -324,9 +340,16 @@ class Ingress:
             first_choice.num_prompt_tokens,
             session,
         )
-        pairs = await self.router.route.remote(route_req)
-        group = pairs[0][1] if pairs else self.cfg.groups[0].name
-        ranking = [rid for rid, g in pairs if g == group]
+        placed = await self._place(first_choice, session, region) if self.balancers else None
+        if placed is None:
+            pairs = await self.router.route.remote(route_req)
+            group = pairs[0][1] if pairs else self.cfg.groups[0].name
+            ranking = [rid for rid, g in pairs if g == group]
+            delay = 0.0
+        else:  # a region's balancer queued it and chose the replica (maybe in a peer region)
+            replica_id, group, served_in, delay = placed
+            ranking = [replica_id]
+            await asyncio.sleep(delay)  # the injected way to the serving region
         payload = {"requests": choices, "ranking": ranking}
         with own_request_id():  # concurrent prompts of one request must not share one id
             gen = self.replicas[group].options(stream=True).generate.remote(payload)
@@ -339,10 +362,41 @@ class Ingress:
                 param = "prompt" if first.status == 400 else None
                 raise oai.APIError(first.status, first.message, param, headers=headers)
             yield first
+            prefilled = placed is None
             async for item in gen:
+                if not prefilled and isinstance(item, Delta) and item.delta.token_ids:
+                    prefilled = True
+                    await asyncio.sleep(delay)  # the way back
+                    await self.balancers[served_in].prefilled.remote(first_choice.request_id)
                 yield item
         finally:
             gen.cancel()  # no-op when finished; aborts the replica's request otherwise
+            if placed is not None:
+                with contextlib.suppress(Exception):
+                    await self.balancers[served_in].finished.remote(first_choice.request_id)
+
+    async def _place(
+        self, request: Request, session: str | None, region: str | None
+    ) -> tuple[str, str, str, float]:
+        """(replica id, group, region served in, one-way delay) from the client's region
+        balancer (``X-Meridian-Region``; default: the first region)."""
+        region = region or next(iter(self.balancers))
+        if region not in self.balancers:
+            raise oai.APIError(
+                400,
+                f"unknown region {region!r} in X-Meridian-Region; regions: "
+                f"{', '.join(self.balancers)}",
+                "X-Meridian-Region",
+            )
+        meta = BalancedRequest(
+            request.request_id,
+            tuple(request.block_hashes),
+            time.monotonic(),
+            session,
+            request.tenant,
+            region,
+        )
+        return await self.balancers[region].place.remote(meta)
 
     async def _collect(
         self, prep: _Prepared, streams: list[AsyncIterator[Accepted | Event]], chat: bool
