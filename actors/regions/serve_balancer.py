@@ -20,6 +20,7 @@ the one stats feed and the delays are sleeps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -49,7 +50,9 @@ class RegionBalancerDeployment:
         self.section = sec = cfg.regions
         (mine,) = [r for r in sec.regions if r.name == region]
         self.region = region
-        self.groups = set(mine.groups)
+        self.own_groups = set(mine.groups)
+        self.groups_of = {r.name: set(r.groups) for r in sec.regions}
+        self.adopted: set[str] = set()  # regions whose balancer is down, served from here
         self.router = router
         self.policy = RegionBalancer(
             balancer_name(region),
@@ -96,9 +99,25 @@ class RegionBalancerDeployment:
         s = self.policy.status(time.monotonic())
         return s.free_replicas, s.queue_len
 
+    async def adopt(self, region: str) -> None:
+        """Serve ``region``'s replicas as this balancer's own (its balancer is down); they
+        join at the next probe."""
+        if region != self.region and region in self.groups_of:
+            self.adopted.add(region)
+            await self._probe_replicas()
+
+    async def release(self, region: str) -> None:
+        """``region``'s balancer is back: its replicas leave at the next probe."""
+        self.adopted.discard(region)
+
+    @property
+    def groups(self) -> set[str]:
+        return self.own_groups.union(*(self.groups_of[r] for r in self.adopted))
+
     async def stats(self) -> dict[str, Any]:
         return {
             "region": self.region,
+            "adopted": sorted(self.adopted),
             "replicas": sorted(self.group_of),
             "placed_local": self.policy.placed_local,
             "forwarded": self.policy.forwarded,
@@ -122,11 +141,20 @@ class RegionBalancerDeployment:
             await asyncio.sleep(d)
             rid, group, served, further = await self._peer(p.target).place.remote(p.request)
             await asyncio.sleep(d)
+        except Exception:
+            # The peer died (or refused): it is unavailable until it answers a probe again,
+            # and the request goes back to the head of this balancer's queue, unforwarded.
+            self.policy.on_remote_probe(
+                p.target, BalancerStatus(0, 0), time.monotonic(), time.monotonic()
+            )
             if not fut.done():
-                fut.set_result((rid, group, served, d + further))
-        except Exception as e:
-            if not fut.done():
-                fut.set_exception(e)
+                rid = p.request.request_id
+                self._waiting[rid] = fut
+                self.policy.queue.appendleft(dataclasses.replace(p.request, forwarded=False))
+                self._pump()
+            return
+        if not fut.done():
+            fut.set_result((rid, group, served, d + further))
 
     def _peer(self, name: str) -> Any:
         if name not in self._handles:
@@ -180,7 +208,8 @@ class RegionBalancerDeployment:
             await asyncio.sleep(d)
             free, queued = await self._peer(name).status.remote()
             await asyncio.sleep(d)
-        except Exception:
-            return  # a peer down or starting: it stays unavailable
+        except Exception:  # a peer down or starting: unavailable until it answers
+            self.policy.on_remote_probe(name, BalancerStatus(0, 0), sent, time.monotonic())
+            return
         self.policy.on_remote_probe(name, BalancerStatus(free, queued), sent, time.monotonic())
         self._pump()

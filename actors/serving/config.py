@@ -349,6 +349,11 @@ class RegionsSectionConfig(_Strict):
                 )
         return self
 
+    def delays(self) -> dict[tuple[str, str], float]:
+        """Every pair of distinct regions -> one-way delay in seconds."""
+        names = [r.name for r in self.regions]
+        return {(a, b): self.delay_s(a, b) for a in names for b in names if a != b}
+
     def delay_s(self, a: str, b: str) -> float:
         if a == b:
             return 0.0

@@ -31,6 +31,7 @@ from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
+from actors.regions.entry import RegionEntry
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
@@ -81,6 +82,11 @@ class Ingress:
     ) -> None:
         self.cfg = ServeConfig.model_validate(config)
         self.balancers = balancers or {}
+        self.entry = (
+            RegionEntry(self.balancers, self.cfg.regions.delays())
+            if self.balancers and self.cfg.regions
+            else None
+        )
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
         positions = read_model_config(model_dir).max_position_embeddings
@@ -107,8 +113,16 @@ class Ingress:
     @app.get("/regions")
     async def regions(self) -> Response:
         """Each region balancer's counters (a config with a regions section; else empty)."""
-        stats = await asyncio.gather(*(b.stats.remote() for b in self.balancers.values()))
-        return JSONResponse({"regions": list(stats)})
+
+        async def one(region: str, balancer: Any) -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(balancer.stats.remote(), timeout=2.0)
+            except Exception:  # down, or restarting
+                return {"region": region, "unreachable": True}
+
+        stats = await asyncio.gather(*(one(r, b) for r, b in self.balancers.items()))
+        failovers = self.entry.failovers if self.entry else 0
+        return JSONResponse({"regions": list(stats), "failovers": failovers})
 
     @app.get("/v1/models")
     async def models(self, request: HTTPRequest) -> Response:
@@ -367,20 +381,21 @@ class Ingress:
                 if not prefilled and isinstance(item, Delta) and item.delta.token_ids:
                     prefilled = True
                     await asyncio.sleep(delay)  # the way back
-                    await self.balancers[served_in].prefilled.remote(first_choice.request_id)
+                    assert self.entry is not None
+                    await self.entry.report(served_in, "prefilled", first_choice.request_id)
                 yield item
         finally:
             gen.cancel()  # no-op when finished; aborts the replica's request otherwise
-            if placed is not None:
-                with contextlib.suppress(Exception):
-                    await self.balancers[served_in].finished.remote(first_choice.request_id)
+            if placed is not None and self.entry is not None:
+                await self.entry.report(served_in, "finished", first_choice.request_id)
 
     async def _place(
         self, request: Request, session: str | None, region: str | None
     ) -> tuple[str, str, str, float]:
         """(replica id, group, region served in, one-way delay) from the client's region
         balancer (``X-Meridian-Region``; default: the first region)."""
-        region = region or next(iter(self.balancers))
+        assert self.entry is not None
+        region = region or self.entry.default_region
         if region not in self.balancers:
             raise oai.APIError(
                 400,
@@ -396,7 +411,7 @@ class Ingress:
             request.tenant,
             region,
         )
-        return await self.balancers[region].place.remote(meta)
+        return await self.entry.place(meta, region)
 
     async def _collect(
         self, prep: _Prepared, streams: list[AsyncIterator[Accepted | Event]], chat: bool

@@ -5,6 +5,7 @@ Greedy outputs equal the in-process engine's; a burst at one region spills over 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import uuid
 
 import pytest
@@ -76,3 +77,45 @@ def test_a_burst_at_one_region_spills_over_to_peers(server, reference):
     assert local == len(prompts)  # each placed on exactly one replica
     assert forwarded > 0  # one replica per region, one request per batch: us spilled over
     assert all(s["queued"] == 0 for s in after.values())
+
+
+def test_a_killed_balancer_loses_no_request(server, reference):
+    """Kill us's balancer while requests wait in its queue: every request still ends with
+    its exact tokens (placed again through the nearest balancer, eu), us's clients are
+    served meanwhile, and once Serve restarted it us's balancer serves its region again."""
+    import ray
+    from ray._private import state
+
+    server.cluster.connect()
+    try:
+        prompts = [f"[{uuid.uuid4().hex}] branch {i} " + "think " * 20 for i in range(10)]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(complete, server, p, "us", 32) for p in prompts]
+            time.sleep(0.5)  # requests are queued at us's balancer now
+            (name,) = [
+                a["Name"]
+                for a in state.actors().values()
+                if a.get("State") == "ALIVE" and "#Balancer-us#" in a.get("Name", "")
+            ]
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            time.sleep(2.0)  # the ingress's watcher finds it down (status unanswered for 1 s)
+            during = complete(server, prompts[0] + " again", "us", 8)
+            answers = [f.result() for f in futures]
+        assert [a.status_code for a in answers] == [200] * len(prompts), [a.text for a in answers]
+        for p, a in zip(prompts, answers, strict=True):
+            assert a.json()["choices"][0]["text"] == greedy(reference, p, 32)
+        assert during.status_code == 200, during.text
+        assert during.json()["choices"][0]["text"] == greedy(reference, prompts[0] + " again", 8)
+        assert server.http.get("/regions").json()["failovers"] > 0
+        # Serve restarts the balancer; us's requests find it again and eu lets go
+        deadline = time.monotonic() + 120
+        while True:
+            r = complete(server, f"[{uuid.uuid4().hex}] back", "us", 4)
+            assert r.status_code == 200, r.text
+            stats = server.http.get("/regions").json()["regions"]
+            if all(not s.get("unreachable") and not s["adopted"] for s in stats):
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(1)
+    finally:
+        ray.shutdown()
