@@ -130,11 +130,20 @@ def cmd_regions(a: argparse.Namespace) -> None:
     from sim.skywalker_eval import plan, run_all, write_results
 
     sweep = tuple(int(x) for x in a.sweep.split(",") if x)
-    runs = plan(a.trace_dir, a.limit, a.speed, a.replicas, sweep, a.azure_limit, a.azure_speed)
+    runs = plan(
+        a.trace_dir,
+        a.limit,
+        a.speed,
+        a.replicas,
+        sweep,
+        a.azure_limit,
+        a.azure_speed,
+        a.heavy_speed or None,
+    )
     rows = run_all(runs, a.jobs)
     for r in rows:
         print(
-            f"{r['trace']:12s} {r['system']:26s} x{r['replicas_per_region']} "
+            f"{r['trace']:12s} {r['speed']:4g}x {r['system']:28s} x{r['replicas_per_region']} "
             f"p50 {r['ttft_p50']:6.2f} p90 {r['ttft_p90']:6.2f} hit {r['hit_ratio']:.3f} "
             f"rps {r['throughput_rps']:.3f} fwd {r['forwarded']} wall {r['wall_s']:.0f}s"
         )
@@ -192,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     p_reg.add_argument("--sweep", default="3,4,5", help="replicas per region to sweep")
     p_reg.add_argument("--azure-limit", type=int, default=3000)
     p_reg.add_argument("--azure-speed", type=float, default=8.0)
+    p_reg.add_argument(
+        "--heavy-speed", type=float, default=0.75, help="a second sweep at this speed (0: none)"
+    )
     p_reg.add_argument("--ttft-slo", type=float, default=5.0, help="P90 TTFT SLO of the sweep")
     p_reg.add_argument("--jobs", type=int, default=2)
     p_reg.add_argument("--out", default="docs/figures/skywalker.json")

@@ -40,8 +40,8 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _sweep(rows: list[dict], slo: float) -> list[str]:
-    conv = [r for r in rows if r["trace"] == "conversation"]
+def _sweep(rows: list[dict], slo: float, speed: float) -> list[str]:
+    conv = [r for r in rows if r["trace"] == "conversation" and r["speed"] == speed]
     counts = sorted({r["replicas_per_region"] for r in conv})
     systems = [
         s
@@ -51,8 +51,8 @@ def _sweep(rows: list[dict], slo: float) -> list[str]:
     if not systems:
         return []
     lines = [
-        f"Replicas needed for P90 TTFT <= {slo:g} s (Mooncake conversation slice, the same "
-        "load at every size):",
+        f"Replicas needed for P90 TTFT <= {slo:g} s (Mooncake conversation slice at "
+        f"{speed:g}x, the same load at every size):",
         "",
         "| system | " + " | ".join(f"{3 * n} replicas: P90 (s)" for n in counts) + " | fewest |",
         "|---|" + "---|" * (len(counts) + 1),
@@ -147,7 +147,7 @@ def skywalker_section(path: Path) -> list[str]:
         "ways).",
         "",
     ]
-    same_size = [r for r in rows if r["replicas_per_region"] == first["replicas_per_region"]]
+    same_size = [r for r in rows if r.get("purpose", "compare") == "compare"]
     for trace in dict.fromkeys(r["trace"] for r in same_size):
         tr = [r for r in same_size if r["trace"] == trace]
         t0 = tr[0]
@@ -158,7 +158,9 @@ def skywalker_section(path: Path) -> list[str]:
             *_table(tr),
             "",
         ]
-    lines += _sweep(rows, d["ttft_slo_p90"])
+    speeds = sorted({r["speed"] for r in rows if r["trace"] == "conversation"})
+    for speed in speeds:
+        lines += _sweep(rows, d["ttft_slo_p90"], speed)
     lines += _exact_note(same_size)
     notes = d.get("notes", [])
     lines += [

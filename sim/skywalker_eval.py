@@ -64,6 +64,7 @@ class RegionRun:
     amplitude: float = 0.8
     seed: int = 0
     probe_interval: float = 0.1
+    purpose: str = "compare"  # "compare": the systems side by side; "sweep": replica counts
 
 
 def build(run: RegionRun) -> tuple[MultiRegionCluster, list]:
@@ -124,7 +125,11 @@ def plan(
     sweep: tuple[int, ...],
     azure_limit: int,
     azure_speed: float,
+    heavy_speed: float | None = None,
 ) -> list[RegionRun]:
+    """Every system on both traces at ``per_region``; the replica sweep (SkyWalker,
+    region-local, global least load) at ``speed``; SkyWalker and region-local swept again
+    at ``heavy_speed`` if given."""
     runs = [RegionRun(s, "conversation", limit, speed, per_region, trace_dir) for s in SYSTEMS]
     runs += [
         RegionRun(s, "azure-conv", azure_limit, azure_speed, per_region, trace_dir) for s in SYSTEMS
@@ -133,7 +138,13 @@ def plan(
         if n == per_region:
             continue
         for s in ("SkyWalker", "region-local", "global least load"):
-            runs.append(RegionRun(s, "conversation", limit, speed, n, trace_dir))
+            runs.append(RegionRun(s, "conversation", limit, speed, n, trace_dir, purpose="sweep"))
+    if heavy_speed:
+        for n in sweep:
+            for s in ("SkyWalker", "region-local"):
+                runs.append(
+                    RegionRun(s, "conversation", limit, heavy_speed, n, trace_dir, purpose="sweep")
+                )
     return runs
 
 
