@@ -27,7 +27,7 @@ Pure: stdlib only, ``now`` is an argument.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from policies.availability import (
@@ -243,7 +243,9 @@ class RegionBalancer:
         return out
 
 
-def nearest_alive(region: str, alive: Sequence[tuple[str, str]], delay: dict) -> str | None:
+def nearest_alive(
+    region: str, alive: Sequence[tuple[str, str]], delay: Mapping[tuple[str, str], float]
+) -> str | None:
     """The balancer among ``alive`` ((balancer, region) pairs) nearest to ``region`` by
     one-way ``delay[(a, b)]`` (missing pairs count as infinitely far; same region is 0);
     ties go to the given order. None when no balancer is alive."""

@@ -13,8 +13,9 @@ once (the runtime proxies the stream), so a freed replica takes the next request
 next probe.
 
 On one machine the regions are groups of replicas in one process, and the delays are
-``asyncio.sleep``s (``delay(a, b)``, one way); nothing here needs Ray, so a Ray actor or a
-Serve deployment can host a runtime unchanged (not done yet: see the README section).
+``asyncio.sleep``s (``delay(a, b)``, one way); nothing here needs Ray. The Serve app's
+balancer (``actors.regions.serve_balancer``) runs the same policy over Serve replicas; this
+runtime is what ``bench/regions.py`` and the in-process failover test drive.
 
 Invariants: every ``handle`` call ends with exactly one answer (an output or an exception);
 a forwarded request is handled by the peer's local replicas only (the policy never forwards
