@@ -8,6 +8,9 @@ Targets are local replicas or remote balancers; the caller passes only available
 - ``CachedPrefixChoice``: the exact view instead of the trie: each replica's cached block
   hashes as its own events report them (a ``PrefixIndex``'s live sets, or a simulator's);
   the longest cached prefix wins, ties as for the trie;
+- ``MeasuredPrefixChoice``: the same, from prefix lengths the caller measured per request
+  beforehand (``measured[request_id]``: replica -> cached prefix blocks), e.g. asked of
+  the router's ``PrefixIndex`` when the request arrived;
 - ``SessionHashChoice`` (SkyWalker-CH): a ring hash over all known targets keyed by the
   session id (else the first block hash, else the request id); walk the ring from the key
   and take the first available target, skipping unavailable ones.
@@ -95,6 +98,33 @@ class CachedPrefixChoice:
             )
             for k, c in enumerate(candidates)
         ]
+        best = min(scored)
+        return candidates[best[2]], -best[0]
+
+    def record(self, block_hashes: Sequence[int], target: str) -> None:
+        """Nothing: the replica's own events will say what it stored."""
+
+    def forget(self, target: str) -> None:
+        pass
+
+
+class MeasuredPrefixChoice:
+    def __init__(self) -> None:
+        self.measured: dict[str, Mapping[str, int]] = {}  # request id -> replica -> blocks
+
+    def choose(
+        self,
+        block_hashes: Sequence[int],
+        session_id: str | None,
+        request_id: str,
+        candidates: Sequence[str],
+        known: Sequence[str],
+        outstanding: Mapping[str, int],
+    ) -> tuple[str, int] | None:
+        if not candidates:
+            return None
+        lengths = self.measured.pop(request_id, {})
+        scored = [(-lengths.get(c, 0), outstanding.get(c, 0), k) for k, c in enumerate(candidates)]
         best = min(scored)
         return candidates[best[2]], -best[0]
 

@@ -33,6 +33,7 @@ from policies.region_balancer import (
     RegionBalancer,
 )
 from policies.residency import ResidencyPolicy
+from policies.target_choice import MeasuredPrefixChoice
 
 # (replica id, group, region served in, one-way delay from the client's region in seconds)
 PlaceAnswer = tuple[str, str, str, float]
@@ -54,6 +55,7 @@ class RegionBalancerDeployment:
         self.groups_of = {r.name: set(r.groups) for r in sec.regions}
         self.adopted: set[str] = set()  # regions whose balancer is down, served from here
         self.router = router
+        self.measured = MeasuredPrefixChoice()  # the "index" local view's lengths
         self.policy = RegionBalancer(
             balancer_name(region),
             region,
@@ -64,6 +66,7 @@ class RegionBalancerDeployment:
                 forward=sec.forward,
             ),
             ResidencyPolicy(sec.residency),
+            local_choice=self.measured if sec.local_view == "index" else None,
         )
         self.peer_region = {balancer_name(r.name): r.name for r in sec.regions if r.name != region}
         for name, r in self.peer_region.items():
@@ -80,6 +83,9 @@ class RegionBalancerDeployment:
         rid = request.request_id
         if rid in self._waiting:
             raise ValueError(f"request {rid!r} is already queued here")
+        if self.section.local_view == "index":
+            lengths = await self.router.prefix_lengths.remote(list(request.block_hashes))
+            self.measured.measured[rid] = lengths
         fut: asyncio.Future[PlaceAnswer] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         self.policy.submit(request, time.monotonic())
@@ -127,6 +133,7 @@ class RegionBalancerDeployment:
     # -- placement -------------------------------------------------------------------------
     def _pump(self) -> None:
         for p in self.policy.dispatch(time.monotonic()):
+            self.measured.measured.pop(p.request.request_id, None)  # used, or not needed
             fut = self._waiting.pop(p.request.request_id, None)
             if fut is None or fut.done():
                 continue

@@ -315,8 +315,10 @@ class RegionsSectionConfig(_Strict):
     most ``remote_max_queue`` and the best prefix match. Replicas are probed every
     ``probe_interval_s``. ``delay_ms["a/b"]``: injected one-way delay between regions a and b
     (on one machine; missing pairs are 0). ``residency``: tenant -> the regions its requests
-    may be served in. A client names its region with the ``X-Meridian-Region`` header
-    (default: the first region)."""
+    may be served in. ``local_view``: how a balancer finds the local replica holding a
+    prompt's prefix: "trie" (what it sent where, SkyWalker's) or "index" (the router's exact
+    index of the replicas' cached blocks, one extra call per prompt). A client names its
+    region with the ``X-Meridian-Region`` header (default: the first region)."""
 
     regions: list[RegionConfig] = Field(min_length=1)
     delay_ms: dict[str, float] = Field(default_factory=dict)
@@ -326,6 +328,7 @@ class RegionsSectionConfig(_Strict):
     remote_max_queue: int = Field(2, ge=0)
     forward: bool = True
     residency: dict[str, list[str]] = Field(default_factory=dict)
+    local_view: Literal["trie", "index"] = "trie"
 
     @model_validator(mode="after")
     def _check(self) -> RegionsSectionConfig:

@@ -165,3 +165,18 @@ def test_exact_local_index_follows_what_replicas_hold_not_what_was_sent():
     b.submit(req("b", [1, 2, 3, 4]), 0.2)
     (p,) = b.dispatch(0.2)
     assert (p.target, p.matched_blocks) == ("us0", 3)
+
+
+def test_measured_prefix_lengths_pick_the_holder_and_are_used_once():
+    from policies.target_choice import MeasuredPrefixChoice
+
+    choice = MeasuredPrefixChoice()
+    b = RegionBalancer("lb", "us", BalancerConfig(), local_choice=choice)
+    for r in ("us0", "us1"):
+        b.add_replica(r)
+        b.on_replica_probe(r, 0, 0.0, 0.0)
+    choice.measured["a"] = {"us0": 0, "us1": 3, "eu0": 9}  # eu0 is not a candidate here
+    b.submit(req("a", [1, 2, 3]), 0.0)
+    (p,) = b.dispatch(0.0)
+    assert (p.target, p.matched_blocks) == ("us1", 3)
+    assert choice.measured == {}
