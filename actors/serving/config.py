@@ -300,11 +300,21 @@ class LimitsConfig(_Strict):
     retry_after_s: int = Field(1, ge=1)  # the Retry-After header of a 429
 
 
+REGION_RESOURCE_SHARE = 0.01  # of a region's node resource, per pinned actor
+
+
 class RegionConfig(_Strict):
-    """One region: the replica groups in it. It gets its own balancer (SkyWalker)."""
+    """One region: the replica groups in it. It gets its own balancer (SkyWalker).
+
+    ``node_resource``: a custom Ray resource that only this region's nodes carry (e.g.
+    ``ray start --resources='{"region-us": 100}'``); the region's Serve replicas and its
+    balancer each ask ``REGION_RESOURCE_SHARE`` of it, so Ray places them on those nodes.
+    (Worker actors of a ``tp``/``spp`` > 1 replica and the actors of a disaggregated group
+    are placed by their own planners and are not pinned by it.) None: anywhere."""
 
     name: str = Field(min_length=1)
     groups: list[str] = Field(min_length=1)
+    node_resource: str | None = Field(None, min_length=1)
 
 
 class RegionsSectionConfig(_Strict):
@@ -351,6 +361,15 @@ class RegionsSectionConfig(_Strict):
                     f"bad: {sorted(unknown) or 'empty'}"
                 )
         return self
+
+    def region_of_group(self, group: str) -> RegionConfig | None:
+        return next((r for r in self.regions if group in r.groups), None)
+
+    def actor_resources(self, region: RegionConfig | None) -> dict[str, float]:
+        """Ray ``resources`` that pin an actor to ``region``'s nodes (empty: unpinned)."""
+        if region is None or region.node_resource is None:
+            return {}
+        return {region.node_resource: REGION_RESOURCE_SHARE}
 
     def delays(self) -> dict[tuple[str, str], float]:
         """Every pair of distinct regions -> one-way delay in seconds."""

@@ -52,3 +52,22 @@ def test_every_group_in_exactly_one_region():
     raw["regions"]["regions"].append({"name": "us", "groups": ["x"]})
     with pytest.raises(ValidationError, match="distinct"):
         ServeConfig.model_validate(raw)
+
+
+def test_region_node_resources_pin_its_replicas_and_balancer():
+    from serve_app import _actor_options
+
+    raw = config()
+    raw["regions"]["regions"][0]["node_resource"] = "region-us"
+    raw["groups"][0]["num_cpus"] = 0.5
+    cfg = ServeConfig.model_validate(raw)
+    a, b = cfg.groups
+    assert _actor_options(cfg, a) == {"num_cpus": 0.5, "resources": {"region-us": 0.01}}
+    assert _actor_options(cfg, b) == {"num_cpus": 0.0}  # eu names no resource
+    assert cfg.regions is not None
+    us, eu = cfg.regions.regions
+    assert cfg.regions.actor_resources(us) == {"region-us": 0.01}
+    assert cfg.regions.actor_resources(eu) == {}
+    assert _actor_options(ServeConfig.model_validate({}), ServeConfig().groups[0]) == {
+        "num_cpus": 0.0
+    }
