@@ -159,4 +159,6 @@ def run_all(runs: list[RegionRun], jobs: int = 1) -> list[dict]:
 
 def write_results(path: Path, rows: list[dict], slo: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Where the traces were read from is this machine's business, not the report's.
+    rows = [{k: v for k, v in r.items() if k != "trace_dir"} for r in rows]
     path.write_text(json.dumps({"ttft_slo_p90": slo, "rows": rows}, indent=1) + "\n")
