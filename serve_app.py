@@ -11,6 +11,9 @@ Three deployments, built from one ``ServeConfig`` (actors/serving/config.py):
   with an ``autoscaling`` section gets Serve's ``autoscaling_config`` instead of
   ``num_replicas``, scaled by ``policies.autoscaling.LLMAutoscalingPolicy`` on the load its
   replicas report (queued prefill tokens, KV usage).
+- ``Balancer-<region>``: with a ``regions`` section, one SkyWalker balancer per region
+  (actors/regions/serve_balancer.py): the ingress asks the client's region balancer
+  (``X-Meridian-Region`` header) where to send each prompt instead of the router.
 
 ``app`` is the demo (the built-in tiny model, defaults). For anything else use the builder:
 ``serve run serve_app:build_app config=my.yaml`` or a Serve config file whose application
@@ -25,6 +28,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
+from actors.regions.serve_balancer import RegionBalancerDeployment, balancer_name
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.ingress import Ingress
 from actors.serving.replica import ReplicaServer
@@ -46,6 +50,24 @@ def _scaling_options(group: ReplicaGroupConfig) -> dict[str, Any]:
     }
 
 
+def _actor_options(cfg: ServeConfig, group: ReplicaGroupConfig) -> dict[str, Any]:
+    """A group's replica actor options: its CPUs, and its region's node resource if the
+    config pins regions to nodes."""
+    options: dict[str, Any] = {"num_cpus": group.num_cpus}
+    if cfg.regions is not None:
+        resources = cfg.regions.actor_resources(cfg.regions.region_of_group(group.name))
+        if resources:
+            options["resources"] = resources
+    return options
+
+
+def _region_resources(cfg: ServeConfig, region: str) -> dict[str, float]:
+    if cfg.regions is None:
+        return {}
+    (r,) = [x for x in cfg.regions.regions if x.name == region]
+    return cfg.regions.actor_resources(r)
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """A Serve application from ``ServeConfig`` fields, or ``{"config": "file.yaml"}``."""
     cfg = ServeConfig.from_args(args)
@@ -64,7 +86,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             ReplicaServer,
             name=f"Replica-{g.name}",
             max_ongoing_requests=g.max_ongoing_requests,
-            ray_actor_options={"num_cpus": g.num_cpus},
+            ray_actor_options=_actor_options(cfg, g),
             health_check_period_s=5,
             request_router_config=RequestRouterConfig(
                 request_router_class=cast(Any, RankedRequestRouter)  # stubs want a dict
@@ -80,7 +102,18 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=cfg.limits.max_pending_requests + 64,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(raw, router, replicas)
+    balancers: dict[str, Any] = {}  # region -> its balancer, with a regions section
+    sec = cfg.regions
+    for r in sec.regions if sec is not None else []:
+        balancers[r.name] = deployment(
+            RegionBalancerDeployment,
+            name=balancer_name(r.name),
+            num_replicas=1,
+            max_ongoing_requests=100_000,  # requests wait in its queue, not Serve's
+            ray_actor_options={"num_cpus": 0, "resources": _region_resources(cfg, r.name)},
+            logging_config=LoggingConfig(enable_access_log=False),
+        ).bind(raw, r.name, router)
+    return ingress.bind(raw, router, replicas, balancers)
 
 
 app = build_app({})

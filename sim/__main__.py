@@ -4,6 +4,8 @@
   python -m sim report   the Mooncake experiments -> docs/sim_report.md + docs/figures/
   python -m sim sim2real replay a trace slice on the live CPU engine with the tiny model,
                          fit the cost model, compare predicted and measured TTFT / TPOT
+  python -m sim regions  three regions: SkyWalker vs one global balancer vs region-local
+                         -> docs/figures/skywalker.json and its section of the report
 
 Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
 Examples:
@@ -123,6 +125,35 @@ def cmd_sim2real(a: argparse.Namespace) -> None:
         Path(a.out).write_text(text + "\n")
 
 
+def cmd_regions(a: argparse.Namespace) -> None:
+    from sim.report_skywalker import replace_section, skywalker_section
+    from sim.skywalker_eval import plan, run_all, write_results
+
+    sweep = tuple(int(x) for x in a.sweep.split(",") if x)
+    runs = plan(
+        a.trace_dir,
+        a.limit,
+        a.speed,
+        a.replicas,
+        sweep,
+        a.azure_limit,
+        a.azure_speed,
+        a.heavy_speed or None,
+    )
+    rows = run_all(runs, a.jobs)
+    for r in rows:
+        print(
+            f"{r['trace']:12s} {r['speed']:4g}x {r['system']:28s} x{r['replicas_per_region']} "
+            f"p50 {r['ttft_p50']:6.2f} p90 {r['ttft_p90']:6.2f} hit {r['hit_ratio']:.3f} "
+            f"rps {r['throughput_rps']:.3f} fwd {r['forwarded']} wall {r['wall_s']:.0f}s"
+        )
+    out = Path(a.out)
+    write_results(out, rows, a.ttft_slo)
+    if a.report:
+        replace_section(Path(a.report), skywalker_section(out))
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m sim",
@@ -162,6 +193,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     p_s2r.add_argument("--out", default="docs/figures/sim2real.json", help="'' to not write")
     p_s2r.set_defaults(fn=cmd_sim2real)
+    p_reg = sub.add_parser("regions", help="multi-region SkyWalker comparison")
+    p_reg.add_argument("--trace-dir", default=None)
+    p_reg.add_argument("--limit", type=int, default=1000, help="Mooncake requests per run")
+    p_reg.add_argument("--speed", type=float, default=0.5)
+    p_reg.add_argument("--replicas", type=int, default=4, help="replicas per region")
+    p_reg.add_argument("--sweep", default="3,4,5", help="replicas per region to sweep")
+    p_reg.add_argument("--azure-limit", type=int, default=3000)
+    p_reg.add_argument("--azure-speed", type=float, default=8.0)
+    p_reg.add_argument(
+        "--heavy-speed", type=float, default=0.75, help="a second sweep at this speed (0: none)"
+    )
+    p_reg.add_argument("--ttft-slo", type=float, default=5.0, help="P90 TTFT SLO of the sweep")
+    p_reg.add_argument("--jobs", type=int, default=2)
+    p_reg.add_argument("--out", default="docs/figures/skywalker.json")
+    p_reg.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
+    p_reg.set_defaults(fn=cmd_regions)
     a = parser.parse_args(argv)
     a.fn(a)
 

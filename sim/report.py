@@ -16,6 +16,7 @@ from sim.experiments import RunResult
 from sim.presets import ClusterConfig
 from sim.report_overload import overload_section
 from sim.report_sim2real import sim2real_section
+from sim.report_skywalker import skywalker_section
 
 TBT_SLOS = (0.1, 0.2, 0.3)
 
@@ -210,6 +211,7 @@ def write_report(
         "",
     ]
     lines += overload_section(base, over)
+    lines += skywalker_section(path.parent / "figures" / "skywalker.json")
     lines += sim2real_section(path.parent / "figures" / "sim2real.json")
     lines += _speed_section(path.parent / "figures" / "sim_scale.json", whole)
     lines += ["## Where we differ from the paper, and why", "", *notes, ""]

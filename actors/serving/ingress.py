@@ -18,6 +18,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
+from actors.regions.entry import RegionEntry
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
@@ -47,6 +49,7 @@ from errors import (
 from models import load_tokenizer, read_model_config, tiny_model_dir
 from policies.api_keys import KeyRing
 from policies.rate_limit import RateLimited, RateLimiter
+from policies.region_balancer import BalancedRequest
 from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
@@ -66,6 +69,17 @@ class _Prepared:
         self.reserved = 0  # tokens taken from the key's tokens_per_minute, settled at the end
 
 
+@dataclass(frozen=True)
+class _Placed:
+    """Where a region balancer placed one attempt of a prompt."""
+
+    request_id: str
+    replica_id: str
+    group: str
+    region: str  # the region that serves it (the client's, or a peer's)
+    delay: float  # one-way injected delay to that region, seconds
+
+
 def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
     """Whole seconds, rounded up, at least 1; the config's default when none was given."""
     if seconds is None:
@@ -75,8 +89,20 @@ def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
 
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, config: dict[str, Any], router: Any, replicas: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        router: Any,
+        replicas: dict[str, Any],
+        balancers: dict[str, Any] | None = None,  # region -> its balancer (regions section)
+    ) -> None:
         self.cfg = ServeConfig.model_validate(config)
+        self.balancers = balancers or {}
+        self.entry = (
+            RegionEntry(self.balancers, self.cfg.regions.delays())
+            if self.balancers and self.cfg.regions
+            else None
+        )
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
         positions = read_model_config(model_dir).max_position_embeddings
@@ -99,6 +125,20 @@ class Ingress:
             return self._error("/health", oai.APIError(503, f"router unavailable: {e}"))
         status = 200 if snap else 503
         return JSONResponse({"status": "ok" if snap else "starting", "replicas": len(snap)}, status)
+
+    @app.get("/regions")
+    async def regions(self) -> Response:
+        """Each region balancer's counters (a config with a regions section; else empty)."""
+
+        async def one(region: str, balancer: Any) -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(balancer.stats.remote(), timeout=2.0)
+            except Exception:  # down, or restarting
+                return {"region": region, "unreachable": True}
+
+        stats = await asyncio.gather(*(one(r, b) for r, b in self.balancers.items()))
+        failovers = self.entry.failovers if self.entry else 0
+        return JSONResponse({"regions": list(stats), "failovers": failovers})
 
     @app.get("/v1/models")
     async def models(self, request: HTTPRequest) -> Response:
@@ -135,6 +175,7 @@ class Ingress:
         token_lists: list[list[int]],
         params: list[SamplingParams],
         api_key: str | None = None,
+        region: str | None = None,
     ) -> list[RequestOutput]:
         tenant = self._check_key(api_key)
         salt = tenant.tenant if tenant else None
@@ -143,7 +184,7 @@ class Ingress:
 
         async def one(request: Request) -> RequestOutput:
             outs: list[Any] = [None]
-            async for item in self._start([request], None):
+            async for item in self._start([request], None, region):
                 if isinstance(item, Done):
                     outs[0] = item.output
                 elif isinstance(item, Failed):
@@ -180,7 +221,8 @@ class Ingress:
             prep = await self._prepare(request, chat, tenant.tenant if tenant else None)
             self._reserve(tenant, prep)
             session = prep.req.session_id or prep.req.user
-            streams = [self._start(choices, session) for choices in prep.prompts]
+            region = request.headers.get("x-meridian-region")
+            streams = [self._start(choices, session, region) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.
             firsts = [await anext(s) for s in streams]
             assert all(isinstance(f, Accepted) for f in firsts)
@@ -315,7 +357,7 @@ class Ingress:
         return raw
 
     async def _start(
-        self, choices: list[Request], session: str | None
+        self, choices: list[Request], session: str | None, region: str | None = None
     ) -> AsyncIterator[Accepted | Event]:
         """Route one prompt (the built request of each of its choices) and relay its replica
         stream; the first item is ``Accepted``.
@@ -324,17 +366,24 @@ class Ingress:
         the request: the prompt is routed again, up to ``MAX_ATTEMPTS`` in all, and the
         replay continues each stream where its consumer stopped (``StreamLedger``: no
         token twice, and a replay that differs ends its choices with a retriable error).
+        With regions, each attempt's balancer hears when it prefilled and when it ended.
 
         Raises APIError (before the first yield) when the replica refuses it."""
-        gen, first = await self._open(choices, session)
+        gen, first, placed = await self._open(choices, session, region)
         yield first
         ledger = StreamLedger(len(choices))
         attempt = 1
         while True:
             reason = None
+            prefilled = placed is None
             try:
                 async for batch in gen:  # the replica sends its events in lists
                     for item in batch:
+                        if not prefilled and isinstance(item, Delta) and item.delta.token_ids:
+                            prefilled = True
+                            assert placed is not None
+                            await asyncio.sleep(placed.delay)  # the way back
+                            await self._report(placed, "prefilled")
                         if isinstance(item, Failed) and item.retriable and attempt < MAX_ATTEMPTS:
                             reason = item.message
                             break
@@ -353,32 +402,42 @@ class Ingress:
                 return
             finally:
                 gen.cancel()  # no-op when finished; aborts the replica's request otherwise
+                if placed is not None:
+                    await self._report(placed, "finished")
             if reason is None or not ledger.open_choices():
                 return
             attempt += 1
             log.warning("replaying request %s (attempt %d): %s", first, attempt, reason)
             retry = [c.with_id(f"{c.request_id}#{attempt}") for c in choices]
             try:
-                gen, _ = await self._open(retry, session)
+                gen, _, placed = await self._open(retry, session, region)
             except oai.APIError as e:
                 for i in ledger.open_choices():
                     yield Failed(i, f"its replica failed and a retry was refused: {e.message}")
                 return
             ledger.begin_replay()
 
-    async def _open(self, choices: list[Request], session: str | None) -> tuple[Any, Accepted]:
-        """Route the choices of one prompt and start them on a replica: (its event stream,
-        its ``Accepted``). Raises APIError when the replica refuses them."""
+    async def _open(
+        self, choices: list[Request], session: str | None, region: str | None
+    ) -> tuple[Any, Accepted, _Placed | None]:
+        """Route the choices of one prompt (through the client's region balancer when the
+        config has regions) and start them on a replica: (its event stream, its
+        ``Accepted``, where a balancer placed it). Raises APIError when refused."""
         first_choice = choices[0]
-        route_req = RouteRequest(
-            first_choice.request_id,
-            first_choice.block_hashes,
-            first_choice.num_prompt_tokens,
-            session,
-        )
-        pairs = await self.router.route.remote(route_req)
-        group = pairs[0][1] if pairs else self.cfg.groups[0].name
-        ranking = [rid for rid, g in pairs if g == group]
+        placed = await self._place(first_choice, session, region) if self.balancers else None
+        if placed is None:
+            route_req = RouteRequest(
+                first_choice.request_id,
+                first_choice.block_hashes,
+                first_choice.num_prompt_tokens,
+                session,
+            )
+            pairs = await self.router.route.remote(route_req)
+            group = pairs[0][1] if pairs else self.cfg.groups[0].name
+            ranking = [rid for rid, g in pairs if g == group]
+        else:  # a region's balancer queued it and chose the replica (maybe in a peer region)
+            group, ranking = placed.group, [placed.replica_id]
+            await asyncio.sleep(placed.delay)  # the injected way to the serving region
         payload = {"requests": choices, "ranking": ranking}
         with own_request_id():  # concurrent prompts of one request must not share one id
             gen = self.replicas[group].options(stream=True).generate.remote(payload)
@@ -386,14 +445,45 @@ class Ingress:
             first = await anext(gen)
         except BaseException:
             gen.cancel()
+            if placed is not None:
+                await self._report(placed, "finished")
             raise
         if isinstance(first, Refused):
+            if placed is not None:
+                await self._report(placed, "finished")
             headers = None
             if first.status == 429:
                 headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
             param = "prompt" if first.status == 400 else None
             raise oai.APIError(first.status, first.message, param, headers=headers)
-        return gen, first
+        return gen, first, placed
+
+    async def _place(self, request: Request, session: str | None, region: str | None) -> _Placed:
+        """Where the client's region balancer (``X-Meridian-Region``; default: the first
+        region) placed the request."""
+        assert self.entry is not None
+        region = region or self.entry.default_region
+        if region not in self.balancers:
+            raise oai.APIError(
+                400,
+                f"unknown region {region!r} in X-Meridian-Region; regions: "
+                f"{', '.join(self.balancers)}",
+                "X-Meridian-Region",
+            )
+        meta = BalancedRequest(
+            request.request_id,
+            tuple(request.block_hashes),
+            time.monotonic(),
+            session,
+            request.tenant,
+            region,
+        )
+        replica_id, group, served_in, delay = await self.entry.place(meta, region)
+        return _Placed(request.request_id, replica_id, group, served_in, delay)
+
+    async def _report(self, placed: _Placed, event: str) -> None:
+        assert self.entry is not None
+        await self.entry.report(placed.region, event, placed.request_id)
 
     async def _collect(
         self, prep: _Prepared, streams: list[AsyncIterator[Accepted | Event]], chat: bool

@@ -71,6 +71,14 @@ class RouterDeployment:
         self.decisions[(self.state.policy_name, "routed" if pairs else "no_replica")] += 1
         return pairs
 
+    async def prefix_lengths(self, block_hashes: list[int]) -> dict[str, int]:
+        """Each live replica's cached prefix of ``block_hashes`` in blocks, from the exact
+        index its block events keep (a region balancer's local view)."""
+        self._expire(time.time())
+        view = self.state.view
+        lengths = view.prefix_blocks(RouteRequest("", block_hashes, 0))
+        return {v.replica_id: n for v, n in zip(view.replicas, lengths, strict=True)}
+
     async def report(
         self,
         replica_id: str,

@@ -1,0 +1,1 @@
+"""Regions of replicas, each behind its own balancer (SkyWalker): the live runtime."""

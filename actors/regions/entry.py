@@ -1,0 +1,126 @@
+"""Where the ingress places a prompt when the config has regions, with balancer failover.
+
+``RegionEntry.place(request, region)`` asks the client's region balancer (a
+``RegionBalancerDeployment`` handle) for a replica. A watcher asks every balancer for its
+``status`` every ``check_s``; one that does not answer within ``health_timeout_s`` is marked
+down (Serve holds calls to a deployment whose only replica died until it has restarted it:
+they do not fail, they wait). When a region is down, or its ``place`` call fails, the call is
+placed at the nearest live balancer (``policies.region_balancer.nearest_alive`` over the configured
+delays), which first ``adopt``s the region's replica groups and treats them as its own. New
+prompts of a down region go straight to that stand-in. After ``recheck_s`` the region's own
+balancer is asked for its ``status`` (Serve restarts a dead replica); once it answers, it
+serves its region again and the stand-in ``release``s the groups.
+
+No accepted request is lost to a balancer's death: a prompt the dead balancer held fails
+its ``place`` call and is placed again elsewhere with the same request id; a prompt already
+streaming never passes through a balancer (the ingress streams from the replica), and
+the first-token and finish reports it owes a dead balancer are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from actors.regions.serve_balancer import PlaceAnswer
+from policies.region_balancer import BalancedRequest, nearest_alive
+
+
+class RegionEntry:
+    def __init__(
+        self,
+        balancers: dict[str, Any],  # region -> its balancer's handle
+        delay_s: dict[tuple[str, str], float],
+        recheck_s: float = 2.0,
+        health_timeout_s: float = 1.0,
+        check_s: float = 0.5,
+    ) -> None:
+        if not balancers:
+            raise ValueError("need at least one region balancer")
+        self.balancers = balancers
+        self.delay_s = delay_s
+        self.recheck_s = recheck_s
+        self.health_timeout_s = health_timeout_s
+        self.down: dict[str, float] = {}  # region -> when its balancer was last seen failing
+        self.stand_in: dict[str, str] = {}  # down region -> the region serving it
+        self.failovers = 0  # times a balancer was found down
+        self.check_s = check_s
+        self._watcher: asyncio.Task | None = None
+
+    @property
+    def default_region(self) -> str:
+        return next(iter(self.balancers))
+
+    def _nearest(self, region: str) -> str | None:
+        alive = [(r, r) for r in self.balancers if r != region and r not in self.down]
+        return nearest_alive(region, alive, self.delay_s)
+
+    async def _home_back(self, region: str) -> bool:
+        """Whether a down region's balancer answers again (checked every ``recheck_s``)."""
+        if time.monotonic() - self.down[region] < self.recheck_s:
+            return False
+        try:
+            await asyncio.wait_for(
+                self.balancers[region].status.remote(), timeout=self.health_timeout_s
+            )
+        except Exception:
+            self.down[region] = time.monotonic()
+            return False
+        del self.down[region]
+        stand_in = self.stand_in.pop(region, None)
+        if stand_in is not None:
+            with contextlib.suppress(Exception):
+                await self.balancers[stand_in].release.remote(region)
+        return True
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _check(self, region: str) -> None:
+        try:
+            await asyncio.wait_for(
+                self.balancers[region].status.remote(), timeout=self.health_timeout_s
+            )
+        except Exception:
+            if region not in self.down:
+                self.failovers += 1
+            self.down[region] = time.monotonic()
+
+    async def _watch(self) -> None:
+        while True:
+            up = [r for r in self.balancers if r not in self.down]
+            await asyncio.gather(*(self._check(r) for r in up))
+            await asyncio.sleep(self.check_s)
+
+    async def place(self, request: BalancedRequest, region: str) -> PlaceAnswer:
+        self._ensure_watcher()
+        tried: set[str] = set()
+        while True:
+            target = region
+            if region in self.down and not await self._home_back(region):
+                target = self.stand_in.get(region) or ""
+                if not target or target in self.down:
+                    nearest = self._nearest(region)
+                    if nearest is None:
+                        raise RuntimeError(f"no live balancer can serve region {region!r}")
+                    target = self.stand_in[region] = nearest
+            if target in tried:
+                raise RuntimeError(f"every balancer that could serve region {region!r} failed")
+            tried.add(target)
+            try:
+                if target != region:
+                    await self.balancers[target].adopt.remote(region)
+                return await self.balancers[target].place.remote(request)
+            except Exception:
+                if target not in self.down:
+                    self.failovers += 1
+                self.down[target] = time.monotonic()
+
+    async def report(self, region: str, method: str, request_id: str) -> None:
+        """``prefilled`` or ``finished`` to the balancer that placed the request; a dead one
+        is skipped (its replacement starts with nothing to account)."""
+        with contextlib.suppress(Exception):
+            await getattr(self.balancers[region], method).remote(request_id)
