@@ -154,6 +154,10 @@ class ShardedKVManager:
         return sum(p.num_free for p in self.pools)
 
     @property
+    def num_total_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.pools)
+
+    @property
     def hit_ratio(self) -> float:
         queried = sum(m.queried_tokens for m in self.managers)
         return sum(m.hit_tokens for m in self.managers) / queried if queried else 0.0

@@ -69,8 +69,9 @@ def test_prefix_cache_hit_gives_same_tokens(model_dir, prompts, hf_tokens):
     assert llm.engine.pool.num_in_use == 0
 
 
-def test_preemption_recomputes_exactly(model_dir, prompts, hf_tokens):
-    # 24 blocks of 4 tokens cannot hold all four requests at full length at once.
+def test_memory_pressure_keeps_tokens_exact(model_dir, prompts, hf_tokens):
+    # 24 blocks of 4 tokens cannot hold all four requests at full length at once: a request
+    # waits for the blocks its whole life needs (no decode is preempted).
     llm = LLM(model_dir, dtype=torch.float64, block_size=4, num_blocks=24, chunk_size=8)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
