@@ -104,8 +104,7 @@ class BatchPacker:
                 return
             if chunks[i]:
                 batch.remove((chunks[i], c.context))
-            n = chunks[i] + p.largest_chunk(batch, c.context, until, limit + chunks[i])
-            n = max(n, chunks[i])
+            n = max(chunks[i], p.largest_chunk(batch, c.context, until, limit + chunks[i]))
             if n:
                 batch.append((n, c.context))
             budget -= n - chunks[i]

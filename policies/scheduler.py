@@ -199,7 +199,8 @@ class Scheduler:
             # pending == 0: its sampled token is still in flight
         allocate = self.kv.allocate
         starts = step.starts
-        queues = [(decodes, False)] if self.packer else [(decodes, False), (prefills, True)]
+        together = self.packer is not None or getattr(self.ordering, "ranks_prefills", False)
+        queues = [(decodes, False)] if together else [(decodes, False), (prefills, True)]
         for queue, is_prefill in queues:
             for seq in queue:
                 if budget == 0:
@@ -220,8 +221,8 @@ class Scheduler:
                 scheduled.add(seq.request_id)
                 budget -= n
 
-        if self.packer is not None:
-            self._schedule_packed(step, prefills, budget, scheduled, now)
+        if together:
+            self._schedule_prefills(step, prefills, budget, scheduled, now)
             return step
 
         # Waiting requests join in priority order; strict order: the first that does not fit
@@ -290,8 +291,8 @@ class Scheduler:
         seq.num_inflight_tokens = n
         scheduled.add(seq.request_id)
 
-    # -- Medha: prefills packed by a runtime predictor -----------------------------------------
-    def _schedule_packed(
+    # -- Medha: running and waiting prefills ranked together -------------------------------
+    def _schedule_prefills(
         self,
         step: ScheduledStep,
         running_prefills: list[Sequence],
@@ -300,11 +301,12 @@ class Scheduler:
         now: float,
     ) -> None:
         """Running and waiting prefills ranked together (re-sorted every iteration, so a
-        partial prefill competes with new ones), the top ``max_prefills`` sized by the
-        packer. A waiting request that does not fit in memory waits, and so does every
-        waiting request ranked after it (they would take the blocks it waits for)."""
+        partial prefill competes with new ones; a deadline ordering asks for this with
+        ``ranks_prefills``). The top ``max_prefills`` are sized by the packer when there is
+        one, else by the chunk rule in rank order. A waiting request that does not fit in
+        memory waits, and so does every waiting request ranked after it (they would take
+        the blocks it waits for)."""
         packer = self.packer
-        assert packer is not None
         key = self.ordering.key
         urgency = getattr(self.ordering, "urgency", None)
         pool = [s for s in running_prefills if s.status is SeqStatus.RUNNING]
@@ -320,16 +322,23 @@ class Scheduler:
         for seq in pool:
             if seq.status is SeqStatus.WAITING:
                 self._match_prefix(seq)
-        candidates = [
-            PrefillCandidate(
-                s.num_uncomputed_tokens,
-                s.num_computed_tokens + s.num_inflight_tokens,
-                1.0 if urgency is None else urgency(s, now),
-            )
-            for s in pool
-        ]
-        decodes = [(n, start) for (_, n), start in zip(step.entries, step.starts, strict=True)]
-        chunks = packer.pack(decodes, candidates, budget)
+        if packer is not None:
+            candidates = [
+                PrefillCandidate(
+                    s.num_uncomputed_tokens,
+                    s.num_computed_tokens + s.num_inflight_tokens,
+                    1.0 if urgency is None else urgency(s, now),
+                )
+                for s in pool
+            ]
+            decodes = [(n, at) for (_, n), at in zip(step.entries, step.starts, strict=True)]
+            chunks = packer.pack(decodes, candidates, budget)
+        else:
+            chunks = []
+            for s in pool:
+                n = self.chunk_rule.chunk(s, budget)
+                chunks.append(n)
+                budget -= n
         reserve = None
         blocked = False
         for seq, n in zip(pool, chunks, strict=True):
@@ -360,7 +369,7 @@ class Scheduler:
 
     def _unmatch(self, seq: Sequence) -> None:
         """A waiting request not admitted this time lets go of its matched prefix."""
-        if seq.status is SeqStatus.WAITING and seq.num_computed_tokens:
+        if seq.status is SeqStatus.WAITING:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
 

@@ -91,6 +91,8 @@ def _past_prompt(seq: Sequence) -> bool:
 class EDF:
     """Earliest deadline first."""
 
+    ranks_prefills = True  # the scheduler ranks running and waiting prefills together
+
     def __init__(self, deadlines: Deadlines) -> None:
         self.deadlines = deadlines
 
@@ -105,6 +107,8 @@ class EDF:
 
 class LRS:
     """Least remaining slack, in seconds."""
+
+    ranks_prefills = True
 
     def __init__(self, deadlines: Deadlines) -> None:
         self.deadlines = deadlines
