@@ -208,3 +208,21 @@ def test_packer_on_plain_data():
     assert packer.pack(decodes, [long], budget=7) == [7]  # the token budget caps even that
     with pytest.raises(ValueError, match="target_batch_time"):
         BatchPacker(pred, target_batch_time=0)
+
+
+def test_engine_and_serve_group_options():
+    from actors.engine.config import EngineConfig
+    from actors.serving.config import ReplicaGroupConfig
+
+    cfg = EngineConfig.from_options(scheduling="ilrs", target_batch_time=0.05)
+    assert cfg.scheduling == "ilrs" and cfg.max_prefill_share == 0.5
+    group = ReplicaGroupConfig(engine={"scheduling": "edf", "min_ttft_slo": 0.5})
+    assert group.engine_config().scheduling == "edf"
+    with pytest.raises(ValueError, match="unknown scheduling policy 'sjf'"):
+        ReplicaGroupConfig(engine={"scheduling": "sjf"})
+    with pytest.raises(ValueError, match="target_batch_time"):
+        EngineConfig(target_batch_time=0.0)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(scheduling="ilrs", ordering=FCFS())
+    with pytest.raises(ValueError, match="max_prefill_share"):
+        EngineConfig(max_prefill_share=1.5)
