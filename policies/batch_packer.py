@@ -7,11 +7,11 @@ priority order, it sizes each prefill's chunk with a runtime predictor:
   the predicted batch time under ``target_batch_time`` (the decodes' TPOT target), never
   below the predictor's efficient minimum at its context offset. Attention grows with
   the context, so the same time buys fewer tokens as its KV grows: chunks shrink.
-- the other prefills ride in the room the long one leaves: a share ``min(max_share,
-  their highest urgency)`` of the time between the decodes alone and the target is theirs
-  (urgency from the ordering, 1 - relative slack; 1 without one), filled in priority
-  order; room they do not use goes back to the long one, and room the long one does not
-  use (its prompt ends) to them.
+- prefills ranked ahead of the long one (more urgent) take what they need first, up to
+  the target; those ranked behind it ride in the room it leaves: a share ``min(max_share,
+  their highest urgency)`` of the time left is theirs (urgency from the ordering, 1 -
+  relative slack; 1 without one), filled in priority order; room they do not use goes
+  back to the long one, and room the long one does not use (its prompt ends) to them.
 - the batch's time stays at most the target, except that one prefill always runs when no
   other does (the most urgent, at its efficient minimum): prefill never stalls because the
   decodes alone are over the target.
@@ -82,13 +82,8 @@ class BatchPacker:
             return chunks
         p = self.predictor
         batch = list(decodes)
-        t0 = p.batch_time(batch)
-        room = max(0.0, self.target - t0)
         longest = max(range(len(candidates)), key=lambda i: candidates[i].uncomputed)
-        others = [i for i in range(len(candidates)) if i != longest]
-        share = 0.0
-        if others:
-            share = min(self.max_share, max(candidates[i].urgency for i in others))
+        ahead, behind = range(longest), range(longest + 1, len(candidates))
 
         def cap(i: int) -> int:
             c = candidates[i]
@@ -110,8 +105,15 @@ class BatchPacker:
             budget -= n - chunks[i]
             chunks[i] = n
 
-        # The long prefill first, leaving the others their share of the room.
-        grow(longest, t0 + (1.0 - share) * room)
+        # Prefills more urgent than the long one take what they need, up to the target.
+        for i in ahead:
+            grow(i, self.target)
+        # The long one, leaving the less urgent ones their share of the room.
+        share = 0.0
+        if behind:
+            share = min(self.max_share, max(candidates[i].urgency for i in behind))
+        start = p.batch_time(batch)
+        grow(longest, start + (1.0 - share) * max(0.0, self.target - start))
         big = candidates[longest]
         floor = min(self.floor(big.context), big.uncomputed)
         have = chunks[longest]
@@ -128,8 +130,8 @@ class BatchPacker:
             else:
                 budget += have
                 chunks[longest] = 0
-        # The others ride in the rest, in priority order; then whatever room is left.
-        for i in others:
+        # The less urgent ones ride in the rest, in priority order; then whatever is left.
+        for i in behind:
             grow(i, self.target)
         if chunks[longest] and budget > 0:
             grow(longest, self.target)

@@ -136,7 +136,10 @@ POLICIES = ("fcfs", "edf", "lrs", "ilrs")
 
 def make_ordering(name: str, deadlines: Deadlines) -> EDF | LRS | ILRS:
     """The deadline ordering ``name`` ("edf", "lrs" or "ilrs")."""
-    kinds = {"edf": EDF, "lrs": LRS, "ilrs": ILRS}
-    if name not in kinds:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(POLICIES)}")
-    return kinds[name](deadlines)
+    if name == "edf":
+        return EDF(deadlines)
+    if name == "lrs":
+        return LRS(deadlines)
+    if name == "ilrs":
+        return ILRS(deadlines)
+    raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(POLICIES)}")

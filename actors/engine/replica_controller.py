@@ -121,7 +121,9 @@ class ReplicaController:
         ordering = config.ordering
         packer = None
         if config.scheduling != "fcfs" or config.target_batch_time is not None:
-            self.predictor = RuntimePredictor(chunk_size=config.chunk_size or 512)
+            self.predictor = RuntimePredictor(
+                chunk_size=config.chunk_size or 512, min_samples=8, refit_every=8
+            )
         if config.scheduling != "fcfs":
             assert self.predictor is not None
             deadlines = Deadlines(

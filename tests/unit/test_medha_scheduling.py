@@ -192,16 +192,20 @@ def test_packer_on_plain_data():
     long = PrefillCandidate(uncomputed=50_000, context=1000, urgency=0.0)
     short = PrefillCandidate(uncomputed=5000, context=0, urgency=1.0)
     alone = packer.pack(decodes, [long], budget=100_000)
-    both = packer.pack(decodes, [short, long], budget=100_000)
+    both = packer.pack(decodes, [long, short], budget=100_000)
     t0 = pred.batch_time(decodes)
-    # the short one (not the longest) gets at most its capped share of the room
-    share = pred.batch_time([*decodes, (both[0], 0)]) - t0
+    # a less urgent short one (not the longest) gets at most its capped share of the room
+    share = pred.batch_time([*decodes, (both[1], 0)]) - t0
     assert 0 < share <= 0.25 * (0.03 - t0) + 1e-12
-    assert 0 < both[1] < alone[0]
-    assert pred.batch_time([*decodes, (both[0], 0), (both[1], 1000)]) <= 0.03
-    # a calm short request (urgency 0) takes no share; the long one takes the room
-    calm = packer.pack(decodes, [PrefillCandidate(5000, 0, 0.0), long], budget=100_000)
-    assert calm[1] == alone[0]
+    assert 0 < both[0] < alone[0]
+    assert pred.batch_time([*decodes, (both[0], 1000), (both[1], 0)]) <= 0.03
+    # a calm one (urgency 0) takes no share; the long one takes the room
+    calm = packer.pack(decodes, [long, PrefillCandidate(5000, 0, 0.0)], budget=100_000)
+    assert calm[0] == alone[0]
+    # one more urgent than the long one takes what it needs first; the long one the rest
+    first = packer.pack(decodes, [PrefillCandidate(100, 0, 0.0), long], budget=100_000)
+    assert first[0] == 100 and 0 < first[1] < alone[0]
+    assert pred.batch_time([*decodes, (100, 0), (first[1], 1000)]) <= 0.03
     # over the target with decodes alone: the most urgent prefill still runs its minimum
     slow = BatchPacker(pred, target_batch_time=1e-4)
     assert slow.pack(decodes, [long], budget=100_000) == [packer.floor(1000)]
