@@ -39,6 +39,7 @@ from models.sharding import kv_heads_per_rank
 from placement.runtime_predictor import RuntimePredictor
 from policies.batch_packer import BatchPacker
 from policies.chunking import FixedChunk
+from policies.kvp_balancer import choose_kvp_rank
 from policies.request import Request, SampleSpec
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
@@ -113,7 +114,12 @@ class ReplicaController:
                 kvp_rank_tokens = min(
                     -(-per_rank // block_size) * block_size, num_blocks * block_size
                 )
-            self.kv = ShardedKVManager(self.pools, kvp_rank_tokens, config.enable_prefix_caching)
+            self.kv = ShardedKVManager(
+                self.pools,
+                kvp_rank_tokens,
+                config.enable_prefix_caching,
+                choose_rank=choose_kvp_rank,  # Medha's KVP balancer
+            )
         self.pool = self.pools[0]
         # Medha's scheduling: a runtime predictor fitted from this replica's steps sizes
         # chunks (``target_batch_time``) and predicts the prefill time deadlines rank by.
