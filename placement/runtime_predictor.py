@@ -22,6 +22,7 @@ from policies.pd_costs import CostFitter, LinearPrefillTime
 # Before the first fit and without a prior: 1 ms per step and 0.1 ms per new token (the
 # order of the tiny model on one CPU core); replaced after ``min_samples`` measured steps.
 COLD_START = LinearPrefillTime(base=1e-3, per_new_token=1e-4)
+MAX_TERMS = 64  # most chunk predictions one remaining-prefill estimate makes
 
 
 class RuntimePredictor:
@@ -76,13 +77,21 @@ class RuntimePredictor:
         self, new_tokens: int, context_tokens: int, chunk: int | None = None
     ) -> float:
         """Seconds to compute ``new_tokens`` prompt tokens after ``context_tokens`` already
-        in KV, alone, in chunks of ``chunk`` (default ``chunk_size``)."""
+        in KV, alone, in chunks of ``chunk`` (default ``chunk_size``). A prompt of more
+        than ``MAX_TERMS`` chunks is priced in ``MAX_TERMS`` runs of equal chunks, each at
+        its middle chunk's context (exact for costs linear in the context; a 1M-token
+        prompt costs 64 predictions, not thousands)."""
         step = chunk or self.chunk_size
-        t, done = 0.0, 0
-        while done < new_tokens:
-            n = min(step, new_tokens - done)
-            t += self.batch_time([(n, context_tokens + done)])
-            done += n
+        if new_tokens <= 0:
+            return 0.0
+        full, tail = divmod(new_tokens, step)
+        t = self.batch_time([(tail, context_tokens + full * step)]) if tail else 0.0
+        runs = min(full, MAX_TERMS)
+        for k in range(runs):
+            first, last = k * full // runs, (k + 1) * full // runs  # chunks [first, last)
+            middle = (first + last - 1) / 2
+            at = context_tokens + int(middle * step)
+            t += (last - first) * self.batch_time([(step, at)])
         return t
 
     def efficient_chunk(

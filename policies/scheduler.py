@@ -318,10 +318,25 @@ class Scheduler:
         if not pool or budget <= 0:
             return
         pool.sort(key=lambda s: key(s, now))
-        pool = pool[: self.config.max_prefills]
+        # Waiting ones are admissible only while the free blocks cover every admitted
+        # request's growth and theirs (independent of the chunk: its blocks are part of
+        # that growth); the first that is not waits, and so do those ranked after it.
+        reserve = self._reserved_growth()
+        blocked = False
+        chosen: list[Sequence] = []
         for seq in pool:
+            if len(chosen) == self.config.max_prefills:
+                break
             if seq.status is SeqStatus.WAITING:
+                if blocked:
+                    continue
                 self._match_prefix(seq)
+                if self.kv.num_free_blocks < reserve + self._growth(seq):
+                    self._unmatch(seq)
+                    blocked = True
+                    continue
+                reserve += self._growth(seq)
+            chosen.append(seq)
         if packer is not None:
             candidates = [
                 PrefillCandidate(
@@ -329,29 +344,21 @@ class Scheduler:
                     s.num_computed_tokens + s.num_inflight_tokens,
                     1.0 if urgency is None else urgency(s, now),
                 )
-                for s in pool
+                for s in chosen
             ]
             decodes = [(n, at) for (_, n), at in zip(step.entries, step.starts, strict=True)]
             chunks = packer.pack(decodes, candidates, budget)
         else:
             chunks = []
-            for s in pool:
+            for s in chosen:
                 n = self.chunk_rule.chunk(s, budget)
                 chunks.append(n)
                 budget -= n
-        reserve = None
-        blocked = False
-        for seq, n in zip(pool, chunks, strict=True):
+        for seq, n in zip(chosen, chunks, strict=True):
             if seq.status is SeqStatus.WAITING:
-                if blocked or n <= 0:
-                    self._unmatch(seq)
+                if n <= 0 or not self._admit(seq, n, 0):
+                    self._unmatch(seq)  # not this time
                     continue
-                if reserve is None:
-                    reserve = self._reserved_growth()
-                if not self._admit(seq, n, reserve):
-                    blocked = True
-                    continue
-                reserve += self._growth(seq, n)
                 self.waiting.remove(seq)
                 self._start_running(seq, n, step, scheduled, now)
                 continue

@@ -17,18 +17,54 @@ event count advance as if the event had been queued.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 from placement.cost_model import CostModel
+from placement.runtime_predictor import RuntimePredictor
+from policies.batch_packer import BatchPacker
 from policies.chunking import FixedChunk
+from policies.ordering import Ordering
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
+from policies.slack import Deadlines, make_ordering
 from sim.events import Event, EventLoop
 from store.block_pool import BlockPool
 from store.kv_manager import KVCacheManager
 
 DUMMY_TOKEN = 0
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    """An instance's prefill scheduling, as ``EngineConfig``'s options of the same names:
+    the ordering (``policies.slack``) and, with ``target_batch_time``, Medha's batch packer;
+    both predict with the instance's own cost model (the roofline standing in for the GPU,
+    through a ``RuntimePredictor`` that never refits)."""
+
+    scheduling: str = "fcfs"
+    target_batch_time: float | None = None
+    max_prefill_share: float = 0.5
+    ttft_slo_factor: float = 3.0
+    min_ttft_slo: float = 0.0
+
+    def build(
+        self, cost: CostModel, chunk_size: int | None
+    ) -> tuple[Ordering | None, BatchPacker | None]:
+        if self.scheduling == "fcfs" and self.target_batch_time is None:
+            return None, None
+        pred = RuntimePredictor(prior=cost, chunk_size=chunk_size or 4096)  # never observes
+        ordering: Ordering | None = None
+        if self.scheduling != "fcfs":
+            deadlines = Deadlines(pred, None, self.ttft_slo_factor, self.min_ttft_slo)
+            ordering = make_ordering(self.scheduling, deadlines)
+        packer = None
+        if self.target_batch_time is not None:
+            packer = BatchPacker(
+                pred, self.target_batch_time, self.max_prefill_share, max_chunk=chunk_size
+            )
+        return ordering, packer
 
 
 class InstanceListener(Protocol):
@@ -53,6 +89,7 @@ class SimInstance:
         chunk_size: int | None = None,
         enable_prefix_caching: bool = True,
         loop: EventLoop | None = None,
+        scheduling: SchedulingSpec | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.role = role
@@ -60,10 +97,13 @@ class SimInstance:
         self.listener = listener
         self.pool = BlockPool(num_blocks, block_size)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=enable_prefix_caching)
+        ordering, packer = (scheduling or SchedulingSpec()).build(cost, chunk_size)
         self.scheduler = Scheduler(
             SchedulerConfig(token_budget=token_budget, max_num_seqs=max_num_seqs),
             self.kv,
+            ordering=ordering,
             chunk_rule=FixedChunk(chunk_size),
+            packer=packer,
         )
         self.cached: set[int] = set()
         self.busy = False

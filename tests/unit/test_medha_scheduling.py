@@ -230,3 +230,21 @@ def test_engine_and_serve_group_options():
         EngineConfig(scheduling="ilrs", ordering=FCFS())
     with pytest.raises(ValueError, match="max_prefill_share"):
         EngineConfig(max_prefill_share=1.5)
+
+
+def test_a_waiting_request_that_does_not_fit_leaves_the_step_to_running_prefills():
+    # 16 blocks of 16 tokens hold 256: "a" (prompt 160 + 15 new) is admitted first; the
+    # more urgent "b" (prompt 120 + 15 new) would not leave room for a's growth, so it
+    # waits, and the budget it would have taken goes to a's next chunk.
+    kv = KVCacheManager(BlockPool(16, 16), enable_prefix_caching=False)
+    pred = predictor()
+    sched = Scheduler(SchedulerConfig(32, 16), kv, EDF(Deadlines(pred)), FixedChunk(32))
+    a, b = req("a", 160, 0.0, max_tokens=16, slo=100.0), req("b", 120, 0.0, 16, slo=0.1)
+    sched.add(a)
+    assert sched.schedule(0.0).num_tokens == {"a": 32}
+    sched.add(b)
+    for _ in range(4):
+        step = sched.schedule(0.0)
+        assert step.num_tokens == {"a": 32}
+        sched.update(step, {"a": 1} if step.sample_flags()[0] else {}, 0.0)
+    assert b.status.value == "waiting" and kv.pool.num_in_use == 10

@@ -99,3 +99,11 @@ def test_bad_input_is_refused():
         RuntimePredictor(chunk_size=0)
     with pytest.raises(ValueError, match="limit"):
         RuntimePredictor().efficient_chunk(0, limit=0)
+
+
+def test_a_long_prompt_is_priced_in_few_runs_exactly_for_a_linear_model():
+    p = fitted_predictor()
+    exact = sum(p.batch_time([(256, 7 + k * 256)]) for k in range(390)) + p.batch_time(
+        [(160, 7 + 390 * 256)]
+    )
+    assert p.remaining_prefill_time(390 * 256 + 160, 7, chunk=256) == pytest.approx(exact, rel=1e-3)
