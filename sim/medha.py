@@ -106,16 +106,17 @@ def run_config(
     cluster = ColocatedCluster(1, spec, RoundRobin())
     stats = cluster.run(requests, until)
     cluster.check_integrity()
-    done = [s for s in stats if s.ttft is not None]
-    short = [s for s in done if s.input_len <= 8192]
-    norm = [s.ttft / prefill_time(cost, s.input_len, 0, chunk) for s in done]
-    tpots = [s.tpot for s in done if s.tpot is not None]
+    ttft = {s.request_id: s.ttft for s in stats if s.ttft is not None}
+    lengths = {s.request_id: s.input_len for s in stats}
+    short = [t for rid, t in ttft.items() if lengths[rid] <= 8192]
+    norm = [t / prefill_time(cost, lengths[rid], 0, chunk) for rid, t in ttft.items()]
+    tpots = [s.tpot for s in stats if s.tpot is not None]
     return ConfigResult(
         name,
-        quantile([s.ttft for s in done], 0.5),
-        quantile([s.ttft for s in done], 0.9),
-        quantile([s.ttft for s in short], 0.5),
-        quantile([s.ttft for s in short], 0.9),
+        quantile(list(ttft.values()), 0.5),
+        quantile(list(ttft.values()), 0.9),
+        quantile(short, 0.5),
+        quantile(short, 0.9),
         quantile(norm, 0.5),
         statistics.median(tpots) if tpots else float("nan"),
         sum(1 for s in stats if s.finish is not None),
