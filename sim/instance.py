@@ -2,8 +2,11 @@
 cost model instead of a GPU.
 
 Each iteration: ``Scheduler.schedule(start)`` picks the batch; the cost model says how long
-it runs; at ``start + duration`` ``Scheduler.update`` advances it with a dummy sampled token
-(0; sequences carry no stop tokens, so they run to ``max_tokens``). Invariants: at most one
+it runs (with sequence pipelining, ``spp > 1``, a step whose outputs nobody waits for, prompt
+chunks that sample no token, holds the instance only for its ``stage_time``: the next chunk
+enters as it leaves the first stage; any other step for its whole latency); at ``start +
+duration`` ``Scheduler.update`` advances it with a dummy sampled token (0; sequences carry
+no stop tokens, so they run to ``max_tokens``). Invariants: at most one
 iteration is in flight per instance (``busy``); ``cached`` mirrors exactly the hashes the
 pool holds (kept in step from the pool's stored/evicted events after every change).
 
@@ -106,6 +109,8 @@ class SimInstance:
             packer=packer,
         )
         self.cached: set[int] = set()
+        spp = getattr(cost, "spp", 1)
+        self._stage_time = getattr(cost, "stage_time", None) if spp > 1 else None
         self.busy = False
         self.busy_time = 0.0
         self.iterations = 0
@@ -165,7 +170,12 @@ class SimInstance:
             return None
         batch = [(n, seq.num_computed_tokens) for seq, n in step.entries]
         self.prefill_tokens += sum(n for n, _ in batch if n > 1)
-        dt = self.cost.batch_time(batch)
+        if self._stage_time is not None and not any(step.sample_flags()):
+            # sequence pipelining: nothing waits for this step's outputs, so the next
+            # step enters as soon as this one leaves the first stage
+            dt = self._stage_time(batch)
+        else:
+            dt = self.cost.batch_time(batch)
         if len(batch) > self.peak_batch:
             self.peak_batch = len(batch)
         used = self.pool.num_blocks - self.pool.num_free
