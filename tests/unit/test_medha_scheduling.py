@@ -248,3 +248,16 @@ def test_a_waiting_request_that_does_not_fit_leaves_the_step_to_running_prefills
         assert step.num_tokens == {"a": 32}
         sched.update(step, {"a": 1} if step.sample_flags()[0] else {}, 0.0)
     assert b.status.value == "waiting" and kv.pool.num_in_use == 10
+
+
+def test_a_request_carries_its_ttft_slo_to_the_scheduler():
+    from errors import InvalidRequestError
+    from policies.request import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=4, ttft_slo=2.5)
+    seq = Sequence.from_request(Request("r", [1, 2, 3], params, 0, 16, []))
+    assert seq.ttft_slo == 2.5
+    assert Deadlines(predictor(), default_slo=9.0).slo(seq) == 2.5  # its own wins
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(InvalidRequestError, match="ttft_slo"):
+            SamplingParams(ttft_slo=bad)
