@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     p_med.add_argument("--long-fraction", type=float, default=0.05)
     p_med.add_argument("--chunk", type=int, default=2048, help="fixed chunk (and budget)")
     p_med.add_argument("--target", type=float, default=0.1, help="ilrs+ppb step time (s)")
-    p_med.add_argument("--min-slo", type=float, default=1.0, help="least TTFT SLO (s)")
+    p_med.add_argument("--min-slo", type=float, default=0.0, help="least TTFT SLO (s)")
     p_med.add_argument("--seed", type=int, default=0)
     p_med.set_defaults(fn=cmd_medha)
     a = parser.parse_args(argv)

@@ -91,7 +91,7 @@ def run_config(
     requests: list[TraceRequest],
     chunk: int = 2048,
     target: float = 0.1,
-    min_slo: float = 1.0,
+    min_slo: float = 0.0,
     until: float = float("inf"),
 ) -> ConfigResult:
     cost = RooflineCostModel(get_model("llama3-8b"), get_gpu("A100"), tp=8)
