@@ -49,6 +49,20 @@ class LinearPrefillTime:
             + self.per_attention_pair * pairs
         )
 
+    def step_time(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """One step running ``chunks`` together, each ``(new tokens, context tokens)`` (a
+        decode is ``(1, context)``): the model ``fit_prefill_time`` fits to measured steps,
+        the fixed cost counted once."""
+        if not chunks:
+            return 0.0
+        _, new, context, pairs = prefill_features(chunks)
+        return (
+            self.base
+            + self.per_new_token * new
+            + self.per_cached_token * context
+            + self.per_attention_pair * pairs
+        )
+
 
 def prefill_features(chunks: Sequence[tuple[int, int]]) -> tuple[float, float, float, float]:
     """(steps, new tokens, context tokens, attention pairs) of running ``chunks``, each

@@ -98,6 +98,9 @@ class SamplingParams:
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"schema":
     # {...}, ...}}; compiled (and checked) by actors/engine/structured.py at the edge
     response_format: dict[str, Any] | None = None
+    # seconds from arrival to the first token this request asks for: the deadline that
+    # deadline-aware scheduling (EDF, LRS, ILRS) orders prefills by; None: derived
+    ttft_slo: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,6 +151,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}",
                 "logprobs_mode",
+            )
+        if self.ttft_slo is not None and not _number("ttft_slo", self.ttft_slo) > 0:
+            raise InvalidRequestError(
+                f"ttft_slo must be a positive number of seconds, got {self.ttft_slo}", "ttft_slo"
             )
         rf = self.response_format
         if rf is not None:

@@ -2,9 +2,13 @@
 
 Each ``schedule`` call returns ``{request: number of tokens}`` for one iteration: running
 requests in decode take one token each first (decode is never starved by prefill), then
-prompt chunks of running and waiting requests fill what is left of the budget. When the KV
-cache cannot grow, the request that the ordering ranks last is preempted: its blocks are
-freed and it is recomputed later from its prompt and the tokens it already produced.
+prompt chunks of running and waiting requests fill what is left of the budget (sized by the
+chunk rule, or with a ``BatchPacker`` by a runtime predictor, running and waiting prefills
+ranked together). A request is admitted only when the free KV blocks cover what every
+admitted request may still grow by (prompt + max_tokens), so a decode always finds its next
+block. When a prefill's KV cannot grow, the prefill that the ordering ranks last is
+preempted: its blocks are freed and it is recomputed later from its tokens. A request past
+its prompt (a decode) is never preempted.
 
 Steps may be pipelined: ``schedule`` can be called again before ``update`` of the previous
 steps. Scheduled tokens count as in flight (``Sequence.num_inflight_tokens``) until their
@@ -21,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from policies.batch_packer import BatchPacker, PrefillCandidate
 from policies.chunking import ChunkRule, FixedChunk
 from policies.ordering import FCFS, Ordering
 from policies.sequence import FinishReason, SeqStatus, Sequence
@@ -28,6 +33,18 @@ from policies.sequence import FinishReason, SeqStatus, Sequence
 
 class KVManager(Protocol):
     """What the scheduler needs from the KV cache (``store.kv_manager.KVCacheManager``)."""
+
+    block_size: int
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free or evictable), over every pool."""
+        ...
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks of every pool."""
+        ...
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks of ``seq``'s prefix; returns how many tokens they cover."""
@@ -50,10 +67,11 @@ class KVManager(Protocol):
 class SchedulerConfig:
     token_budget: int = 2048  # tokens computed per iteration, all requests together
     max_num_seqs: int = 256  # requests running at once
+    max_prefills: int = 16  # prefills a batch packer sizes per iteration (the most urgent)
 
     def __post_init__(self) -> None:
-        if self.token_budget <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("token_budget and max_num_seqs must be positive")
+        if self.token_budget <= 0 or self.max_num_seqs <= 0 or self.max_prefills <= 0:
+            raise ValueError("token_budget, max_num_seqs and max_prefills must be positive")
 
 
 @dataclass
@@ -91,11 +109,15 @@ class Scheduler:
         kv: KVManager,
         ordering: Ordering | None = None,
         chunk_rule: ChunkRule | None = None,
+        packer: BatchPacker | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.ordering: Ordering = ordering or FCFS()
         self.chunk_rule: ChunkRule = chunk_rule or FixedChunk(None)
+        # With a packer, prefills (running and waiting together, in priority order) are
+        # sized by it (adaptive chunks, prefill-prefill batching) instead of ``chunk_rule``.
+        self.packer = packer
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
@@ -177,7 +199,9 @@ class Scheduler:
             # pending == 0: its sampled token is still in flight
         allocate = self.kv.allocate
         starts = step.starts
-        for queue, is_prefill in ((decodes, False), (prefills, True)):
+        together = self.packer is not None or getattr(self.ordering, "ranks_prefills", False)
+        queues = [(decodes, False)] if together else [(decodes, False), (prefills, True)]
+        for queue, is_prefill in queues:
             for seq in queue:
                 if budget == 0:
                     break
@@ -197,6 +221,10 @@ class Scheduler:
                 scheduled.add(seq.request_id)
                 budget -= n
 
+        if together:
+            self._schedule_prefills(step, prefills, budget, scheduled, now)
+            return step
+
         # Waiting requests join in priority order; strict order: the first that does not fit
         # blocks the rest, so a long request is not overtaken forever.
         waiting = self.waiting
@@ -204,42 +232,170 @@ class Scheduler:
             return step
         if len(waiting) > 1:
             waiting.sort(key=lambda s: key(s, now))
+        reserve = None
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             seq = waiting[0]
-            if seq.num_computed_tokens == 0:
-                seq.num_cached_tokens = self.kv.match_prefix(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens
+            self._match_prefix(seq)
             n = self.chunk_rule.chunk(seq, budget)
-            if n <= 0 or not allocate(seq, seq.num_computed_tokens + n):
-                # Let go of the prefix it matched, so a waiting request pins no blocks.
-                self.kv.free(seq)
-                seq.num_computed_tokens = 0
+            if reserve is None:
+                reserve = self._reserved_growth()
+            if n <= 0 or not self._admit(seq, n, reserve):
                 break
+            reserve += self._growth(seq, n)
             waiting.pop(0)
-            seq.status = SeqStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-            running.append(seq)
-            entries.append((seq, n))
-            starts.append(seq.num_computed_tokens)
-            seq.num_inflight_tokens = n
-            scheduled.add(seq.request_id)
+            self._start_running(seq, n, step, scheduled, now)
             budget -= n
         return step
+
+    # -- admission and KV reservation --------------------------------------------------------
+    # A request admitted reserves the KV blocks its whole life needs (prompt + max_tokens,
+    # capped at the pools' size): a new request joins only when the free blocks cover what
+    # every running request may still grow by. So a decode always finds its next block (the
+    # free blocks only run short for prefills, which yield or wait): decodes are never
+    # preempted.
+    def _growth(self, seq: Sequence, extra: int = 0) -> int:
+        """Blocks ``seq`` may still need beyond what it holds after ``extra`` more tokens."""
+        bs = self.kv.block_size
+        final = min(seq.num_prompt_tokens + seq.max_tokens - 1, self.kv.num_total_blocks * bs)
+        held = -(-(seq.num_computed_tokens + seq.num_inflight_tokens + extra) // bs)
+        return max(0, -(-final // bs) - held)
+
+    def _reserved_growth(self) -> int:
+        return sum(self._growth(s) for s in self.running)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        if seq.num_computed_tokens == 0:
+            seq.num_cached_tokens = self.kv.match_prefix(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens
+
+    def _admit(self, seq: Sequence, n: int, reserve: int) -> bool:
+        """Allocate a waiting request's first ``n`` tokens if the blocks left still cover
+        ``reserve`` and its own growth; else let go of what it holds (a matched prefix),
+        so a waiting request pins no blocks."""
+        if self.kv.allocate(seq, seq.num_computed_tokens + n):
+            if self.kv.num_free_blocks >= reserve + self._growth(seq, n):
+                return True
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        return False
+
+    def _start_running(
+        self, seq: Sequence, n: int, step: ScheduledStep, scheduled: set[str], now: float
+    ) -> None:
+        seq.status = SeqStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        self.running.append(seq)
+        step.entries.append((seq, n))
+        step.starts.append(seq.num_computed_tokens)
+        seq.num_inflight_tokens = n
+        scheduled.add(seq.request_id)
+
+    # -- Medha: running and waiting prefills ranked together -------------------------------
+    def _schedule_prefills(
+        self,
+        step: ScheduledStep,
+        running_prefills: list[Sequence],
+        budget: int,
+        scheduled: set[str],
+        now: float,
+    ) -> None:
+        """Running and waiting prefills ranked together (re-sorted every iteration, so a
+        partial prefill competes with new ones; a deadline ordering asks for this with
+        ``ranks_prefills``). The top ``max_prefills`` are sized by the packer when there is
+        one, else by the chunk rule in rank order. A waiting request that does not fit in
+        memory waits, and so does every waiting request ranked after it (they would take
+        the blocks it waits for)."""
+        packer = self.packer
+        key = self.ordering.key
+        urgency = getattr(self.ordering, "urgency", None)
+        pool = [s for s in running_prefills if s.status is SeqStatus.RUNNING]
+        slots = self.config.max_num_seqs - len(self.running)
+        waiting = self.waiting
+        if len(waiting) > 1:
+            waiting.sort(key=lambda s: key(s, now))
+        pool += waiting[: max(0, slots)]
+        if not pool or budget <= 0:
+            return
+        pool.sort(key=lambda s: key(s, now))
+        # Waiting ones are admissible only while the free blocks cover every admitted
+        # request's growth and theirs (independent of the chunk: its blocks are part of
+        # that growth); the first that is not waits, and so do those ranked after it.
+        reserve = self._reserved_growth()
+        blocked = False
+        chosen: list[Sequence] = []
+        for seq in pool:
+            if len(chosen) == self.config.max_prefills:
+                break
+            if seq.status is SeqStatus.WAITING:
+                if blocked:
+                    continue
+                self._match_prefix(seq)
+                if self.kv.num_free_blocks < reserve + self._growth(seq):
+                    self._unmatch(seq)
+                    blocked = True
+                    continue
+                reserve += self._growth(seq)
+            chosen.append(seq)
+        if packer is not None:
+            candidates = [
+                PrefillCandidate(
+                    s.num_uncomputed_tokens,
+                    s.num_computed_tokens + s.num_inflight_tokens,
+                    1.0 if urgency is None else urgency(s, now),
+                )
+                for s in chosen
+            ]
+            decodes = [(n, at) for (_, n), at in zip(step.entries, step.starts, strict=True)]
+            chunks = packer.pack(decodes, candidates, budget)
+        else:
+            chunks = []
+            for s in chosen:
+                n = self.chunk_rule.chunk(s, budget)
+                chunks.append(n)
+                budget -= n
+        for seq, n in zip(chosen, chunks, strict=True):
+            if seq.status is SeqStatus.WAITING:
+                if n <= 0 or not self._admit(seq, n, 0):
+                    self._unmatch(seq)  # not this time
+                    continue
+                self.waiting.remove(seq)
+                self._start_running(seq, n, step, scheduled, now)
+                continue
+            if n <= 0 or seq.status is not SeqStatus.RUNNING:
+                continue  # not this time, or preempted for an earlier entry
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
+            if not self.kv.allocate(seq, start + n) and not self._preempt_until_fits(
+                seq, n, step, scheduled
+            ):
+                continue
+            step.entries.append((seq, n))
+            step.starts.append(start)
+            seq.num_inflight_tokens += n
+            scheduled.add(seq.request_id)
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """A waiting request not admitted this time lets go of its matched prefix."""
+        if seq.status is SeqStatus.WAITING:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
 
     def _preempt_until_fits(
         self, seq: Sequence, n: int, step: ScheduledStep, scheduled: set[str]
     ) -> bool:
         """Find KV space for ``n`` more tokens of ``seq`` after a first allocation failed,
-        preempting lower-ranked requests; False if ``seq`` cannot run this step."""
+        preempting lower-ranked prefills; False if ``seq`` cannot run this step. A request
+        past its prompt (a decode) is never a victim: prefills yield, or ``seq`` waits."""
         while True:
             victims = [
                 s
                 for s in self.running
-                if s.request_id not in scheduled and not s.num_inflight_tokens
+                if s.request_id not in scheduled
+                and not s.num_inflight_tokens
+                and len(s.token_ids) - s.num_computed_tokens > 1  # still in prefill
             ]
             if not victims:
-                return False  # everything else is in flight: wait for a step to return
+                return False  # decodes and steps in flight only: wait for one to return
             victim = victims[-1]  # ranked last; may be seq itself
             self._preempt(victim)
             step.preempted.append(victim)

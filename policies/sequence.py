@@ -36,6 +36,8 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     salt: str | None = None  # tenant salt of the prefix-cache hashes
     priority: float = 0.0  # for orderings other than FCFS; lower runs first
+    # seconds from arrival to its TTFT deadline (policies.slack); None: derived when needed
+    ttft_slo: float | None = None
 
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -69,6 +71,7 @@ class Sequence:
             stop_token_ids=stop_token_ids,
             salt=request.salt,
             priority=priority,
+            ttft_slo=request.params.ttft_slo,
             block_hashes=list(request.block_hashes),
         )
 

@@ -6,6 +6,8 @@
                          fit the cost model, compare predicted and measured TTFT / TPOT
   python -m sim regions  three regions: SkyWalker vs one global balancer vs region-local
                          -> docs/figures/skywalker.json and its section of the report
+  python -m sim medha    Medha's scheduler ablation (FCFS, EDF, LRS, ILRS + prefill-prefill
+                         batching) on short requests mixed with 128K-1M-token ones
 
 Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
 Examples:
@@ -154,6 +156,15 @@ def cmd_regions(a: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def cmd_medha(a: argparse.Namespace) -> None:
+    from sim.medha import CONFIGS, MedhaWorkload, format_table, run_config, workload
+
+    w = MedhaWorkload(a.qps, a.requests, a.long_fraction, seed=a.seed)
+    reqs = workload(w)
+    results = [run_config(name, reqs, a.chunk, a.target, a.min_slo) for name in CONFIGS]
+    print(format_table(w, results))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m sim",
@@ -209,6 +220,15 @@ def main(argv: list[str] | None = None) -> None:
     p_reg.add_argument("--out", default="docs/figures/skywalker.json")
     p_reg.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
     p_reg.set_defaults(fn=cmd_regions)
+    p_med = sub.add_parser("medha", help="Medha's scheduler ablation on long contexts")
+    p_med.add_argument("--qps", type=float, default=1.5)
+    p_med.add_argument("--requests", type=int, default=200)
+    p_med.add_argument("--long-fraction", type=float, default=0.05)
+    p_med.add_argument("--chunk", type=int, default=2048, help="fixed chunk (and budget)")
+    p_med.add_argument("--target", type=float, default=0.1, help="ilrs+ppb step time (s)")
+    p_med.add_argument("--min-slo", type=float, default=0.0, help="least TTFT SLO (s)")
+    p_med.add_argument("--seed", type=int, default=0)
+    p_med.set_defaults(fn=cmd_medha)
     a = parser.parse_args(argv)
     a.fn(a)
 

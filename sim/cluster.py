@@ -17,7 +17,7 @@ from placement.cost_model import CostModel
 from policies.request import Request, SamplingParams
 from policies.sequence import Sequence
 from sim.events import Event, EventLoop
-from sim.instance import SimInstance
+from sim.instance import SchedulingSpec, SimInstance
 from sim.metrics import RequestStats
 from sim.tokens import prompt_tokens
 from sim.workload import TraceRequest
@@ -35,6 +35,7 @@ class InstanceSpec:
     max_num_seqs: int = 256
     chunk_size: int | None = None
     enable_prefix_caching: bool = True
+    scheduling: SchedulingSpec | None = None  # None: FCFS with fixed chunks
 
     def build(self, instance_id: str, role: str, listener: ClusterBase) -> SimInstance:
         return SimInstance(
@@ -49,6 +50,7 @@ class InstanceSpec:
             chunk_size=self.chunk_size,
             enable_prefix_caching=self.enable_prefix_caching,
             loop=listener.loop,
+            scheduling=self.scheduling,
         )
 
 

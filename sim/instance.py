@@ -2,8 +2,11 @@
 cost model instead of a GPU.
 
 Each iteration: ``Scheduler.schedule(start)`` picks the batch; the cost model says how long
-it runs; at ``start + duration`` ``Scheduler.update`` advances it with a dummy sampled token
-(0; sequences carry no stop tokens, so they run to ``max_tokens``). Invariants: at most one
+it runs (with sequence pipelining, ``spp > 1``, a step whose outputs nobody waits for, prompt
+chunks that sample no token, holds the instance only for its ``stage_time``: the next chunk
+enters as it leaves the first stage; any other step for its whole latency); at ``start +
+duration`` ``Scheduler.update`` advances it with a dummy sampled token (0; sequences carry
+no stop tokens, so they run to ``max_tokens``). Invariants: at most one
 iteration is in flight per instance (``busy``); ``cached`` mirrors exactly the hashes the
 pool holds (kept in step from the pool's stored/evicted events after every change).
 
@@ -17,18 +20,54 @@ event count advance as if the event had been queued.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 from placement.cost_model import CostModel
+from placement.runtime_predictor import RuntimePredictor
+from policies.batch_packer import BatchPacker
 from policies.chunking import FixedChunk
+from policies.ordering import Ordering
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
+from policies.slack import Deadlines, make_ordering
 from sim.events import Event, EventLoop
 from store.block_pool import BlockPool
 from store.kv_manager import KVCacheManager
 
 DUMMY_TOKEN = 0
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    """An instance's prefill scheduling, as ``EngineConfig``'s options of the same names:
+    the ordering (``policies.slack``) and, with ``target_batch_time``, Medha's batch packer;
+    both predict with the instance's own cost model (the roofline standing in for the GPU,
+    through a ``RuntimePredictor`` that never refits)."""
+
+    scheduling: str = "fcfs"
+    target_batch_time: float | None = None
+    max_prefill_share: float = 0.5
+    ttft_slo_factor: float = 3.0
+    min_ttft_slo: float = 0.0
+
+    def build(
+        self, cost: CostModel, chunk_size: int | None
+    ) -> tuple[Ordering | None, BatchPacker | None]:
+        if self.scheduling == "fcfs" and self.target_batch_time is None:
+            return None, None
+        pred = RuntimePredictor(prior=cost, chunk_size=chunk_size or 4096)  # never observes
+        ordering: Ordering | None = None
+        if self.scheduling != "fcfs":
+            deadlines = Deadlines(pred, None, self.ttft_slo_factor, self.min_ttft_slo)
+            ordering = make_ordering(self.scheduling, deadlines)
+        packer = None
+        if self.target_batch_time is not None:
+            packer = BatchPacker(
+                pred, self.target_batch_time, self.max_prefill_share, max_chunk=chunk_size
+            )
+        return ordering, packer
 
 
 class InstanceListener(Protocol):
@@ -53,6 +92,7 @@ class SimInstance:
         chunk_size: int | None = None,
         enable_prefix_caching: bool = True,
         loop: EventLoop | None = None,
+        scheduling: SchedulingSpec | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.role = role
@@ -60,12 +100,17 @@ class SimInstance:
         self.listener = listener
         self.pool = BlockPool(num_blocks, block_size)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=enable_prefix_caching)
+        ordering, packer = (scheduling or SchedulingSpec()).build(cost, chunk_size)
         self.scheduler = Scheduler(
             SchedulerConfig(token_budget=token_budget, max_num_seqs=max_num_seqs),
             self.kv,
+            ordering=ordering,
             chunk_rule=FixedChunk(chunk_size),
+            packer=packer,
         )
         self.cached: set[int] = set()
+        spp = getattr(cost, "spp", 1)
+        self._stage_time = getattr(cost, "stage_time", None) if spp > 1 else None
         self.busy = False
         self.busy_time = 0.0
         self.iterations = 0
@@ -125,7 +170,12 @@ class SimInstance:
             return None
         batch = [(n, seq.num_computed_tokens) for seq, n in step.entries]
         self.prefill_tokens += sum(n for n, _ in batch if n > 1)
-        dt = self.cost.batch_time(batch)
+        if self._stage_time is not None and not any(step.sample_flags()):
+            # sequence pipelining: nothing waits for this step's outputs, so the next
+            # step enters as soon as this one leaves the first stage
+            dt = self._stage_time(batch)
+        else:
+            dt = self.cost.batch_time(batch)
         if len(batch) > self.peak_batch:
             self.peak_batch = len(batch)
         used = self.pool.num_blocks - self.pool.num_free

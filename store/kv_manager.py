@@ -110,5 +110,9 @@ class KVCacheManager:
         return self.pool.num_free
 
     @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

@@ -1,10 +1,14 @@
 """Block tables for KV-cache parallelism: one block pool per KVP rank, requests spill.
 
-A request starts on one rank (the one with the longest cached prefix of it, then the most
-free blocks) and holds at most ``rank_token_limit`` tokens there; further tokens spill to the
-next rank (``(start + i) % kvp``), and so on. So short requests stay on one rank, and only
-long ones span ranks. Shards start on block boundaries (the limit is a multiple of the block
-size) and each rank holds at most one shard of a request.
+A request starts on one rank, chosen by ``choose_rank`` from every rank's ``RankLoad``
+(prompt tokens admitted requests still compute there, free blocks, the request's own tokens
+not cached there) and the blocks its first shard needs: Medha's KVP balancer
+(``policies.kvp_balancer``) in the replica controller; by default the rank with the longest
+cached prefix of it, then the most free blocks. It holds at most ``rank_token_limit``
+tokens there; further tokens spill to the next rank (``(start + i) % kvp``), and so on. So
+short requests stay on one rank, and only long ones span ranks. Shards start on block
+boundaries (the limit is a multiple of the block size) and each rank holds at most one
+shard of a request.
 
 The first shard is an ordinary ``KVCacheManager`` table on its rank, with prefix caching;
 spilled shards are private block lists (their KV depends on the first shard's prefix, and a
@@ -13,7 +17,9 @@ prefix hit always starts at position 0). Implements the scheduler's ``KVManager`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, NamedTuple
 
 from store.block_pool import BlockPool
 from store.hashing import extend_block_hashes
@@ -25,9 +31,28 @@ if TYPE_CHECKING:
 Shard = tuple[int, int, list[int]]  # (rank, first position, block ids)
 
 
+class RankLoad(NamedTuple):
+    rank: int
+    pending_tokens: int  # tokens admitted requests still compute on this rank (prefill)
+    free_blocks: int
+    new_tokens: int  # the new request's tokens not cached on this rank
+
+
+RankChooser = Callable[[Seq[RankLoad], int], int]  # (loads, first shard's blocks) -> rank
+
+
+def most_cached_then_free(loads: Seq[RankLoad], need_blocks: int) -> int:
+    """The default: the longest cached prefix (fewest new tokens), then most free blocks."""
+    return min(loads, key=lambda r: (r.new_tokens, -r.free_blocks, r.rank)).rank
+
+
 class ShardedKVManager:
     def __init__(
-        self, pools: list[BlockPool], rank_token_limit: int, enable_prefix_caching: bool = True
+        self,
+        pools: list[BlockPool],
+        rank_token_limit: int,
+        enable_prefix_caching: bool = True,
+        choose_rank: RankChooser | None = None,
     ) -> None:
         if not pools:
             raise ValueError("need at least one block pool")
@@ -46,6 +71,8 @@ class ShardedKVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._start: dict[str, int] = {}  # request id -> rank of its first shard
         self._spilled: dict[str, list[list[int]]] = {}  # blocks on ranks start+1, start+2, ...
+        self._seqs: dict[str, Sequence] = {}  # requests holding blocks (the balancer's load)
+        self.choose_rank: RankChooser = choose_rank or most_cached_then_free
 
     @property
     def kvp(self) -> int:
@@ -73,7 +100,30 @@ class ShardedKVManager:
             hits = [self._cached_blocks(r, seq) for r in range(self.kvp)]
         else:
             hits = [0] * self.kvp
-        return max(range(self.kvp), key=lambda r: (hits[r], self.pools[r].num_free, -r))
+        bs = self.block_size
+        # its first shard's blocks over its life (prompt + max_tokens, at most the limit)
+        first = min(seq.num_prompt_tokens + seq.max_tokens - 1, self.limit)
+        pending = self.pending_prefill_tokens()
+        loads = [
+            RankLoad(r, pending[r], self.pools[r].num_free, seq.num_tokens - hits[r] * bs)
+            for r in range(self.kvp)
+        ]
+        return self.choose_rank(loads, -(-first // bs))
+
+    def pending_prefill_tokens(self) -> list[int]:
+        """Per rank: tokens of the requests holding blocks that are neither computed nor in
+        flight, each counted on the rank its position falls on (``start + p // limit``)."""
+        out = [0] * self.kvp
+        for rid, seq in self._seqs.items():
+            start = self._start[rid]
+            first = seq.num_computed_tokens + seq.num_inflight_tokens
+            end = seq.num_tokens
+            while first < end - 1:  # more than the newest token: a prefill
+                shard = first // self.limit
+                upto = min(end, (shard + 1) * self.limit)
+                out[(start + shard) % self.kvp] += upto - first
+                first = upto
+        return out
 
     # -- KVManager protocol ----------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -83,6 +133,7 @@ class ShardedKVManager:
         start = self._choose_start(seq)
         self._start[rid] = start
         self._spilled[rid] = []
+        self._seqs[rid] = seq
         return self.managers[start].match_prefix(seq)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
@@ -95,6 +146,7 @@ class ShardedKVManager:
         if rid not in self._start:  # allocation without a prefix match
             self._start[rid] = self._choose_start(seq)
             self._spilled[rid] = []
+            self._seqs[rid] = seq
         start = self._start[rid]
         first = self.managers[start]
         # Blocks still needed per rank, checked for every rank before any is taken.
@@ -131,6 +183,7 @@ class ShardedKVManager:
     def free(self, seq: Sequence) -> None:
         rid = seq.request_id
         start = self._start.pop(rid, None)
+        self._seqs.pop(rid, None)
         if start is None:
             return
         self.managers[start].free(seq)
@@ -152,6 +205,10 @@ class ShardedKVManager:
     @property
     def num_free_blocks(self) -> int:
         return sum(p.num_free for p in self.pools)
+
+    @property
+    def num_total_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.pools)
 
     @property
     def hit_ratio(self) -> float:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from policies.chunking import ChunkRule
 from policies.ordering import Ordering
+from policies.slack import POLICIES
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +27,17 @@ class EngineConfig:
     ``kvp_rank_tokens``: most tokens of one request one KVP rank holds before it spills to
     the next (a multiple of ``block_size``; default: what the rank's pool holds, split
     evenly so a full-context request fits across the ranks). ``dtype`` may be a torch dtype
-    or its name (``"float32"``); ``None`` picks bf16 on GPU, fp32 on CPU."""
+    or its name (``"float32"``); ``None`` picks bf16 on GPU, fp32 on CPU.
+
+    Scheduling (Medha): ``scheduling`` orders prefills, "fcfs" (default), "edf", "lrs" or
+    "ilrs" (``policies.slack``), by TTFT deadlines: a request's ``ttft_slo`` (sampling
+    parameter), else ``default_ttft_slo``, else ``ttft_slo_factor`` x its predicted prefill
+    time alone, at least ``min_ttft_slo`` seconds. ``target_batch_time`` (seconds, the
+    decodes' TPOT target) turns on the batch packer (``policies.batch_packer``): adaptive
+    chunks under that predicted step time and prefill-prefill batching, the short
+    prefills' share of a step at most ``max_prefill_share``; ``chunk_size`` then caps a
+    chunk. Both use the replica's runtime predictor (``placement.runtime_predictor``),
+    fitted online from its measured steps."""
 
     dtype: torch.dtype | str | None = None
     device: str | None = None
@@ -60,8 +71,28 @@ class EngineConfig:
     # the placement stays as started)
     rebalance_experts_s: float | None = None
     moe_in_process: bool = False  # the MoE workers in this process (no Ray), for tests
+    scheduling: str = "fcfs"
+    default_ttft_slo: float | None = None
+    ttft_slo_factor: float = 3.0
+    min_ttft_slo: float = 0.0
+    target_batch_time: float | None = None
+    max_prefill_share: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.scheduling not in POLICIES:
+            raise ValueError(
+                f"unknown scheduling policy {self.scheduling!r}; known: {', '.join(POLICIES)}"
+            )
+        if self.scheduling != "fcfs" and self.ordering is not None:
+            raise ValueError("give scheduling or an ordering object, not both")
+        for name in ("default_ttft_slo", "target_batch_time"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds or None")
+        if not self.ttft_slo_factor > 0 or self.min_ttft_slo < 0:
+            raise ValueError("ttft_slo_factor must be positive and min_ttft_slo non-negative")
+        if not 0.0 <= self.max_prefill_share <= 1.0:
+            raise ValueError(f"max_prefill_share must be in [0, 1], got {self.max_prefill_share}")
         for name in ("block_size", "kv_cache_memory", "token_budget", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -36,10 +36,14 @@ from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
 from models.sharding import kv_heads_per_rank
+from placement.runtime_predictor import RuntimePredictor
+from policies.batch_packer import BatchPacker
 from policies.chunking import FixedChunk
+from policies.kvp_balancer import choose_kvp_rank
 from policies.request import Request, SampleSpec
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
+from policies.slack import Deadlines, make_ordering
 from store.block_pool import BlockPool
 from store.kv_manager import KVCacheManager
 from store.kv_sharded_manager import ShardedKVManager
@@ -113,13 +117,45 @@ class ReplicaController:
                 kvp_rank_tokens = min(
                     -(-per_rank // block_size) * block_size, num_blocks * block_size
                 )
-            self.kv = ShardedKVManager(self.pools, kvp_rank_tokens, config.enable_prefix_caching)
+            self.kv = ShardedKVManager(
+                self.pools,
+                kvp_rank_tokens,
+                config.enable_prefix_caching,
+                choose_rank=choose_kvp_rank,  # Medha's KVP balancer
+            )
         self.pool = self.pools[0]
+        # Medha's scheduling: a runtime predictor fitted from this replica's steps sizes
+        # chunks (``target_batch_time``) and predicts the prefill time deadlines rank by.
+        self.predictor: RuntimePredictor | None = None
+        ordering = config.ordering
+        packer = None
+        if config.scheduling != "fcfs" or config.target_batch_time is not None:
+            self.predictor = RuntimePredictor(
+                chunk_size=config.chunk_size or 512, min_samples=8, refit_every=8
+            )
+        if config.scheduling != "fcfs":
+            assert self.predictor is not None
+            deadlines = Deadlines(
+                self.predictor,
+                config.default_ttft_slo,
+                config.ttft_slo_factor,
+                config.min_ttft_slo,
+            )
+            ordering = make_ordering(config.scheduling, deadlines)
+        if config.target_batch_time is not None:
+            assert self.predictor is not None
+            packer = BatchPacker(
+                self.predictor,
+                config.target_batch_time,
+                config.max_prefill_share,
+                max_chunk=config.chunk_size,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(config.token_budget, config.max_num_seqs),
             self.kv,
-            ordering=config.ordering,
+            ordering=ordering,
             chunk_rule=config.chunk_rule or FixedChunk(config.chunk_size),
+            packer=packer,
         )
         backend = config.attention_backend or ("flashinfer" if on_gpu else "torch")
         self.worker_spec = WorkerSpec(
@@ -307,6 +343,7 @@ class ReplicaController:
         Fills the pipeline (up to ``executor.depth`` steps in flight), then completes the
         oldest step.
         """
+        began = time.monotonic()
         while len(self._inflight) < self.executor.depth:
             scheduled = self.scheduler.schedule(time.monotonic())
             if scheduled.is_empty:
@@ -321,6 +358,12 @@ class ReplicaController:
         except WorkerFailure:
             self._recover()
             return []
+        if self.predictor is not None and self.executor.depth == 1:
+            # one step in flight: it ran from ``began`` (its scheduling included) to now
+            batch = [
+                (n, at) for (_, n), at in zip(scheduled.entries, scheduled.starts, strict=True)
+            ]
+            self.predictor.observe(batch, time.monotonic() - began)
         if self.record_timings:
             self.step_timings.append((result.step_id, result.timings))
         self.hook_reports += result.hook_reports

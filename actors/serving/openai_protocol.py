@@ -117,6 +117,7 @@ class _Sampling(_Req):
     ignore_eos: bool = False
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
+    ttft_slo: float | None = Field(None, gt=0)  # seconds to the first token (deadline order)
     logprobs_mode: Literal["raw", "processed"] = "raw"
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
@@ -158,6 +159,7 @@ class _Sampling(_Req):
             logprobs=self.num_logprobs(),
             logprobs_mode=self.logprobs_mode,
             response_format=self.response_format.as_dict() if self.response_format else None,
+            ttft_slo=self.ttft_slo,
         )
 
 

@@ -69,10 +69,35 @@ def test_prefix_cache_hit_gives_same_tokens(model_dir, prompts, hf_tokens):
     assert llm.engine.pool.num_in_use == 0
 
 
-def test_preemption_recomputes_exactly(model_dir, prompts, hf_tokens):
-    # 24 blocks of 4 tokens cannot hold all four requests at full length at once.
+def test_memory_pressure_keeps_tokens_exact(model_dir, prompts, hf_tokens):
+    # 24 blocks of 4 tokens cannot hold all four requests at full length at once: a request
+    # waits for the blocks its whole life needs (no decode is preempted).
     llm = LLM(model_dir, dtype=torch.float64, block_size=4, num_blocks=24, chunk_size=8)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == hf_tokens
     assert llm.engine.pool.num_in_use == 0
+
+
+@pytest.mark.parametrize(
+    "policy,target", [("edf", 1.0), ("lrs", 1e-4), ("ilrs", 1.0), ("ilrs", 1e-4)]
+)
+def test_medha_scheduling_gives_the_same_tokens(model_dir, prompts, hf_tokens, policy, target):
+    # slack-ordered prefills, adaptive chunks (at most chunk_size) and prefill-prefill
+    # batching: a large target runs every prompt's chunks in one step, a tiny one a single
+    # prefill chunk per step beside the decodes
+    llm = LLM(
+        model_dir,
+        dtype=torch.float64,
+        block_size=4,
+        token_budget=64,
+        chunk_size=5,
+        scheduling=policy,
+        target_batch_time=target,
+        min_ttft_slo=0.01,
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == hf_tokens
+    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.predictor is not None and len(llm.engine.predictor.fitter.prefill) > 0

@@ -37,8 +37,10 @@ def test_fields_become_sampling_params():
         logprobs=3,
         response_format=rf,
         logprobs_mode="processed",
+        ttft_slo=2.5,
     )
     p = oai.CompletionRequest.model_validate(body).sampling_params(8, 0)
+    assert p.ttft_slo == 2.5
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1, -0.5, 1.2)
     assert p.logit_bias == {17: 5.0, 3: -100.0} and p.min_tokens == 2 and p.logprobs == 3
     assert p.response_format == {
@@ -68,6 +70,7 @@ def test_fields_become_sampling_params():
         (oai.CompletionRequest, dict(BASE, logit_bias={"5": 200}), "logit_bias"),
         (oai.CompletionRequest, dict(BASE, logit_bias={"five": 1}), "logit_bias"),
         (oai.CompletionRequest, dict(BASE, min_tokens=-1), "min_tokens"),
+        (oai.CompletionRequest, dict(BASE, ttft_slo=0), "ttft_slo"),
         (oai.CompletionRequest, dict(BASE, logprobs=21), "logprobs"),
         (oai.ChatCompletionRequest, dict(CHAT, top_logprobs=21, logprobs=True), "top_logprobs"),
         (oai.ChatCompletionRequest, dict(CHAT, top_logprobs=2), "top_logprobs"),

@@ -93,24 +93,24 @@ def test_stop_token_finishes_early():
     assert pool.num_in_use == 0
 
 
-def test_preemption_by_recomputation_when_blocks_run_out():
-    # 6 blocks of 4 tokens; two requests that each grow to 12 tokens need 3 blocks + 1.
+def test_a_request_waits_until_the_blocks_its_whole_life_needs_are_free():
+    # 6 blocks of 4 tokens; two requests that each grow to 15 tokens of KV need 4 blocks
+    # each: the second waits for the first to finish instead of preempting its decode.
     sched, kv, pool = make(num_blocks=6, block_size=4, budget=64)
     a, b = seq("a", 8, max_tokens=8, t=0.0), seq("b", 8, max_tokens=8, t=1.0, start=100)
     sched.add(a)
     sched.add(b)
-    preempted = []
     done = []
     for i in range(200):
         if not sched.has_unfinished():
             break
         step, finished = run_step(sched, now=float(i))
-        preempted += [p.request_id for p in step.preempted]
+        assert not step.preempted
+        if a.status is SeqStatus.RUNNING:
+            assert b.status is SeqStatus.WAITING
         done += finished
-    assert "b" in preempted, "the later request is the victim"
-    assert "a" not in preempted
-    assert {s.request_id for s in done} == {"a", "b"}
-    assert b.num_preemptions >= 1 and len(b.output_token_ids) == 8
+    assert [s.request_id for s in done] == ["a", "b"]
+    assert a.num_preemptions == b.num_preemptions == 0 and len(b.output_token_ids) == 8
     assert pool.num_in_use == 0
 
 
@@ -198,21 +198,43 @@ def test_prefill_chunks_pipeline_but_a_pending_token_is_not_rescheduled():
     assert sched.schedule(0.0).num_tokens == {"a": 1}  # decode resumes once the token is back
 
 
-def test_requests_with_tokens_in_flight_are_never_preempted():
+def running(sched, kv, rid, prompt, computed, start=0):
+    """A request admitted with ``computed`` tokens of KV already in its blocks."""
+    s = seq(rid, prompt, max_tokens=8, start=start)
+    s.num_computed_tokens = computed
+    assert kv.allocate(s, computed)
+    sched.add_running(s, 0.0)
+    return s
+
+
+def test_a_decode_is_never_preempted_even_under_memory_pressure():
+    # 3 blocks, all held: a decode that needs a new block waits; the other decodes go on.
+    sched, kv, pool = make(num_blocks=3, block_size=4, budget=16)
+    a = running(sched, kv, "a", 9, 8)  # 2 blocks; its next token needs a third
+    running(sched, kv, "c", 3, 2, start=50)  # 1 block with room for its next tokens
+    assert pool.num_free == 0
+    step, _ = run_step(sched)
+    assert step.num_tokens == {"c": 1} and not step.preempted
+    assert a.status is SeqStatus.RUNNING and a.num_preemptions == 0
+    sched.finish("c", FinishReason.STOP, 0.0)
+    step, _ = run_step(sched)
+    assert step.num_tokens == {"a": 1} and not step.preempted
+    sched.finish("a", FinishReason.ABORT, 0.0)
+    assert pool.num_in_use == 0
+
+
+def test_prefills_yield_to_decodes_but_not_while_their_tokens_are_in_flight():
     sched, kv, pool = make(num_blocks=4, block_size=4, budget=16, chunk=4)
-    a, b = seq("a", 8, max_tokens=8), seq("b", 8, max_tokens=8, start=50)
-    sched.add(a)
-    sched.add(b)
-    first = sched.schedule(0.0)  # a: 4 tokens, b: 4 tokens -> 2 blocks in use
-    second = sched.schedule(0.0)  # a and b's second chunks -> all 4 blocks
-    assert first.num_tokens == {"a": 4, "b": 4} and second.num_tokens == {"a": 4, "b": 4}
-    sched.update(first, {}, 0.0)
-    sched.update(second, {"a": 1, "b": 1}, 0.0)
-    third = sched.schedule(0.0)  # a decodes into a 3rd block: preempts b (nothing in flight)
-    assert third.num_tokens == {"a": 1} and third.preempted == [b]
-    # With a's decode in flight, b cannot take a's blocks: it waits instead of preempting.
+    a = running(sched, kv, "a", 8, 7)  # a decode at position 7: 2 blocks
+    b = running(sched, kv, "b", 12, 4, start=50)  # a prefill, 4 of 12 computed: 1 block
+    first = sched.schedule(0.0)  # a's decode, b's tokens 4..8 (its 2nd block): pool full
+    assert first.num_tokens == {"a": 1, "b": 4} and pool.num_free == 0
+    # b's next chunk needs a 3rd block; every other request has tokens in flight: it waits.
     assert sched.schedule(0.0).num_tokens == {}
-    assert a.status is SeqStatus.RUNNING and a.num_inflight_tokens == 1
+    sched.update(first, {"a": 1}, 0.0)
+    third = sched.schedule(0.0)  # a decodes into a 3rd block: the prefill b yields
+    assert third.num_tokens == {"a": 1} and third.preempted == [b]
+    assert a.num_preemptions == 0 and b.status is SeqStatus.WAITING
     sched.update(third, {"a": 2}, 0.0)
     sched.finish("a", FinishReason.ABORT, 0.0)
     sched.finish("b", FinishReason.ABORT, 0.0)
