@@ -238,6 +238,7 @@ class PDCluster:
             self.model_dir,
             serve_tcp=plan.apart(did, self._prefill_ids),  # prefill elsewhere: over TCP
             tcp_host=plan.tcp_host(did),
+            store_shards=self.store.live() if self.store and self.store.cfg.write_back else None,
             **self._pinning(did),
             **self._decode_options,
         )
@@ -653,9 +654,9 @@ class PDCluster:
         dead = [sid for sid in self.store.shards if sid not in self.store.live()]
         for sid in dead:  # found dead now, or earlier by a failed read or write
             handle = self.store.restart(sid)
-            for prefill in self.prefills.values():
+            for replica in [*self.prefills.values(), *self.decodes.values()]:
                 with contextlib.suppress(*DEAD):  # a dead one is replaced with the live set
-                    ray.get(prefill.add_shard.remote(sid, handle))
+                    ray.get(replica.add_shard.remote(sid, handle))
         return dead
 
     def shutdown(self) -> None:

@@ -83,6 +83,7 @@ class DecodeStats:
     pending: int  # reservations whose prefill has not delivered yet
     pending_blocks: int
     total_blocks: int
+    stored_blocks: int = 0  # full blocks written back to the KV store
 
 
 @dataclass(frozen=True)
