@@ -90,6 +90,7 @@ from policies.conductor import (
     PrefillInstance,
     apply_decision,
 )
+from policies.dualpath import DECODE_PATH, PREFILL_PATH, pick_path
 from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -107,6 +108,9 @@ def _call(method: Any, *args: Any) -> bool:
     return True
 
 
+READ_PATHS = (PREFILL_PATH, DECODE_PATH, "dual")
+
+
 class PDCluster:
     def __init__(
         self,
@@ -122,14 +126,34 @@ class PDCluster:
         pin_cores: bool = False,
         prefill_layout: dict[str, int] | None = None,
         decode_layout: dict[str, int] | None = None,
+        read_path: str = PREFILL_PATH,
+        prefill_replica_options: dict[str, Any] | None = None,
+        decode_replica_options: dict[str, Any] | None = None,
         **controller_options: Any,
     ) -> None:
         """``pin_cores``: on a one-node cluster, bind prefill and decode replicas to
         disjoint cores with one torch thread each (``split_cores``). ``prefill_layout`` /
         ``decode_layout``: ``tp`` and ``spp`` of each prefill / decode replica (over
-        ``controller_options``); the two sides may differ."""
+        ``controller_options``); the two sides may differ. ``read_path`` (DualPath, with a
+        store): where a stored prefix is read, ``"prefill"`` (storage -> the prefill
+        replica), ``"decode"`` (storage -> the decode replica -> the prefill replica, layer
+        by layer) or ``"dual"`` (per request, the side with the shorter read queue).
+        ``prefill_replica_options`` / ``decode_replica_options``: more keyword arguments of
+        the replica classes (``link_budget``, ``record_loads``)."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
+        if read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, got {read_path!r}")
+        if read_path != PREFILL_PATH and store is None:
+            raise ValueError(
+                f"read_path={read_path!r} reads a KV store: give store=StoreConfig(...)"
+            )
+        self.read_path = read_path
+        self._prefill_extra = dict(prefill_replica_options or {})
+        self._decode_extra = dict(decode_replica_options or {})
+        self._read_queue: dict[str, int] = {}  # replica id -> stored blocks it is reading
+        self._reads: dict[str, tuple[str, int]] = {}  # key -> (reading replica, blocks)
+        self.path_counts = {PREFILL_PATH: 0, DECODE_PATH: 0}
         self.model_dir = str(model_dir) if model_dir is not None else str(tiny_model_dir("dense"))
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
@@ -223,7 +247,12 @@ class PDCluster:
     def _start_prefill(self, pid: str) -> None:
         live = self.store.live() if self.store else {}
         handle = self._pinned(self._prefill_cls, pid, restart=pid in self.prefills).remote(
-            pid, self.model_dir, live, **self._pinning(pid), **self._prefill_options
+            pid,
+            self.model_dir,
+            live,
+            **self._pinning(pid),
+            **self._prefill_extra,
+            **self._prefill_options,
         )
         self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
@@ -238,8 +267,10 @@ class PDCluster:
             self.model_dir,
             serve_tcp=plan.apart(did, self._prefill_ids),  # prefill elsewhere: over TCP
             tcp_host=plan.tcp_host(did),
-            store_shards=self.store.live() if self.store and self.store.cfg.write_back else None,
+            store_shards=self._decode_shards(),
+            write_back=bool(self.store and self.store.cfg.write_back),
             **self._pinning(did),
+            **self._decode_extra,
             **self._decode_options,
         )
         self.decodes[did] = handle
@@ -247,6 +278,34 @@ class PDCluster:
         report = ray.get(handle.report.remote(0.0))
         self._apply_stats(did, report.stats)
         self._watch(did, handle)
+
+    def _decode_shards(self) -> dict[str, Any] | None:
+        """The store shards a decode replica uses: to write back, or to read prefixes."""
+        if self.store is None or not (self.store.cfg.write_back or self.read_path != PREFILL_PATH):
+            return None
+        return self.store.live()
+
+    def _choose_read_path(self, key: str, request: Request, pid: str, did: str) -> str:
+        """Where this request's stored prefix is read; its blocks join that side's queue."""
+        if self.store is None:
+            return PREFILL_PATH
+        usable = request.block_hashes[: (request.num_prompt_tokens - 1) // self.block_size]
+        _, hit = self.store.client.directory.best_holder(usable)
+        if hit == 0:
+            return PREFILL_PATH
+        path = self.read_path
+        if path == "dual":
+            path = pick_path(pid, did, self._read_queue)
+        side = pid if path == PREFILL_PATH else did
+        self._read_queue[side] = self._read_queue.get(side, 0) + hit
+        self._reads[key] = (side, hit)
+        self.path_counts[path] += 1
+        return path
+
+    def _read_done(self, key: str) -> None:
+        side, hit = self._reads.pop(key, ("", 0))
+        if side:
+            self._read_queue[side] -= hit
 
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
@@ -341,7 +400,16 @@ class PDCluster:
             self._copy_blocks(request, wanted, source, pid)
         req.start_attempt(key, pid, did)
         self._by_key[key] = req
-        task = PrefillTask(key, request, dest, RemoteDecode(decode), self.home_shard(pid))
+        path = self._choose_read_path(key, request, pid, did)
+        task = PrefillTask(
+            key,
+            request,
+            dest,
+            RemoteDecode(decode),
+            self.home_shard(pid),
+            read_path=path,
+            relay=decode if path == DECODE_PATH else None,
+        )
         if not _call(self.prefills[pid].submit, task):
             self._prefill_died(pid)  # places this request again
 
@@ -481,6 +549,7 @@ class PDCluster:
         view.total_blocks = stats.total_blocks
 
     def _on_prefill_done(self, e: PrefillDone) -> None:
+        self._read_done(e.key)
         req = self._by_key.get(e.key)
         if req is not None:
             req.in_prefill = False
@@ -489,6 +558,7 @@ class PDCluster:
     def _on_prefill_failed(self, e: PrefillFailed) -> None:
         """Its stream broke: the decode side is gone (its poll fails too and places its
         requests again) or unreachable (free its side, run the request again)."""
+        self._read_done(e.key)
         req = self._by_key.get(e.key)
         if req is None or req.decode_id is None:
             return

@@ -25,6 +25,8 @@ dead shard drops out; the block is then simply not stored.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ from models import tiny_model_dir
 from models.config import read_model_config
 from policies.request import Request
 from store.kv_store_errors import KVStoreError
+from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
 
 
 class DecodeReplica(LoopedReplica):
@@ -60,9 +63,14 @@ class DecodeReplica(LoopedReplica):
         cpus: list[int] | None = None,
         threads: int | None = None,
         store_shards: dict[str, Any] | None = None,
+        write_back: bool = True,
+        link_budget: LinkBudget | None = None,
         **controller_options: Any,
     ) -> None:
-        """``store_shards``: write full blocks back to these KV store shards.
+        """``store_shards``: the KV store shards it reads prefixes from for prefill
+        replicas (``load_prefix``, DualPath's decode read path) and, with ``write_back``,
+        writes every full block back to. ``link_budget``: its store reads pay this
+        replica's emulated storage link (on one machine each replica stands for a node).
         ``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
         ``tcp_host`` (this node's address); same-node ones always use shared memory.
         ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads. ``tp`` /
@@ -83,18 +91,28 @@ class DecodeReplica(LoopedReplica):
         self.controller = ReplicaController(model_dir, config, worker_hooks=caches)
         self.targets: tuple[KVTarget, ...] = tuple(self.controller.executor.hook_info())
         self.client: KVStoreClient | None = None
+        self.load_client: KVStoreClient | None = None
         self._written: dict[str, int] = {}  # request -> leading blocks the store holds
         self.stored_blocks = 0  # blocks this replica wrote back
         if store_shards:
             if not isinstance(self.controller.executor, LocalExecutor):
                 self.controller.shutdown()
                 raise ValueError(
-                    "write-back reads a decode replica's cache in its own process: with a "
-                    "store, decode replicas run tp=spp=1"
+                    "write-back and prefix loads use a decode replica's cache in its own "
+                    "process: with a store, decode replicas run tp=spp=1"
                 )
             self.client = KVStoreClient(f"decode-{replica_id}", node_id=self.node())
+            # loads run on the caller's thread (not the loop), with a client of their own
+            self.load_client = KVStoreClient(f"decode-{replica_id}-loads", node_id=self.node())
             for shard_id, handle in store_shards.items():
                 self.client.add_shard(shard_id, handle)
+                self.load_client.add_shard(shard_id, handle)
+        self.write_back = write_back and self.client is not None
+        links = NodeLinks(link_budget) if link_budget is not None else None
+        self._storage_link = links.storage(replica_id) if links is not None else None
+        self._load_lock = threading.Lock()
+        self.loaded_blocks = 0  # blocks read from the store for prefill replicas
+        self._crash_on_load = False
         self._recoveries = 0
         self._reserved_blocks: dict[str, int] = {}
         self.stats = self._stats()
@@ -117,6 +135,47 @@ class DecodeReplica(LoopedReplica):
         """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""
         self.loop.post(lambda: self._abort(key))
 
+    def load_prefix(self, key: str, hashes: list[int], block_ids: list[int]) -> int:
+        """DualPath's decode read path: read the longest stored prefix of ``hashes`` (Full
+        Blocks, through this replica's storage link) into blocks ``block_ids`` (same order)
+        of request ``key``'s reservation; returns the leading blocks loaded (0: a miss or
+        a dead shard). Runs on the caller's thread: the blocks are reserved, nothing else
+        touches them until the prefill replica's KV arrives."""
+        if self._crash_on_load:
+            os._exit(1)  # tests only: the relaying replica dies
+        client = self.load_client
+        executor = self.controller.executor
+        if client is None or not isinstance(executor, LocalExecutor):
+            return 0
+        with self._load_lock:
+            client.refresh()
+            pin = client.pin_prefix(key, hashes[: len(block_ids)])
+            if pin is None:
+                return 0
+            caches = executor.worker.kv_caches
+            n = len(pin.offsets)
+            ranges: list[tuple[int, int, int]] = []
+            local = None
+            for layer in range(len(caches)):
+                local, per = KVStoreClient.layer_ranges(caches, layer, pin.offsets, block_ids[:n])
+                ranges += per
+            try:
+                assert local is not None
+                BudgetedTransfer(client.engine, self._storage_link).read_ranges(
+                    pin.endpoint, local, ranges
+                )
+            except KVStoreError:
+                client.mark_dead(pin.shard_id)
+                return 0
+            finally:
+                client.unpin(pin)
+            self.loaded_blocks += n
+            return n
+
+    def crash_on_load(self) -> None:
+        """Fault injection for tests: the process exits at the next ``load_prefix``."""
+        self._crash_on_load = True
+
     def add_shard(self, shard_id: str, handle: Any) -> None:
         """Use a store shard started after this replica (a dead shard's replacement)."""
         client = self.client
@@ -130,12 +189,19 @@ class DecodeReplica(LoopedReplica):
             client.add_shard(shard_id, handle)
 
         self.loop.call(add).result()
+        if self.load_client is not None:
+            with self._load_lock:
+                if shard_id in self.load_client.handles:
+                    self.load_client.mark_dead(shard_id)
+                self.load_client.add_shard(shard_id, handle)
 
     def shutdown(self) -> None:
         self.loop.stop()
         self.controller.shutdown()
         if self.client is not None:
             self.client.close()
+        if self.load_client is not None:
+            self.load_client.close()
 
     # -- the loop thread --------------------------------------------------------------------
     def _reserve(self, key: str, request: Request) -> KVDestination | None:
@@ -171,7 +237,7 @@ class DecodeReplica(LoopedReplica):
             batch = c.scheduler.num_running
             blocks = c.pool.num_in_use - sum(self._reserved_blocks.values())
             # block tables before the step: one that finishes a request frees its blocks
-            tables = {k: c.block_table(k) for k in self._written} if self.client else {}
+            tables = {k: c.block_table(k) for k in self._written} if self.write_back else {}
             start = time.perf_counter()
             deltas = c.step()
             self.loop.emit(DecodeStep(batch, blocks, time.perf_counter() - start))
@@ -196,7 +262,7 @@ class DecodeReplica(LoopedReplica):
         (nothing allocates blocks before the next one on this thread, so a finished
         request's freed blocks, named by ``tables``, still hold its KV)."""
         client = self.client
-        if client is None:
+        if client is None or not self.write_back:
             return
         executor = self.controller.executor
         assert isinstance(executor, LocalExecutor)
@@ -249,6 +315,7 @@ class DecodeReplica(LoopedReplica):
             pending_blocks=reserved,
             total_blocks=c.num_blocks,
             stored_blocks=self.stored_blocks,
+            loaded_blocks=self.loaded_blocks,
         )
 
 

@@ -30,10 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from actors.disagg.fault_injection import ExitAfterLayers
-from actors.disagg.kv_stream import LayerStreamer, StreamingWorkers, StreamReport
+from actors.disagg.kv_routes import piece_ranges
+from actors.disagg.kv_stream import KVDestination, LayerStreamer, StreamingWorkers, StreamReport
 from actors.disagg.layer_loader import LayerLoad, LayerLoader
 from actors.disagg.looped_replica import LoopedReplica
 from actors.disagg.messages import (
@@ -53,8 +55,9 @@ from actors.engine.worker_hooks import KVCaches, PrivateKVCache, WorkerHooks
 from actors.kvstore.shard import KVStoreClient, current_node_id
 from models import tiny_model_dir
 from models.config import read_model_config
+from policies.dualpath import DECODE_PATH, PREFILL_PATH
 from store.kv_store_errors import KVStoreError
-from store.transfer import TransferEngine
+from store.transfer import LocalMemory, TransferEngine
 from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
 
 
@@ -124,6 +127,8 @@ class PrefillReplica(LoopedReplica):
         self.load_engine = TransferEngine(f"prefill-{replica_id}-loads", self.node_id)
         link = self.links.storage(replica_id) if self.links is not None else None
         self.storage = BudgetedTransfer(self.load_engine, link)
+        compute_link = self.links.compute(replica_id) if self.links is not None else None
+        self.compute = BudgetedTransfer(self.load_engine, compute_link)
         self.hook = PrefillHook(self.streamer, self._after_step, self.loader)
         hooks: WorkerHooks | StreamingWorkers = WorkerHooks(self.cache, self.hook)
         if config.tp * config.spp > 1:
@@ -193,6 +198,22 @@ class PrefillReplica(LoopedReplica):
         layers of KV (mid-stream)."""
         self.hook.faults = ExitAfterLayers(self.streamer.layers_sent + layers)
 
+    def cached_block_bytes(self, hashes: list[int], tokens: list[int]) -> list[bytes]:
+        """Every layer's K and V of the leading blocks of a prompt held in this replica's
+        prefix cache, one ``bytes`` per block (tests compare the read paths)."""
+
+        def read() -> list[bytes]:
+            pool, bs, out = self.controller.pool, self.block_size, []
+            for i, h in enumerate(hashes):
+                block = pool.lookup(h, tokens[i * bs : (i + 1) * bs])
+                if block is None:
+                    break
+                parts = [t[block].numpy().tobytes() for kv in self.cache.kv_caches for t in kv]
+                out.append(b"".join(parts))
+            return out
+
+        return list(self.loop.call(read).result())
+
     def load_timeline(self) -> list[tuple[str, int, float]]:
         """``(event, layer, perf_counter time)`` of store loads and layer computes, when
         started with ``record_loads``."""
@@ -212,10 +233,10 @@ class PrefillReplica(LoopedReplica):
     def _start(self, task: PrefillTask) -> None:
         req = task.request
         self._tasks[task.key] = task
-        self._start_load(task.key, req.prompt_token_ids, req.block_hashes)
+        dest = self._start_load(task)
         first = dataclasses.replace(req.params, max_tokens=1, stop=[])
         request = dataclasses.replace(req, request_id=task.key, params=first)
-        self.controller.add_request(request, kv_dest=task.dest)
+        self.controller.add_request(request, kv_dest=dest)
 
     def _drop(self, key: str) -> None:
         if key in self._tasks:
@@ -273,9 +294,11 @@ class PrefillReplica(LoopedReplica):
         self._forget(key)
 
     # -- the KV store -----------------------------------------------------------------------
-    def _start_load(self, key: str, tokens: list[int], hashes: list[int]) -> None:
-        """Pin the stored prefix beyond the local one, publish blocks for it and start its
-        per-layer load (see the module doc)."""
+    def _start_load(self, task: PrefillTask) -> KVDestination:
+        """Start the per-layer load of the stored prefix beyond the local one, into blocks
+        published for it (see the module doc); returns where the request's KV streams (on
+        the decode path, past the blocks the decode replica loads itself)."""
+        key, tokens, hashes = task.key, task.request.prompt_token_ids, task.request.block_hashes
         client = self.client
         pool = self.controller.pool
         bs = self.block_size
@@ -288,17 +311,19 @@ class PrefillReplica(LoopedReplica):
             held.append(block)
         rest = usable[len(held) :]
         if client is None or not rest:
-            return
+            return task.dest
         client.refresh()
         if not client.directory.holders(rest[0]):
-            return
+            return task.dest
+        if task.read_path == DECODE_PATH and task.relay is not None:
+            return self._start_relay_load(task, held, usable)
         for b in held:  # keep the local prefix from being evicted by the allocation
             pool.acquire(b)
         try:
             want = min(len(rest), pool.num_free - len(held))
             pin = client.pin_prefix(key, rest[:want]) if want > 0 else None
             if pin is None:
-                return
+                return task.dest
             blocks = pool.allocate(len(pin.offsets))
         finally:
             pool.release(held[::-1])
@@ -321,6 +346,66 @@ class PrefillReplica(LoopedReplica):
                 context=(pin, blocks, mine),
             )
         )
+        return task.dest
+
+    def _start_relay_load(
+        self, task: PrefillTask, held: list[int], usable: list[int]
+    ) -> KVDestination:
+        """DualPath's decode read path: the decode replica reads the stored prefix (blocks
+        ``[0, m)``, Full Blocks) into the request's reserved blocks there; this replica
+        reads blocks ``[k, m)`` beyond its own prefix from them layer by layer over the
+        compute path while the prefill runs, and streams only blocks from ``m`` on."""
+        client, pool, bs = self.client, self.controller.pool, self.block_size
+        assert client is not None
+        tokens = task.request.prompt_token_ids
+        _, m = client.directory.best_holder(usable)
+        k = len(held)
+        dest = task.dest
+        m = min(m, len(dest.block_ids))
+        for b in held:
+            pool.acquire(b)
+        try:
+            n = min(m - k, pool.num_free - k)
+            if n <= 0:
+                return dest
+            blocks = pool.allocate(n)
+        finally:
+            pool.release(held[::-1])
+        m = k + n
+        mine = usable[k:m]
+        for i, b in enumerate(blocks):
+            pool.register(b, mine[i], tokens[(k + i) * bs : (k + i + 1) * bs])
+        relayed = task.relay.load_prefix.remote(task.key, usable[:m], list(dest.block_ids[:m]))
+        caches, compute, heads = self.cache.kv_caches, self.compute, self.streamer.held
+        relay_blocks = list(dest.block_ids[k:m])
+
+        def read_layer(layer: int) -> int:
+            if layer == 0:
+                got = ray.get(relayed)
+                if got < m:
+                    raise KVStoreError(f"the decode replica loaded {got} of {m} blocks")
+            kv = caches[layer]
+            local = LocalMemory(kv[0], kv[1])
+            piece = local.sizes[0] // kv[0].shape[0]
+            moved = 0
+            for target in dest.targets:
+                ranges = piece_ranges(
+                    target, layer, heads, heads, piece, local.starts[1], blocks, relay_blocks
+                )
+                if ranges:
+                    moved += compute.read_ranges(target.endpoint, local, ranges)
+            return moved
+
+        self.loader.start(
+            LayerLoad(
+                task.key,
+                len(caches),
+                read_layer,
+                on_done=lambda: self.loop.post(self._reap_loads_later),
+                context=(None, blocks, mine),
+            )
+        )
+        return dataclasses.replace(dest, held_blocks=m)
 
     def _reap_loads_later(self) -> None:
         self._reap_loads()
@@ -332,15 +417,15 @@ class PrefillReplica(LoopedReplica):
         client, pool = self.client, self.controller.pool
         restarted: set[str] = set()
         for load in self.loader.take_finished():
-            pin, blocks, mine = load.context
-            if client is not None:
+            pin, blocks, mine = load.context  # pin None: read from a decode replica
+            if client is not None and pin is not None:
                 client.unpin(pin)
             if load.error is None:
                 self.loaded_blocks += len(blocks)
                 self.loop.emit(StoreLoad(len(blocks), load.seconds))
                 pool.release(blocks[::-1])
                 continue
-            if client is not None:
+            if client is not None and pin is not None:
                 client.mark_dead(pin.shard_id)
             for b in blocks:
                 pool.unregister(b)
@@ -349,7 +434,10 @@ class PrefillReplica(LoopedReplica):
             for key, task in list(self._tasks.items()):
                 if bad.intersection(task.request.block_hashes):
                     self._drop(key)
-                    self._start(task)
+                    # again on the prefill path: streams the whole prompt (a dead relay's
+                    # reservation fails the stream, and the Conductor places it again)
+                    again = dataclasses.replace(task, read_path=PREFILL_PATH, relay=None)
+                    self._start(again)
                     restarted.add(key)
         return restarted
 
