@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--first", type=int, default=500)
     p.add_argument("--append", type=int, default=48)
     p.add_argument("--output", type=int, default=16)
-    p.add_argument("--storage-mbps", type=float, default=2.0, help="MB/s per storage link")
+    p.add_argument("--storage-mbps", type=float, default=1.0, help="MB/s per storage link")
     p.add_argument("--compute-mbps", type=float, default=16.0, help="MB/s per compute link")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
