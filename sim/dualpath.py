@@ -32,6 +32,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from policies.dualpath import (
     DECODE_PATH,
@@ -198,7 +199,7 @@ class DualPathSim:
         d.seq += 1
         if r.hit == 0:
             r.read_done = now
-            return [Event(now, lambda t, r=r: self._read_done(r, None, t))]
+            return [Event(now, partial(self._read_done, r, None))]
         self.hits += 1
         side = p if path == PREFILL_PATH else d
         if path == DECODE_PATH:
@@ -211,7 +212,7 @@ class DualPathSim:
         side.link_free = end
         side.read_q += r.hit
         side.read_bytes += nbytes
-        return [Event(end, lambda t, r=r, side=side: self._read_done(r, side, t))]
+        return [Event(end, partial(self._read_done, r, side))]
 
     def _read_done(self, r: _Req, side: _Engine | None, now: float) -> list[Event]:
         if side is not None:
@@ -226,7 +227,7 @@ class DualPathSim:
         r = p.ready.popleft()
         p.busy = True
         end = now + self.cfg.prefill(r.tokens - r.hit, r.hit)
-        return [Event(end, lambda t, r=r: self._prefill_done(r, t))]
+        return [Event(end, partial(self._prefill_done, r))]
 
     def _prefill_done(self, r: _Req, now: float) -> list[Event]:
         p, d = self.pes[r.pe], self.des[r.de]
@@ -238,7 +239,7 @@ class DualPathSim:
         d.running += 1
         end = now + r.output * tpot
         return (
-            [Event(end, lambda t, r=r: self._decode_done(r, t))]
+            [Event(end, partial(self._decode_done, r))]
             + self._run_pe(r.pe, now)
             + self._assign_all(now)
         )
