@@ -4,6 +4,7 @@
   python -m sim report   the Mooncake experiments -> docs/sim_report.md + docs/figures/
   python -m sim sim2real replay a trace slice on the live CPU engine with the tiny model,
                          fit the cost model, compare predicted and measured TTFT / TPOT
+  python -m sim dualpath DualPath's agentic trajectories -> docs/sim_dualpath.md
 
 Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
 Examples:
@@ -123,6 +124,15 @@ def cmd_sim2real(a: argparse.Namespace) -> None:
         Path(a.out).write_text(text + "\n")
 
 
+def cmd_dualpath(a: argparse.Namespace) -> None:
+    from sim.report_dualpath import dualpath_section
+
+    text = "\n".join(["# DualPath, simulated", "", *dualpath_section(a.trajectories, a.seed)])
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m sim",
@@ -162,6 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p_s2r.add_argument("--out", default="docs/figures/sim2real.json", help="'' to not write")
     p_s2r.set_defaults(fn=cmd_sim2real)
+    p_dp = sub.add_parser("dualpath", help="DualPath's agentic trajectories, simulated")
+    p_dp.add_argument("--trajectories", type=int, default=64)
+    p_dp.add_argument("--seed", type=int, default=0)
+    p_dp.add_argument("--out", default="docs/sim_dualpath.md", help="'' to not write")
+    p_dp.set_defaults(fn=cmd_dualpath)
     a = parser.parse_args(argv)
     a.fn(a)
 
