@@ -21,8 +21,12 @@ choice, read on the side with the shorter read queue), ``dual+sched`` (the paper
 scheduler, ``policies.dualpath.schedule``: alpha/beta PE classes, the Z rule, read path).
 Storage-link balance: max/avg of the bytes each storage link read.
 
+Online: trajectory i's first turn arrives at ``starts[i]`` (``poisson_starts``);
+``online_capacity`` is the highest swept arrival rate whose mean TTFT and mean TPOT stay
+within the SLOs (the paper: TTFT <= 4 s, TPOT <= 50 ms).
+
 Not modelled: layer-wise prefill (reads and compute of one request do not overlap), the
-intra-engine attention quota, online arrivals and SLO capacity, compute-link contention.
+intra-engine attention quota, compute-link contention.
 Pure Python on the simulator's event loop; deterministic for a seed.
 """
 
@@ -120,6 +124,7 @@ class DualPathResult:
     storage_bytes: list[float]  # per storage link: PEs then DEs
     decode_path_share: float  # of requests with a hit
     mean_ttft: float
+    mean_tpot: float = 0.0
 
     @property
     def storage_max_over_avg(self) -> float:
@@ -151,6 +156,7 @@ class DualPathSim:
         self.alpha = read_threshold(cfg.storage_bps / cfg.kv_bytes_per_token)
         self.beta = work_threshold(cfg.prefill_tokens_per_s)
         self.ttfts: list[float] = []
+        self.tpots: list[float] = []
         self.hits = 0
         self.decode_reads = 0
         self.end = 0.0
@@ -238,6 +244,7 @@ class DualPathSim:
         tpot = self.cfg.decode_base + self.cfg.decode_per_seq * d.running
         d.running += 1
         end = now + r.output * tpot
+        self.tpots.append(tpot)
         return (
             [Event(end, partial(self._decode_done, r))]
             + self._run_pe(r.pe, now)
@@ -267,12 +274,21 @@ class DualPathSim:
             )
         return self._assign_all(now)
 
-    def run(self, trajs: Sequence[Trajectory]) -> DualPathResult:
+    def _arrive(self, r: _Req, now: float) -> list[Event]:
+        self.waiting.append(r)
+        return self._assign_all(now)
+
+    def run(
+        self, trajs: Sequence[Trajectory], starts: Sequence[float] | None = None
+    ) -> DualPathResult:
+        """Offline (``starts`` None: every trajectory at 0) or online (trajectory i's first
+        turn arrives at ``starts[i]``)."""
         self.trajs = list(trajs)
         for i, t in enumerate(self.trajs):
             first = t.turns[0]
-            self.waiting.append(_Req(f"{i}.0", i, 0, t.first + first.append, 0, first.output, 0))
-        self.loop.extend(self._assign_all(0.0))
+            at = starts[i] if starts is not None else 0.0
+            r = _Req(f"{i}.0", i, 0, t.first + first.append, 0, first.output, at)
+            self.loop.push(Event(at, partial(self._arrive, r)))
         self.loop.run()
         if self.waiting:
             raise RuntimeError("requests left waiting: no engine could ever take them")
@@ -283,8 +299,39 @@ class DualPathSim:
             storage,
             self.decode_reads / self.hits if self.hits else 0.0,
             sum(self.ttfts) / len(self.ttfts) if self.ttfts else 0.0,
+            sum(self.tpots) / len(self.tpots) if self.tpots else 0.0,
         )
 
 
 def run_variants(cfg: DualPathConfig, trajs: Sequence[Trajectory]) -> dict[str, DualPathResult]:
     return {v: DualPathSim(cfg, v).run(trajs) for v in VARIANTS}
+
+
+def poisson_starts(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival times of ``n`` trajectories at ``rate`` per second (Poisson)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def online_capacity(
+    cfg: DualPathConfig,
+    variant: str,
+    trajs: Sequence[Trajectory],
+    rates: Sequence[float],
+    ttft_slo: float = 4.0,
+    tpot_slo: float = 0.05,
+    seed: int = 0,
+) -> float:
+    """The highest of ``rates`` (trajectories per second, ascending) at which mean TTFT and
+    mean TPOT stay within their SLOs (0.0: none)."""
+    best = 0.0
+    for rate in rates:
+        r = DualPathSim(cfg, variant).run(trajs, poisson_starts(len(trajs), rate, seed))
+        if r.mean_ttft > ttft_slo or r.mean_tpot > tpot_slo:
+            break
+        best = rate
+    return best

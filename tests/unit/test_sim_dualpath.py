@@ -12,6 +12,8 @@ from sim.dualpath import (
     Trajectory,
     Turn,
     agentic_trajectories,
+    online_capacity,
+    poisson_starts,
     run_variants,
 )
 
@@ -64,3 +66,17 @@ def test_the_scheduler_variant_runs_every_turn_and_traces_have_the_papers_shape(
     assert res["dual+sched"].completion_time < res["basic"].completion_time
     with pytest.raises(ValueError, match="variant"):
         DualPathSim(CFG, "oracle")
+
+
+def test_online_arrivals_and_capacity():
+    starts = poisson_starts(50, rate=2.0, seed=3)
+    assert starts == sorted(starts) and starts[0] > 0
+    # online: trajectory B starts at 10 s, after A is done: no queueing, each turn's TTFT is
+    # its read plus its 1 s prefill (0 + 1 s, then 1.14 + 1 s)
+    r = DualPathSim(CFG, "basic").run(TRAJS, [0.0, 10.0])
+    assert r.mean_ttft == pytest.approx((1.0 + 2.14 + 1.0 + 2.14) / 4)
+    assert r.mean_tpot == pytest.approx(0.1)
+    assert r.completion_time == pytest.approx(10.0 + 4.14)
+    rates = [0.1, 1.0, 10.0]
+    assert online_capacity(CFG, "dual", TRAJS, rates, 100.0, 1.0) == 10.0
+    assert online_capacity(CFG, "dual", TRAJS, rates, 0.5, 1.0) == 0.0
