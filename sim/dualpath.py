@@ -21,9 +21,12 @@ choice, read on the side with the shorter read queue), ``dual+sched`` (the paper
 scheduler, ``policies.dualpath.schedule``: alpha/beta PE classes, the Z rule, read path).
 Storage-link balance: max/avg of the bytes each storage link read.
 
-Online: trajectory i's first turn arrives at ``starts[i]`` (``poisson_starts``);
-``online_capacity`` is the highest swept arrival rate whose mean TTFT and mean TPOT stay
-within the SLOs (the paper: TTFT <= 4 s, TPOT <= 50 ms).
+Online: open loop, trajectory i's first turn arrives at ``starts[i]`` (``poisson_starts``;
+``online_capacity``: the highest swept arrival rate whose mean TTFT and mean TPOT stay
+within the SLOs, the paper's TTFT <= 4 s, TPOT <= 50 ms; a finite set of long
+trajectories never reaches a steady state at high rates, so prefer:) or closed loop,
+``concurrency`` trajectories at once (``closed_loop_capacity``: the most at once within
+the SLOs, and the turns per second served there).
 
 Not modelled: layer-wise prefill (reads and compute of one request do not overlap), the
 intra-engine attention quota, compute-link contention.
@@ -160,6 +163,7 @@ class DualPathSim:
         self.hits = 0
         self.decode_reads = 0
         self.end = 0.0
+        self._next_traj = 0
 
     # -- nodes: PE i is node "p{i}", DE j node "d{j}" --------------------------------------
     def _read_queues(self) -> dict[str, int]:
@@ -272,23 +276,34 @@ class DualPathSim:
                     now,
                 )
             )
+        elif self._next_traj < len(self.trajs):  # closed loop: the next trajectory starts
+            self.waiting.append(self._first_turn(self._next_traj, now))
+            self._next_traj += 1
         return self._assign_all(now)
+
+    def _first_turn(self, i: int, at: float) -> _Req:
+        t = self.trajs[i]
+        return _Req(f"{i}.0", i, 0, t.first + t.turns[0].append, 0, t.turns[0].output, at)
 
     def _arrive(self, r: _Req, now: float) -> list[Event]:
         self.waiting.append(r)
         return self._assign_all(now)
 
     def run(
-        self, trajs: Sequence[Trajectory], starts: Sequence[float] | None = None
+        self,
+        trajs: Sequence[Trajectory],
+        starts: Sequence[float] | None = None,
+        concurrency: int | None = None,
     ) -> DualPathResult:
-        """Offline (``starts`` None: every trajectory at 0) or online (trajectory i's first
-        turn arrives at ``starts[i]``)."""
+        """Offline (every trajectory at 0), online open loop (trajectory i's first turn
+        arrives at ``starts[i]``) or online closed loop (``concurrency`` trajectories at
+        once: when one ends, the next starts)."""
         self.trajs = list(trajs)
-        for i, t in enumerate(self.trajs):
-            first = t.turns[0]
+        first = len(self.trajs) if concurrency is None else min(concurrency, len(self.trajs))
+        self._next_traj = first
+        for i in range(first):
             at = starts[i] if starts is not None else 0.0
-            r = _Req(f"{i}.0", i, 0, t.first + first.append, 0, first.output, at)
-            self.loop.push(Event(at, partial(self._arrive, r)))
+            self.loop.push(Event(at, partial(self._arrive, self._first_turn(i, at))))
         self.loop.run()
         if self.waiting:
             raise RuntimeError("requests left waiting: no engine could ever take them")
@@ -334,4 +349,33 @@ def online_capacity(
         if r.mean_ttft > ttft_slo or r.mean_tpot > tpot_slo:
             break
         best = rate
+    return best
+
+
+def closed_loop_capacity(
+    cfg: DualPathConfig,
+    variant: str,
+    trajs: Sequence[Trajectory],
+    max_concurrency: int,
+    ttft_slo: float = 4.0,
+    tpot_slo: float = 0.05,
+) -> tuple[int, float]:
+    """The most trajectories running at once (binary search in ``[1, max_concurrency]``,
+    assuming SLO misses grow with it) whose mean TTFT and mean TPOT stay within the SLOs,
+    and the turns per second served at it; ``(0, 0.0)`` when even one misses."""
+
+    def served(n: int) -> float | None:
+        r = DualPathSim(cfg, variant).run(trajs, concurrency=n)
+        if r.mean_ttft > ttft_slo or r.mean_tpot > tpot_slo:
+            return None
+        return sum(len(t.turns) for t in trajs) / r.completion_time
+
+    lo, hi, best = 1, max_concurrency, (0, 0.0)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        rate = served(mid)
+        if rate is None:
+            hi = mid - 1
+        else:
+            best, lo = (mid, rate), mid + 1
     return best

@@ -12,6 +12,7 @@ from sim.dualpath import (
     Trajectory,
     Turn,
     agentic_trajectories,
+    closed_loop_capacity,
     online_capacity,
     poisson_starts,
     run_variants,
@@ -80,3 +81,13 @@ def test_online_arrivals_and_capacity():
     rates = [0.1, 1.0, 10.0]
     assert online_capacity(CFG, "dual", TRAJS, rates, 100.0, 1.0) == 10.0
     assert online_capacity(CFG, "dual", TRAJS, rates, 0.5, 1.0) == 0.0
+
+
+def test_closed_loop_runs_a_fixed_number_of_trajectories_at_once():
+    # one at a time: B starts when A ends (4.14 s, as online above) and takes as long
+    r = DualPathSim(CFG, "basic").run(TRAJS, concurrency=1)
+    assert r.completion_time == pytest.approx(2 * 4.14)
+    # two at once is the offline run (5.28 s for 4 turns); both meet loose SLOs
+    n, rate = closed_loop_capacity(CFG, "basic", TRAJS, 2, 100.0, 1.0)
+    assert (n, rate) == (2, pytest.approx(4 / 5.28))
+    assert closed_loop_capacity(CFG, "basic", TRAJS, 2, 0.5, 1.0) == (0, 0.0)
