@@ -28,7 +28,7 @@ def dualpath_section(trajectories: int = 64, seed: int = 0, online: int = 320) -
         "Per engine: a storage link of 6.25 GB/s (a 400 Gb/s storage NIC shared by 8 "
         "GPUs), a compute link of 50 GB/s, 70 KB of KV per token, prefill and decode costs "
         "from `DualPathConfig`. `sim/dualpath.py` lists what is not modelled (layer-wise "
-        "overlap, the attention quota, online arrivals).",
+        "overlap, the attention quota, compute-link contention).",
         "",
         "| P:D | variant | completion (s) | speed-up vs basic | storage max/avg | "
         "reads on the decode side | mean TTFT (s) |",
