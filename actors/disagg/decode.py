@@ -111,6 +111,11 @@ class DecodeReplica(LoopedReplica):
         links = NodeLinks(link_budget) if link_budget is not None else None
         self._storage_link = links.storage(replica_id) if links is not None else None
         self._load_lock = threading.Lock()
+        # guards _reserved_blocks against loads on other threads: a reservation is never
+        # freed while a load writes into its blocks
+        self._reservations = threading.Lock()
+        self._loading: set[str] = set()
+        self._free_after_load: set[str] = set()
         self.loaded_blocks = 0  # blocks read from the store for prefill replicas
         self._crash_on_load = False
         self._recoveries = 0
@@ -147,6 +152,28 @@ class DecodeReplica(LoopedReplica):
         executor = self.controller.executor
         if client is None or not isinstance(executor, LocalExecutor):
             return 0
+        with self._reservations:  # a reservation being loaded into is freed only after
+            if key not in self._reserved_blocks:
+                return 0  # cancelled or aborted meanwhile
+            self._loading.add(key)
+        try:
+            return self._load(client, executor, key, hashes, block_ids)
+        finally:
+            with self._reservations:
+                self._loading.discard(key)
+                free = key in self._free_after_load
+                self._free_after_load.discard(key)
+            if free:
+                self.loop.post(lambda: None if self.controller.cancel_reservation(key) else None)
+
+    def _load(
+        self,
+        client: KVStoreClient,
+        executor: LocalExecutor,
+        key: str,
+        hashes: list[int],
+        block_ids: list[int],
+    ) -> int:
         with self._load_lock:
             client.refresh()
             pin = client.pin_prefix(key, hashes[: len(block_ids)])
@@ -221,7 +248,11 @@ class DecodeReplica(LoopedReplica):
         self._emit([delta])
 
     def _cancel(self, key: str) -> bool:
-        self._reserved_blocks.pop(key, None)
+        with self._reservations:
+            self._reserved_blocks.pop(key, None)
+            if key in self._loading:  # freed once the store read into its blocks ends
+                self._free_after_load.add(key)
+                return True
         return self.controller.cancel_reservation(key)
 
     def _abort(self, key: str) -> None:
