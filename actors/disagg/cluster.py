@@ -70,6 +70,7 @@ from actors.disagg.messages import (
 )
 from actors.disagg.pd_request import PDRequest
 from actors.disagg.prefill import PrefillReplica
+from actors.disagg.read_paths import ReadPaths
 from actors.disagg.replica_loop import split_cores
 from actors.disagg.store_view import DEAD, PDStore, StoreConfig
 from actors.engine.config import EngineConfig
@@ -90,7 +91,7 @@ from policies.conductor import (
     PrefillInstance,
     apply_decision,
 )
-from policies.dualpath import DECODE_PATH, PREFILL_PATH, pick_path
+from policies.dualpath import DECODE_PATH, PREFILL_PATH
 from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -106,9 +107,6 @@ def _call(method: Any, *args: Any) -> bool:
     except DEAD:
         return False
     return True
-
-
-READ_PATHS = (PREFILL_PATH, DECODE_PATH, "dual")
 
 
 class PDCluster:
@@ -142,18 +140,14 @@ class PDCluster:
         the replica classes (``link_budget``, ``record_loads``)."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
-        if read_path not in READ_PATHS:
-            raise ValueError(f"read_path must be one of {', '.join(READ_PATHS)}, got {read_path!r}")
+        self.read_paths = ReadPaths(read_path)
         if read_path != PREFILL_PATH and store is None:
             raise ValueError(
                 f"read_path={read_path!r} reads a KV store: give store=StoreConfig(...)"
             )
-        self.read_path = read_path
         self._prefill_extra = dict(prefill_replica_options or {})
         self._decode_extra = dict(decode_replica_options or {})
-        self._read_queue: dict[str, int] = {}  # replica id -> stored blocks it is reading
-        self._reads: dict[str, tuple[str, int]] = {}  # key -> (reading replica, blocks)
-        self.path_counts = {PREFILL_PATH: 0, DECODE_PATH: 0}
+        self.path_counts = self.read_paths.counts  # requests read on each side
         self.model_dir = str(model_dir) if model_dir is not None else str(tiny_model_dir("dense"))
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
@@ -281,31 +275,18 @@ class PDCluster:
 
     def _decode_shards(self) -> dict[str, Any] | None:
         """The store shards a decode replica uses: to write back, or to read prefixes."""
-        if self.store is None or not (self.store.cfg.write_back or self.read_path != PREFILL_PATH):
+        reads = self.read_paths.mode != PREFILL_PATH
+        if self.store is None or not (self.store.cfg.write_back or reads):
             return None
         return self.store.live()
 
     def _choose_read_path(self, key: str, request: Request, pid: str, did: str) -> str:
-        """Where this request's stored prefix is read; its blocks join that side's queue."""
+        """Where this attempt's stored prefix is read (``ReadPaths``)."""
         if self.store is None:
             return PREFILL_PATH
         usable = request.block_hashes[: (request.num_prompt_tokens - 1) // self.block_size]
         _, hit = self.store.client.directory.best_holder(usable)
-        if hit == 0:
-            return PREFILL_PATH
-        path = self.read_path
-        if path == "dual":
-            path = pick_path(pid, did, self._read_queue)
-        side = pid if path == PREFILL_PATH else did
-        self._read_queue[side] = self._read_queue.get(side, 0) + hit
-        self._reads[key] = (side, hit)
-        self.path_counts[path] += 1
-        return path
-
-    def _read_done(self, key: str) -> None:
-        side, hit = self._reads.pop(key, ("", 0))
-        if side:
-            self._read_queue[side] -= hit
+        return self.read_paths.choose(key, hit, pid, did)
 
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
@@ -473,6 +454,7 @@ class PDCluster:
                 continue
             _call(handles[rid].abort, key)  # queued before any later call
         self._by_key.pop(key, None)
+        self.read_paths.done(key)
         req.drop_attempt()
 
     def release(self, request_id: str) -> RequestOutput:
@@ -549,7 +531,7 @@ class PDCluster:
         view.total_blocks = stats.total_blocks
 
     def _on_prefill_done(self, e: PrefillDone) -> None:
-        self._read_done(e.key)
+        self.read_paths.done(e.key)
         req = self._by_key.get(e.key)
         if req is not None:
             req.in_prefill = False
@@ -558,7 +540,7 @@ class PDCluster:
     def _on_prefill_failed(self, e: PrefillFailed) -> None:
         """Its stream broke: the decode side is gone (its poll fails too and places its
         requests again) or unreachable (free its side, run the request again)."""
-        self._read_done(e.key)
+        self.read_paths.done(e.key)
         req = self._by_key.get(e.key)
         if req is None or req.decode_id is None:
             return
