@@ -6,7 +6,8 @@ A load reads a request's stored prefix one layer at a time on a background threa
 step hook calls ``before_layer(l)`` before layer ``l`` computes, which waits until every
 load started so far has layer ``l`` in the cache. So the read of layer ``l + 1`` overlaps
 the compute of layer ``l``, and the request queues at once instead of after its whole
-prefix arrived.
+prefix arrived. A step waits only for the loads writing blocks it reads
+(``begin_step``), so a request whose prefix is in does not wait for another's.
 
 A load that fails (the source died) still releases every waiting layer, so no step hangs,
 and records why: the replica then recomputes every request that may have read its blocks
@@ -33,6 +34,7 @@ class LayerLoad:
     read_layer: Callable[[int], int]  # copies one layer; returns bytes moved
     on_done: Callable[[], None]  # runs on the loader thread once every layer is read
     context: Any = None  # the replica's own bookkeeping (blocks, hashes)
+    blocks: frozenset[int] = frozenset()  # the cache blocks it writes (empty: unknown)
     done: list[threading.Event] = field(default_factory=list)  # per layer: in the cache
     complete: threading.Event = field(default_factory=threading.Event)  # on_done ran too
     error: str | None = None
@@ -54,6 +56,7 @@ class LayerLoader:
         self._loads: list[LayerLoad] = []
         self.record = record
         self.timeline: list[tuple[str, int, float]] = []
+        self._needed: list[LayerLoad] | None = None  # this step's loads (None: all)
 
     def _mark(self, event: str, layer: int) -> None:
         if self.record:
@@ -82,10 +85,21 @@ class LayerLoader:
             load.error = load.error or f"{type(e).__name__}: {e}"
         load.complete.set()
 
-    def before_layer(self, layer: int) -> None:
-        """Block until every load started so far holds ``layer``."""
+    def begin_step(self, blocks: set[int] | None) -> None:
+        """The step about to run reads cache ``blocks`` (None: unknown): its layers wait
+        only for the loads writing any of them (a load with unknown blocks: always)."""
         with self._lock:
             loads = list(self._loads)
+        if blocks is None:
+            self._needed = None
+        else:
+            self._needed = [x for x in loads if not x.blocks or not blocks.isdisjoint(x.blocks)]
+
+    def before_layer(self, layer: int) -> None:
+        """Block until every load this step needs (``begin_step``; else every load started
+        so far) holds ``layer``."""
+        with self._lock:
+            loads = list(self._loads) if self._needed is None else list(self._needed)
         for load in loads:
             if layer < load.num_layers:
                 load.done[layer].wait()

@@ -73,6 +73,7 @@ class PrefillHook:
 
     def begin_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
         self.streamer.begin(plan)
+        self.loader.begin_step({b for e in plan.entries for s in e.shards for b in s[2]})
 
     def before_layer(self, layer: int) -> None:
         self.loader.before_layer(layer)  # every started load holds this layer
@@ -344,6 +345,7 @@ class PrefillReplica(LoopedReplica):
                 read_layer,
                 on_done=lambda: self.loop.post(self._reap_loads_later),
                 context=(pin, blocks, mine),
+                blocks=frozenset(blocks),
             )
         )
         return task.dest
@@ -403,6 +405,7 @@ class PrefillReplica(LoopedReplica):
                 read_layer,
                 on_done=lambda: self.loop.post(self._reap_loads_later),
                 context=(None, blocks, mine),
+                blocks=frozenset(blocks),
             )
         )
         return dataclasses.replace(dest, held_blocks=m)
