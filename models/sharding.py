@@ -36,7 +36,8 @@ class LayerHook(Protocol):
         """Called right after decoder layer ``layer`` (the model's global layer index, not
         the stage-local one) ran for the step and wrote its K/V into ``kv_cache``, that
         layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv_rank, D]``;
-        the next layer has not started."""
+        the next layer has not started. A hook may also define ``before_layer(layer)``,
+        called before the layer reads its cache (a per-layer KV load waits there)."""
         ...
 
 
@@ -228,7 +229,10 @@ class ModelShard(nn.Module):
             assert hidden is not None
             x = hidden
         hook, backend = self.layer_hook, self.attention_backend
+        before = getattr(hook, "before_layer", None)  # optional: e.g. wait for a KV load
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if before is not None:
+                before(self.lo + index)
             x = layer(x, positions, self.rope, backend, kv_cache, meta)
             if hook is not None:
                 hook.after_layer(self.lo + index, kv_cache)

@@ -8,6 +8,7 @@
                          -> docs/figures/skywalker.json and its section of the report
   python -m sim medha    Medha's scheduler ablation (FCFS, EDF, LRS, ILRS + prefill-prefill
                          batching) on short requests mixed with 128K-1M-token ones
+  python -m sim dualpath DualPath's agentic trajectories -> docs/sim_dualpath.md
 
 Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
 Examples:
@@ -165,6 +166,15 @@ def cmd_medha(a: argparse.Namespace) -> None:
     print(format_table(w, results))
 
 
+def cmd_dualpath(a: argparse.Namespace) -> None:
+    from sim.report_dualpath import dualpath_section
+
+    text = "\n".join(["# DualPath, simulated", "", *dualpath_section(a.trajectories, a.seed)])
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m sim",
@@ -229,6 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     p_med.add_argument("--min-slo", type=float, default=0.0, help="least TTFT SLO (s)")
     p_med.add_argument("--seed", type=int, default=0)
     p_med.set_defaults(fn=cmd_medha)
+    p_dp = sub.add_parser("dualpath", help="DualPath's agentic trajectories, simulated")
+    p_dp.add_argument("--trajectories", type=int, default=64)
+    p_dp.add_argument("--seed", type=int, default=0)
+    p_dp.add_argument("--out", default="docs/sim_dualpath.md", help="'' to not write")
+    p_dp.set_defaults(fn=cmd_dualpath)
     a = parser.parse_args(argv)
     a.fn(a)
 

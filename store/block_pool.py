@@ -124,6 +124,13 @@ class BlockPool:
                 else:
                     self._cached[block] = None
 
+    def unregister(self, block: int) -> None:
+        """Unpublish a block that is in use (its contents turned out bad): no lookup finds
+        it, and it returns to the free list when released."""
+        if self.ref_count[block] <= 0:
+            raise ValueError(f"block {block} is not in use")
+        self._forget(block)
+
     def evict_all_cached(self) -> int:
         """Drop every cached block (e.g. when weights change); returns how many."""
         n = len(self._cached)

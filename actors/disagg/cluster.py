@@ -70,6 +70,7 @@ from actors.disagg.messages import (
 )
 from actors.disagg.pd_request import PDRequest
 from actors.disagg.prefill import PrefillReplica
+from actors.disagg.read_paths import ReadPaths
 from actors.disagg.replica_loop import split_cores
 from actors.disagg.store_view import DEAD, PDStore, StoreConfig
 from actors.engine.config import EngineConfig
@@ -90,6 +91,7 @@ from policies.conductor import (
     PrefillInstance,
     apply_decision,
 )
+from policies.dualpath import DECODE_PATH, PREFILL_PATH
 from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -122,14 +124,30 @@ class PDCluster:
         pin_cores: bool = False,
         prefill_layout: dict[str, int] | None = None,
         decode_layout: dict[str, int] | None = None,
+        read_path: str = PREFILL_PATH,
+        prefill_replica_options: dict[str, Any] | None = None,
+        decode_replica_options: dict[str, Any] | None = None,
         **controller_options: Any,
     ) -> None:
         """``pin_cores``: on a one-node cluster, bind prefill and decode replicas to
         disjoint cores with one torch thread each (``split_cores``). ``prefill_layout`` /
         ``decode_layout``: ``tp`` and ``spp`` of each prefill / decode replica (over
-        ``controller_options``); the two sides may differ."""
+        ``controller_options``); the two sides may differ. ``read_path`` (DualPath, with a
+        store): where a stored prefix is read, ``"prefill"`` (storage -> the prefill
+        replica), ``"decode"`` (storage -> the decode replica -> the prefill replica, layer
+        by layer) or ``"dual"`` (per request, the side with the shorter read queue).
+        ``prefill_replica_options`` / ``decode_replica_options``: more keyword arguments of
+        the replica classes (``link_budget``, ``record_loads``)."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
+        self.read_paths = ReadPaths(read_path)
+        if read_path != PREFILL_PATH and store is None:
+            raise ValueError(
+                f"read_path={read_path!r} reads a KV store: give store=StoreConfig(...)"
+            )
+        self._prefill_extra = dict(prefill_replica_options or {})
+        self._decode_extra = dict(decode_replica_options or {})
+        self.path_counts = self.read_paths.counts  # requests read on each side
         self.model_dir = str(model_dir) if model_dir is not None else str(tiny_model_dir("dense"))
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
@@ -223,7 +241,12 @@ class PDCluster:
     def _start_prefill(self, pid: str) -> None:
         live = self.store.live() if self.store else {}
         handle = self._pinned(self._prefill_cls, pid, restart=pid in self.prefills).remote(
-            pid, self.model_dir, live, **self._pinning(pid), **self._prefill_options
+            pid,
+            self.model_dir,
+            live,
+            **self._pinning(pid),
+            **self._prefill_extra,
+            **self._prefill_options,
         )
         self.prefills[pid] = handle
         self.prefill_views[pid] = PrefillInstance(pid)
@@ -238,7 +261,10 @@ class PDCluster:
             self.model_dir,
             serve_tcp=plan.apart(did, self._prefill_ids),  # prefill elsewhere: over TCP
             tcp_host=plan.tcp_host(did),
+            store_shards=self._decode_shards(),
+            write_back=bool(self.store and self.store.cfg.write_back),
             **self._pinning(did),
+            **self._decode_extra,
             **self._decode_options,
         )
         self.decodes[did] = handle
@@ -246,6 +272,21 @@ class PDCluster:
         report = ray.get(handle.report.remote(0.0))
         self._apply_stats(did, report.stats)
         self._watch(did, handle)
+
+    def _decode_shards(self) -> dict[str, Any] | None:
+        """The store shards a decode replica uses: to write back, or to read prefixes."""
+        reads = self.read_paths.mode != PREFILL_PATH
+        if self.store is None or not (self.store.cfg.write_back or reads):
+            return None
+        return self.store.live()
+
+    def _choose_read_path(self, key: str, request: Request, pid: str, did: str) -> str:
+        """Where this attempt's stored prefix is read (``ReadPaths``)."""
+        if self.store is None:
+            return PREFILL_PATH
+        usable = request.block_hashes[: (request.num_prompt_tokens - 1) // self.block_size]
+        _, hit = self.store.client.directory.best_holder(usable)
+        return self.read_paths.choose(key, hit, pid, did)
 
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
@@ -340,7 +381,16 @@ class PDCluster:
             self._copy_blocks(request, wanted, source, pid)
         req.start_attempt(key, pid, did)
         self._by_key[key] = req
-        task = PrefillTask(key, request, dest, RemoteDecode(decode), self.home_shard(pid))
+        path = self._choose_read_path(key, request, pid, did)
+        task = PrefillTask(
+            key,
+            request,
+            dest,
+            RemoteDecode(decode),
+            self.home_shard(pid),
+            read_path=path,
+            relay=decode if path == DECODE_PATH else None,
+        )
         if not _call(self.prefills[pid].submit, task):
             self._prefill_died(pid)  # places this request again
 
@@ -404,6 +454,7 @@ class PDCluster:
                 continue
             _call(handles[rid].abort, key)  # queued before any later call
         self._by_key.pop(key, None)
+        self.read_paths.done(key)
         req.drop_attempt()
 
     def release(self, request_id: str) -> RequestOutput:
@@ -480,6 +531,7 @@ class PDCluster:
         view.total_blocks = stats.total_blocks
 
     def _on_prefill_done(self, e: PrefillDone) -> None:
+        self.read_paths.done(e.key)
         req = self._by_key.get(e.key)
         if req is not None:
             req.in_prefill = False
@@ -488,6 +540,7 @@ class PDCluster:
     def _on_prefill_failed(self, e: PrefillFailed) -> None:
         """Its stream broke: the decode side is gone (its poll fails too and places its
         requests again) or unreachable (free its side, run the request again)."""
+        self.read_paths.done(e.key)
         req = self._by_key.get(e.key)
         if req is None or req.decode_id is None:
             return
@@ -653,9 +706,9 @@ class PDCluster:
         dead = [sid for sid in self.store.shards if sid not in self.store.live()]
         for sid in dead:  # found dead now, or earlier by a failed read or write
             handle = self.store.restart(sid)
-            for prefill in self.prefills.values():
+            for replica in [*self.prefills.values(), *self.decodes.values()]:
                 with contextlib.suppress(*DEAD):  # a dead one is replaced with the live set
-                    ray.get(prefill.add_shard.remote(sid, handle))
+                    ray.get(replica.add_shard.remote(sid, handle))
         return dead
 
     def shutdown(self) -> None:

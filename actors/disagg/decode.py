@@ -15,10 +15,18 @@ writes a request's KV straight into the blocks reserved for it here. A request g
 Reserving the whole life up front means a decoding request is never preempted here (the
 Conductor only picks an instance with that much room). Every token goes out as a
 ``TokenDelta`` stamped with the time it was produced, then a ``Finished`` with the output.
+
+Write-back (DualPath): given ``store_shards``, after every step each block that became
+full (its KV computed: prompt tail and generated tokens) is written to a store shard (one
+on this node if any), so a later turn of the conversation finds its own previous answer
+in the store. Blocks of the prompt the prefill replica stored are not written again. A
+dead shard drops out; the block is then simply not stored.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,10 +43,14 @@ from actors.disagg.messages import (
 )
 from actors.disagg.replica_loop import ReplicaLoop
 from actors.engine.config import EngineConfig
+from actors.engine.executor import LocalExecutor
 from actors.engine.replica_controller import ReplicaController
+from actors.kvstore.shard import KVStoreClient
 from models import tiny_model_dir
 from models.config import read_model_config
 from policies.request import Request
+from store.kv_store_errors import KVStoreError
+from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
 
 
 class DecodeReplica(LoopedReplica):
@@ -50,9 +62,16 @@ class DecodeReplica(LoopedReplica):
         tcp_host: str = "127.0.0.1",
         cpus: list[int] | None = None,
         threads: int | None = None,
+        store_shards: dict[str, Any] | None = None,
+        write_back: bool = True,
+        link_budget: LinkBudget | None = None,
         **controller_options: Any,
     ) -> None:
-        """``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
+        """``store_shards``: the KV store shards it reads prefixes from for prefill
+        replicas (``load_prefix``, DualPath's decode read path) and, with ``write_back``,
+        writes every full block back to. ``link_budget``: its store reads pay this
+        replica's emulated storage link (on one machine each replica stands for a node).
+        ``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
         ``tcp_host`` (this node's address); same-node ones always use shared memory.
         ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads. ``tp`` /
         ``spp`` in ``controller_options`` spread it over worker actors on this node, each
@@ -71,6 +90,34 @@ class DecodeReplica(LoopedReplica):
         )
         self.controller = ReplicaController(model_dir, config, worker_hooks=caches)
         self.targets: tuple[KVTarget, ...] = tuple(self.controller.executor.hook_info())
+        self.client: KVStoreClient | None = None
+        self.load_client: KVStoreClient | None = None
+        self._written: dict[str, int] = {}  # request -> leading blocks the store holds
+        self.stored_blocks = 0  # blocks this replica wrote back
+        if store_shards:
+            if not isinstance(self.controller.executor, LocalExecutor):
+                self.controller.shutdown()
+                raise ValueError(
+                    "write-back and prefix loads use a decode replica's cache in its own "
+                    "process: with a store, decode replicas run tp=spp=1"
+                )
+            self.client = KVStoreClient(f"decode-{replica_id}", node_id=self.node())
+            # loads run on the caller's thread (not the loop), with a client of their own
+            self.load_client = KVStoreClient(f"decode-{replica_id}-loads", node_id=self.node())
+            for shard_id, handle in store_shards.items():
+                self.client.add_shard(shard_id, handle)
+                self.load_client.add_shard(shard_id, handle)
+        self.write_back = write_back and self.client is not None
+        links = NodeLinks(link_budget) if link_budget is not None else None
+        self._storage_link = links.storage(replica_id) if links is not None else None
+        self._load_lock = threading.Lock()
+        # guards _reserved_blocks against loads on other threads: a reservation is never
+        # freed while a load writes into its blocks
+        self._reservations = threading.Lock()
+        self._loading: set[str] = set()
+        self._free_after_load: set[str] = set()
+        self.loaded_blocks = 0  # blocks read from the store for prefill replicas
+        self._crash_on_load = False
         self._recoveries = 0
         self._reserved_blocks: dict[str, int] = {}
         self.stats = self._stats()
@@ -93,9 +140,95 @@ class DecodeReplica(LoopedReplica):
         """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""
         self.loop.post(lambda: self._abort(key))
 
+    def load_prefix(self, key: str, hashes: list[int], block_ids: list[int]) -> int:
+        """DualPath's decode read path: read the longest stored prefix of ``hashes`` (Full
+        Blocks, through this replica's storage link) into blocks ``block_ids`` (same order)
+        of request ``key``'s reservation; returns the leading blocks loaded (0: a miss or
+        a dead shard). Runs on the caller's thread: the blocks are reserved, nothing else
+        touches them until the prefill replica's KV arrives."""
+        if self._crash_on_load:
+            os._exit(1)  # tests only: the relaying replica dies
+        client = self.load_client
+        executor = self.controller.executor
+        if client is None or not isinstance(executor, LocalExecutor):
+            return 0
+        with self._reservations:  # a reservation being loaded into is freed only after
+            if key not in self._reserved_blocks:
+                return 0  # cancelled or aborted meanwhile
+            self._loading.add(key)
+        try:
+            return self._load(client, executor, key, hashes, block_ids)
+        finally:
+            with self._reservations:
+                self._loading.discard(key)
+                free = key in self._free_after_load
+                self._free_after_load.discard(key)
+            if free:
+                self.loop.post(lambda: None if self.controller.cancel_reservation(key) else None)
+
+    def _load(
+        self,
+        client: KVStoreClient,
+        executor: LocalExecutor,
+        key: str,
+        hashes: list[int],
+        block_ids: list[int],
+    ) -> int:
+        with self._load_lock:
+            client.refresh()
+            pin = client.pin_prefix(key, hashes[: len(block_ids)])
+            if pin is None:
+                return 0
+            caches = executor.worker.kv_caches
+            n = len(pin.offsets)
+            ranges: list[tuple[int, int, int]] = []
+            local = None
+            for layer in range(len(caches)):
+                local, per = KVStoreClient.layer_ranges(caches, layer, pin.offsets, block_ids[:n])
+                ranges += per
+            try:
+                assert local is not None
+                BudgetedTransfer(client.engine, self._storage_link).read_ranges(
+                    pin.endpoint, local, ranges
+                )
+            except KVStoreError:
+                client.mark_dead(pin.shard_id)
+                return 0
+            finally:
+                client.unpin(pin)
+            self.loaded_blocks += n
+            return n
+
+    def crash_on_load(self) -> None:
+        """Fault injection for tests: the process exits at the next ``load_prefix``."""
+        self._crash_on_load = True
+
+    def add_shard(self, shard_id: str, handle: Any) -> None:
+        """Use a store shard started after this replica (a dead shard's replacement)."""
+        client = self.client
+        if client is None:
+            return
+
+        def add() -> None:
+            assert client is not None
+            if shard_id in client.handles:
+                client.mark_dead(shard_id)
+            client.add_shard(shard_id, handle)
+
+        self.loop.call(add).result()
+        if self.load_client is not None:
+            with self._load_lock:
+                if shard_id in self.load_client.handles:
+                    self.load_client.mark_dead(shard_id)
+                self.load_client.add_shard(shard_id, handle)
+
     def shutdown(self) -> None:
         self.loop.stop()
         self.controller.shutdown()
+        if self.client is not None:
+            self.client.close()
+        if self.load_client is not None:
+            self.load_client.close()
 
     # -- the loop thread --------------------------------------------------------------------
     def _reserve(self, key: str, request: Request) -> KVDestination | None:
@@ -110,13 +243,20 @@ class DecodeReplica(LoopedReplica):
         if self._reserved_blocks.pop(key, None) is None:
             return  # cancelled or aborted meanwhile
         delta = self.controller.admit_prefilled(key, first_token, first_logprob)
+        # the prefill replica stored the prompt's full blocks
+        self._written[key] = len(self.controller.computed_full_blocks(key)[0])
         self._emit([delta])
 
     def _cancel(self, key: str) -> bool:
-        self._reserved_blocks.pop(key, None)
+        with self._reservations:
+            self._reserved_blocks.pop(key, None)
+            if key in self._loading:  # freed once the store read into its blocks ends
+                self._free_after_load.add(key)
+                return True
         return self.controller.cancel_reservation(key)
 
     def _abort(self, key: str) -> None:
+        self._written.pop(key, None)
         if not self._cancel(key) and self.controller.has_request(key):
             self.controller.abort(key)
             self.controller.release(key)
@@ -127,9 +267,12 @@ class DecodeReplica(LoopedReplica):
         if ran:
             batch = c.scheduler.num_running
             blocks = c.pool.num_in_use - sum(self._reserved_blocks.values())
+            # block tables before the step: one that finishes a request frees its blocks
+            tables = {k: c.block_table(k) for k in self._written} if self.write_back else {}
             start = time.perf_counter()
             deltas = c.step()
             self.loop.emit(DecodeStep(batch, blocks, time.perf_counter() - start))
+            self._write_back([d.request_id for d in deltas], tables)
             self._emit(deltas)
             if c.num_recoveries != self._recoveries:
                 self._lose_reservations()
@@ -145,6 +288,43 @@ class DecodeReplica(LoopedReplica):
             self._cancel(key)
             self.loop.emit(ReservationLost(key))
 
+    def _write_back(self, keys: list[str], tables: dict[str, list[int]]) -> None:
+        """Write each request's newly full blocks to a store shard, right after the step
+        (nothing allocates blocks before the next one on this thread, so a finished
+        request's freed blocks, named by ``tables``, still hold its KV)."""
+        client = self.client
+        if client is None or not self.write_back:
+            return
+        executor = self.controller.executor
+        assert isinstance(executor, LocalExecutor)
+        caches = executor.worker.kv_caches
+        for key in keys:
+            hashes, blocks = self.controller.computed_full_blocks(key, tables.get(key))
+            done = self._written.get(key, len(hashes))
+            if len(hashes) <= done:
+                continue
+            self._written[key] = len(hashes)
+            shard = self._store_shard()
+            if shard is None:
+                return
+            parents: list[int | None] = [hashes[done - 1] if done else None, *hashes[done:-1]]
+            try:
+                stored = client.store_from_cache(
+                    shard, hashes[done:], caches, blocks[done:], parents
+                )
+            except KVStoreError:
+                client.mark_dead(shard)
+                continue
+            self.stored_blocks += len(stored)
+
+    def _store_shard(self) -> str | None:
+        """A live shard on this node, else any live shard."""
+        client = self.client
+        if client is None or not client.endpoints:
+            return None
+        local = [s for s, ep in client.endpoints.items() if ep.node_id == self.node()]
+        return sorted(local or client.endpoints)[0]
+
     def _emit(self, deltas: list[Any]) -> None:
         """A finished request's last ``TokenDelta`` and its ``Finished`` go out in one
         report: the Conductor must never see a request's end before its output."""
@@ -152,6 +332,7 @@ class DecodeReplica(LoopedReplica):
         for d in deltas:
             events: list[Any] = [TokenDelta(d.request_id, d, now)]
             if d.finished:
+                self._written.pop(d.request_id, None)
                 events.append(Finished(d.request_id, self.controller.release(d.request_id)))
             self.loop.emit(*events)
 
@@ -164,6 +345,8 @@ class DecodeReplica(LoopedReplica):
             pending=len(self._reserved_blocks),
             pending_blocks=reserved,
             total_blocks=c.num_blocks,
+            stored_blocks=self.stored_blocks,
+            loaded_blocks=self.loaded_blocks,
         )
 
 

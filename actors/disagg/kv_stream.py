@@ -44,6 +44,7 @@ class KVDestination:
 
     targets: tuple[KVTarget, ...]
     block_ids: tuple[int, ...]
+    held_blocks: int = 0  # leading blocks the decode side loaded itself: never streamed
 
 
 def blocks_to_stream(first_block: int, end: int, block_size: int) -> range:
@@ -183,7 +184,7 @@ class LayerStreamer:
             idx = [
                 i
                 for i in blocks_to_stream(e.stream_from_block, e.end, self.block_size)
-                if i < len(dest.block_ids)
+                if dest.held_blocks <= i < len(dest.block_ids)
             ]
             src, dst = [blocks[i] for i in idx], [dest.block_ids[i] for i in idx]
             self._items.append(_Item(e.request_id, dest, src, dst))

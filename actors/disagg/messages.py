@@ -26,6 +26,11 @@ class PrefillTask:
     dest: KVDestination  # the decode replica's blocks reserved for the whole request
     decode: Any  # has admit(key, first_token): the decode replica, or a RemoteDecode
     store_shard: str | None = None  # where the prompt's new full blocks are written
+    # DualPath: where the stored prefix is read. "prefill": storage -> this prefill
+    # replica; "decode": storage -> the decode replica (``relay``, its actor handle), then
+    # layer by layer over the compute path to the prefill replica
+    read_path: str = "prefill"
+    relay: Any = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ class DecodeStats:
     pending: int  # reservations whose prefill has not delivered yet
     pending_blocks: int
     total_blocks: int
+    stored_blocks: int = 0  # full blocks written back to the KV store
+    loaded_blocks: int = 0  # blocks read from the store for prefill replicas (decode path)
 
 
 @dataclass(frozen=True)

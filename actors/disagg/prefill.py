@@ -10,10 +10,15 @@ step returned, all its KV has arrived: the replica tells the decode replica to a
 
 Around that, the KV store:
 
-- before a request runs, the longest prefix the store holds beyond what this replica's
-  own prefix cache has is loaded straight into free cache blocks (one copy out of the
-  store shard's segment, from DRAM or promoted from SSD) and published in the local prefix
-  cache, so the scheduler's ordinary prefix match picks it up; a dead shard reads as a miss;
+- when a request arrives, the longest prefix the store holds beyond what this replica's
+  own prefix cache has is pinned in its shard (from DRAM, or promoted from SSD), given free
+  cache blocks published in the local prefix cache (so the scheduler's ordinary prefix
+  match picks them up) and loaded into them layer by layer while the prefill runs
+  (``LayerLoader``: layer ``l`` of every step waits for layer ``l`` of every started load,
+  so the read of layer ``l + 1`` overlaps the compute of layer ``l``); the request queues
+  at once. The load holds its blocks until it is done. A load that fails (the shard died)
+  unpublishes its blocks and every request that may have read them starts again, reading
+  from another holder or recomputing; a dead shard reads as a miss;
 - after the step that completes a prompt, its full blocks that no shard holds yet are
   written to the store shard the Conductor chose (a dead shard drops out of the map).
 """
@@ -25,10 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from actors.disagg.fault_injection import ExitAfterLayers
-from actors.disagg.kv_stream import LayerStreamer, StreamingWorkers, StreamReport
+from actors.disagg.kv_routes import piece_ranges
+from actors.disagg.kv_stream import KVDestination, LayerStreamer, StreamingWorkers, StreamReport
+from actors.disagg.layer_loader import LayerLoad, LayerLoader
 from actors.disagg.looped_replica import LoopedReplica
 from actors.disagg.messages import (
     CacheEvent,
@@ -47,23 +55,31 @@ from actors.engine.worker_hooks import KVCaches, PrivateKVCache, WorkerHooks
 from actors.kvstore.shard import KVStoreClient, current_node_id
 from models import tiny_model_dir
 from models.config import read_model_config
+from policies.dualpath import DECODE_PATH, PREFILL_PATH
 from store.kv_store_errors import KVStoreError
-from store.transfer import TransferEngine
+from store.transfer import LocalMemory, TransferEngine
+from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
 
 
 class PrefillHook:
     """The prefill worker's ``StepHook``: streams each layer's KV as it is written, then,
     once the step's copies landed, hands the step to ``after_step`` (timing, store writes)."""
 
-    def __init__(self, streamer: LayerStreamer, after_step: Any) -> None:
+    def __init__(self, streamer: LayerStreamer, after_step: Any, loader: LayerLoader) -> None:
         self.streamer = streamer
         self.after_step = after_step
+        self.loader = loader
         self.faults: ExitAfterLayers | None = None  # tests only: die mid-stream
 
     def begin_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
         self.streamer.begin(plan)
+        self.loader.begin_step({b for e in plan.entries for s in e.shards for b in s[2]})
+
+    def before_layer(self, layer: int) -> None:
+        self.loader.before_layer(layer)  # every started load holds this layer
 
     def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.loader.after_layer(layer)
         self.streamer.after_layer(layer, kv_cache)
         if self.faults is not None:
             self.faults.after_layer(self.streamer)
@@ -82,11 +98,16 @@ class PrefillReplica(LoopedReplica):
         store_shards: dict[str, Any] | None = None,
         cpus: list[int] | None = None,
         threads: int | None = None,
+        link_budget: LinkBudget | None = None,
+        record_loads: bool = False,
         **controller_options: Any,
     ) -> None:
         """``tp`` / ``spp`` in ``controller_options`` spread the replica over worker actors,
         each streaming the layers and heads it holds (Mooncake's chunked pipeline
-        parallelism for long prefills is ``spp`` here); the KV store needs one worker."""
+        parallelism for long prefills is ``spp`` here); the KV store needs one worker.
+        ``link_budget``: store reads pay this replica's emulated storage link (on one
+        machine each replica stands for its own node). ``record_loads``: keep the load /
+        compute timeline (``load_timeline``)."""
         self.replica_id = replica_id
         self.node_id = current_node_id()
         config = EngineConfig.from_options(**controller_options)
@@ -102,7 +123,14 @@ class PrefillReplica(LoopedReplica):
         num_kv_heads = read_model_config(folder).num_key_value_heads
         heads = (0, num_kv_heads)
         self.streamer = LayerStreamer(self.engine, self.block_size, heads, heads)
-        self.hook = PrefillHook(self.streamer, self._after_step)
+        self.loader = LayerLoader(record=record_loads)
+        self.links = NodeLinks(link_budget) if link_budget is not None else None
+        self.load_engine = TransferEngine(f"prefill-{replica_id}-loads", self.node_id)
+        link = self.links.storage(replica_id) if self.links is not None else None
+        self.storage = BudgetedTransfer(self.load_engine, link)
+        compute_link = self.links.compute(replica_id) if self.links is not None else None
+        self.compute = BudgetedTransfer(self.load_engine, compute_link)
+        self.hook = PrefillHook(self.streamer, self._after_step, self.loader)
         hooks: WorkerHooks | StreamingWorkers = WorkerHooks(self.cache, self.hook)
         if config.tp * config.spp > 1:
             if store_shards:
@@ -171,23 +199,45 @@ class PrefillReplica(LoopedReplica):
         layers of KV (mid-stream)."""
         self.hook.faults = ExitAfterLayers(self.streamer.layers_sent + layers)
 
+    def cached_block_bytes(self, hashes: list[int], tokens: list[int]) -> list[bytes]:
+        """Every layer's K and V of the leading blocks of a prompt held in this replica's
+        prefix cache, one ``bytes`` per block (tests compare the read paths)."""
+
+        def read() -> list[bytes]:
+            pool, bs, out = self.controller.pool, self.block_size, []
+            for i, h in enumerate(hashes):
+                block = pool.lookup(h, tokens[i * bs : (i + 1) * bs])
+                if block is None:
+                    break
+                parts = [t[block].numpy().tobytes() for kv in self.cache.kv_caches for t in kv]
+                out.append(b"".join(parts))
+            return out
+
+        return list(self.loop.call(read).result())
+
+    def load_timeline(self) -> list[tuple[str, int, float]]:
+        """``(event, layer, perf_counter time)`` of store loads and layer computes, when
+        started with ``record_loads``."""
+        return list(self.loader.timeline)
+
     def shutdown(self) -> None:
         self.loop.stop()
         self.controller.shutdown()
+        self.loader.close()
         if self.client is not None:
             self.client.close()
         self.streamer.close()
         self.engine.close()
+        self.load_engine.close()
 
     # -- the loop thread --------------------------------------------------------------------
     def _start(self, task: PrefillTask) -> None:
         req = task.request
         self._tasks[task.key] = task
-        loaded = self._load_prefix(task.key, req.prompt_token_ids, req.block_hashes)
-        self.loaded_blocks += loaded
+        dest = self._start_load(task)
         first = dataclasses.replace(req.params, max_tokens=1, stop=[])
         request = dataclasses.replace(req, request_id=task.key, params=first)
-        self.controller.add_request(request, kv_dest=task.dest)
+        self.controller.add_request(request, kv_dest=dest)
 
     def _drop(self, key: str) -> None:
         if key in self._tasks:
@@ -207,6 +257,7 @@ class PrefillReplica(LoopedReplica):
             start = time.perf_counter()
             deltas = c.step()
             end = self._step_end or time.perf_counter()
+            restarted = self._reap_loads()  # before a request whose load failed finishes
             chunks: list[tuple[int, int]] = []
             for report in c.take_hook_reports():
                 chunks = chunks or report.chunks
@@ -216,7 +267,7 @@ class PrefillReplica(LoopedReplica):
             if chunks:
                 self.loop.emit(PrefillStep(chunks, end - start))
             for d in deltas:
-                if d.finished:
+                if d.finished and d.request_id not in restarted:
                     self._finished(d.request_id)
             for key, why in list(self._failed.items()):  # still running: stop it
                 if key in self._tasks:
@@ -244,7 +295,11 @@ class PrefillReplica(LoopedReplica):
         self._forget(key)
 
     # -- the KV store -----------------------------------------------------------------------
-    def _load_prefix(self, key: str, tokens: list[int], hashes: list[int]) -> int:
+    def _start_load(self, task: PrefillTask) -> KVDestination:
+        """Start the per-layer load of the stored prefix beyond the local one, into blocks
+        published for it (see the module doc); returns where the request's KV streams (on
+        the decode path, past the blocks the decode replica loads itself)."""
+        key, tokens, hashes = task.key, task.request.prompt_token_ids, task.request.block_hashes
         client = self.client
         pool = self.controller.pool
         bs = self.block_size
@@ -257,28 +312,137 @@ class PrefillReplica(LoopedReplica):
             held.append(block)
         rest = usable[len(held) :]
         if client is None or not rest:
-            return 0
+            return task.dest
         client.refresh()
         if not client.directory.holders(rest[0]):
-            return 0
+            return task.dest
+        if task.read_path == DECODE_PATH and task.relay is not None:
+            return self._start_relay_load(task, held, usable)
         for b in held:  # keep the local prefix from being evicted by the allocation
             pool.acquire(b)
-        want = min(len(rest), pool.num_free - len(held))
-        blocks = pool.allocate(want) if want > 0 else []
-        n = 0
         try:
-            if blocks:
-                start = time.perf_counter()
-                n = client.load_into_cache(key, rest[:want], self.cache.kv_caches, blocks)
-                self.loop.emit(StoreLoad(n, time.perf_counter() - start))
-        except KVStoreError:
-            n = 0  # a broken transfer: recompute
+            want = min(len(rest), pool.num_free - len(held))
+            pin = client.pin_prefix(key, rest[:want]) if want > 0 else None
+            if pin is None:
+                return task.dest
+            blocks = pool.allocate(len(pin.offsets))
         finally:
-            k = len(held)
-            for i in range(n):
-                pool.register(blocks[i], rest[i], tokens[(k + i) * bs : (k + i + 1) * bs])
-            pool.release(blocks[::-1] + held[::-1])
-        return n
+            pool.release(held[::-1])
+        k = len(held)
+        mine = rest[: len(blocks)]
+        for i, b in enumerate(blocks):  # published now; ours (held) until the load is done
+            pool.register(b, mine[i], tokens[(k + i) * bs : (k + i + 1) * bs])
+        caches, storage = self.cache.kv_caches, self.storage
+
+        def read_layer(layer: int) -> int:
+            local, ranges = KVStoreClient.layer_ranges(caches, layer, pin.offsets, blocks)
+            return storage.read_ranges(pin.endpoint, local, ranges)
+
+        self.loader.start(
+            LayerLoad(
+                key,
+                len(caches),
+                read_layer,
+                on_done=lambda: self.loop.post(self._reap_loads_later),
+                context=(pin, blocks, mine),
+                blocks=frozenset(blocks),
+            )
+        )
+        return task.dest
+
+    def _start_relay_load(
+        self, task: PrefillTask, held: list[int], usable: list[int]
+    ) -> KVDestination:
+        """DualPath's decode read path: the decode replica reads the stored prefix (blocks
+        ``[0, m)``, Full Blocks) into the request's reserved blocks there; this replica
+        reads blocks ``[k, m)`` beyond its own prefix from them layer by layer over the
+        compute path while the prefill runs, and streams only blocks from ``m`` on."""
+        client, pool, bs = self.client, self.controller.pool, self.block_size
+        assert client is not None
+        tokens = task.request.prompt_token_ids
+        _, m = client.directory.best_holder(usable)
+        k = len(held)
+        dest = task.dest
+        m = min(m, len(dest.block_ids))
+        for b in held:
+            pool.acquire(b)
+        try:
+            n = min(m - k, pool.num_free - k)
+            if n <= 0:
+                return dest
+            blocks = pool.allocate(n)
+        finally:
+            pool.release(held[::-1])
+        m = k + n
+        mine = usable[k:m]
+        for i, b in enumerate(blocks):
+            pool.register(b, mine[i], tokens[(k + i) * bs : (k + i + 1) * bs])
+        relayed = task.relay.load_prefix.remote(task.key, usable[:m], list(dest.block_ids[:m]))
+        caches, compute, heads = self.cache.kv_caches, self.compute, self.streamer.held
+        relay_blocks = list(dest.block_ids[k:m])
+
+        def read_layer(layer: int) -> int:
+            if layer == 0:
+                got = ray.get(relayed)
+                if got < m:
+                    raise KVStoreError(f"the decode replica loaded {got} of {m} blocks")
+            kv = caches[layer]
+            local = LocalMemory(kv[0], kv[1])
+            piece = local.sizes[0] // kv[0].shape[0]
+            moved = 0
+            for target in dest.targets:
+                ranges = piece_ranges(
+                    target, layer, heads, heads, piece, local.starts[1], blocks, relay_blocks
+                )
+                if ranges:
+                    moved += compute.read_ranges(target.endpoint, local, ranges)
+            return moved
+
+        self.loader.start(
+            LayerLoad(
+                task.key,
+                len(caches),
+                read_layer,
+                on_done=lambda: self.loop.post(self._reap_loads_later),
+                context=(None, blocks, mine),
+                blocks=frozenset(blocks),
+            )
+        )
+        return dataclasses.replace(dest, held_blocks=m)
+
+    def _reap_loads_later(self) -> None:
+        self._reap_loads()
+
+    def _reap_loads(self) -> set[str]:
+        """Finish the loads whose every layer is in (loop thread): unpin, hand their blocks
+        to the prefix cache; a failed one's blocks are unpublished and every request that
+        may have read them starts again. Returns the keys started again."""
+        client, pool = self.client, self.controller.pool
+        restarted: set[str] = set()
+        for load in self.loader.take_finished():
+            pin, blocks, mine = load.context  # pin None: read from a decode replica
+            if client is not None and pin is not None:
+                client.unpin(pin)
+            if load.error is None:
+                self.loaded_blocks += len(blocks)
+                self.loop.emit(StoreLoad(len(blocks), load.seconds))
+                pool.release(blocks[::-1])
+                continue
+            if client is not None and pin is not None:
+                client.mark_dead(pin.shard_id)
+            for b in blocks:
+                pool.unregister(b)
+            pool.release(blocks[::-1])
+            bad = set(mine)
+            for key, task in list(self._tasks.items()):
+                if bad.intersection(task.request.block_hashes):
+                    self._drop(key)
+                    # again on the prefill path: streams the whole prompt (a dead relay's
+                    # reservation fails the stream, and the Conductor places it again)
+                    again = dataclasses.replace(task, read_path=PREFILL_PATH, relay=None)
+                    self._start(again)
+                    restarted.add(key)
+        return restarted
 
     def _store_shard(self, wanted: str | None = None) -> str | None:
         """``wanted`` if it is live, else a live shard on this node, else any."""

@@ -37,6 +37,9 @@ class StoreConfig:
     ssd_bytes: int = 0
     ssd_dir: str | None = None  # a folder per shard is made under it
     num_shards: int = 1
+    # decode replicas write each block back as it fills (DualPath), so a later turn of a
+    # conversation hits its own previous answer; needs decode replicas with tp=spp=1
+    write_back: bool = False
 
 
 class PDStore:

@@ -45,6 +45,7 @@ from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from policies.sequence import FinishReason, Sequence
 from policies.slack import Deadlines, make_ordering
 from store.block_pool import BlockPool
+from store.hashing import extend_block_hashes
 from store.kv_manager import KVCacheManager
 from store.kv_sharded_manager import ShardedKVManager
 
@@ -301,6 +302,29 @@ class ReplicaController:
         result = StepResult(-1, {request_id: first_token}, logprobs=logprobs)
         (delta,) = self._postprocess(admitted, result)
         return delta
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of a request's block ids (KV-parallel replicas: ``[]``)."""
+        if isinstance(self.kv, ShardedKVManager):
+            return []
+        return list(self.kv.block_table(request_id))
+
+    def computed_full_blocks(
+        self, request_id: str, table: list[int] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """``(chained hashes, block ids)`` of a request's full blocks whose KV is computed
+        (prompt blocks a decode replica received count), block 0 first; ``([], [])`` for an
+        unknown request or a KV-parallel replica. Lets a decode replica write them back.
+        ``table``: the request's block ids taken before the step that finished it (which
+        freed them; their KV stays intact until the next step allocates)."""
+        r = self._requests.get(request_id)
+        if r is None or isinstance(self.kv, ShardedKVManager):
+            return [], []
+        seq, bs = r.seq, self.block_size
+        table = table if table is not None else self.kv.block_table(request_id)
+        full = min(seq.num_computed_tokens // bs, len(table))
+        extend_block_hashes(seq.block_hashes, seq.token_ids[: full * bs], bs, seq.salt)
+        return list(seq.block_hashes[:full]), list(table[:full])
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, FinishReason.ABORT, time.monotonic())

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -51,6 +52,16 @@ from store.transfer import Endpoint, LocalMemory, TransferEngine
 
 DEAD = (RayActorError, ActorUnavailableError)
 LOG_LIMIT = 100_000  # events a shard keeps for directory readers
+
+
+@dataclass(frozen=True)
+class StorePin:
+    """A stored prefix pinned for reading: its shard and the blocks' offsets there."""
+
+    shard_id: str
+    pin_id: str
+    endpoint: Endpoint
+    offsets: list[int]
 
 
 def current_node_id() -> str:
@@ -403,6 +414,45 @@ class KVStoreClient:
                 continue  # another holder may have the prefix; else a miss
             return len(locs)  # fewer than n: evicted since (refresh() catches up) or
             # DRAM full of pinned blocks; either way the rest is a miss for this call
+
+    # -- per-layer reads (the caller copies, layer by layer, while the prefix is pinned) --
+    def pin_prefix(self, request_id: str, hashes: list[int]) -> StorePin | None:
+        """Pin the longest stored prefix of ``hashes`` on its best live holder (None: a
+        miss). The blocks stay in that shard's DRAM until ``unpin``."""
+        while True:
+            shard_id, n = self.directory.best_holder(hashes)
+            if shard_id is None or n == 0:
+                return None
+            handle = self.handles[shard_id]
+            pin_id = f"{request_id}#{next(self._ids)}"
+            try:
+                locs: list[BlockLocation] = ray.get(handle.acquire.remote(pin_id, hashes[:n]))
+            except DEAD:
+                self.mark_dead(shard_id)
+                continue
+            if not locs:
+                handle.release.remote(pin_id)
+                return None
+            return StorePin(shard_id, pin_id, self.endpoints[shard_id], [x.offset for x in locs])
+
+    def unpin(self, pin: StorePin) -> None:
+        handle = self.handles.get(pin.shard_id)
+        if handle is not None:
+            handle.release.remote(pin.pin_id)  # a dead shard's pins died with it
+
+    @staticmethod
+    def layer_ranges(
+        kv_caches: KVCaches, layer: int, offsets: list[int], block_ids: list[int]
+    ) -> tuple[LocalMemory, list[tuple[int, int, int]]]:
+        """The registered cache and the ranges that move layer ``layer``'s K and V of the
+        stored blocks at ``offsets`` into cache blocks ``block_ids`` (same order)."""
+        pieces, num_blocks, piece = KVStoreClient._cache_geometry(kv_caches)
+        local = KVStoreClient._register_cache(kv_caches)
+        ranges = []
+        for off, b in zip(offsets, block_ids, strict=True):
+            per = KVStoreClient._cache_ranges(pieces, num_blocks, piece, b, off)
+            ranges += per[2 * layer : 2 * layer + 2]
+        return local, ranges
 
     # -- replicas --------------------------------------------------------------------------
     def change_replica(

@@ -13,7 +13,7 @@ where it runs.
     tcp       across nodes: plain sockets to the remote's TcpServer
     nccl      GPU clusters (slot)
     mooncake  Mooncake transfer engine, RDMA (slot)
-    nixl      NVIDIA NIXL, RDMA (slot)
+    nixl      NVIDIA NIXL over UCX (RDMA on a cluster); used across nodes when installed
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _REGISTRY: dict[str, str] = {
     "tcp": "store.transfer.tcp_backend:TcpBackend",
     "nccl": "store.transfer.gpu_backends:NcclBackend",
     "mooncake": "store.transfer.gpu_backends:MooncakeBackend",
-    "nixl": "store.transfer.gpu_backends:NixlBackend",
+    "nixl": "store.transfer.nixl_backend:NixlBackend",
 }
 
 

@@ -58,6 +58,8 @@ class Endpoint:
     tcp_host: str | None = None  # where a TcpServer serves the segment, if any
     tcp_port: int | None = None
     token: str = ""  # the TcpServer's shared secret
+    nixl_meta: bytes | None = None  # the owner's NIXL agent metadata, if it serves NIXL
+    nixl_base: int = 0  # the segment's address in the owner's process (NIXL descriptors)
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:

@@ -19,7 +19,8 @@ integer arithmetic plus the copies (see ``endpoint.py``). The runtime's KV moves
 Choice, per remote endpoint: the first name in ``prefer`` (asking for a backend that cannot
 run here raises ``BackendUnavailableError``: an explicit request is not silently dropped);
 else ``shm`` when the remote is on the same node and its segment can be mapped here; else
-``tcp`` when the remote serves TCP; else a clear error. An endpoint that owns a ``segment``
+``nixl`` when the remote serves NIXL and NIXL is installed here; else ``tcp`` when the
+remote serves TCP; else a clear error. An endpoint that owns a ``segment``
 serves it over TCP only with ``serve_tcp=True`` (shards do; a worker that only pulls and
 pushes does not need to).
 """
@@ -32,6 +33,7 @@ from store.kv_store_errors import BackendUnavailableError, TransferError
 from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
 from store.transfer.backend import TransferBackend, create_backend
 from store.transfer.endpoint import CopyOps, Endpoint, LocalMemory, Ranges
+from store.transfer.nixl_backend import NixlBackend, NixlServer
 from store.transfer.shm_backend import ShmBackend
 from store.transfer.tcp_backend import TcpServer
 
@@ -48,7 +50,10 @@ class TransferEngine:
         advertise_host: str | None = None,
         prefer: Sequence[str] = (),
         shm_dir: str = DEFAULT_SHM_DIR,
+        serve_nixl: bool | None = None,
     ) -> None:
+        """``serve_nixl``: also serve the segment through a NIXL agent (None: when
+        ``serve_tcp`` and NIXL is installed); peers on other nodes then use NIXL."""
         if not endpoint_id or not node_id:
             raise ValueError("endpoint_id and node_id must be non-empty")
         if serve_tcp and segment is None:
@@ -58,6 +63,11 @@ class TransferEngine:
         self.shm_dir = shm_dir
         self._server = TcpServer(segment.array, host=tcp_host) if serve_tcp and segment else None
         server = self._server
+        if serve_nixl is None:
+            serve_nixl = serve_tcp and NixlBackend.available()
+        if serve_nixl and segment is None:
+            raise ValueError("serve_nixl=True needs a segment to serve")
+        self._nixl = NixlServer(segment.array, endpoint_id) if serve_nixl and segment else None
         self.endpoint = Endpoint(
             endpoint_id=endpoint_id,
             node_id=node_id,
@@ -66,6 +76,8 @@ class TransferEngine:
             tcp_host=(advertise_host or server.host) if server else None,
             tcp_port=server.port if server else None,
             token=server.token if server else "",
+            nixl_meta=self._nixl.metadata if self._nixl else None,
+            nixl_base=self._nixl.base if self._nixl else 0,
         )
         self._backends: dict[str, TransferBackend] = {}
         self._choice: dict[str, str] = {}  # remote endpoint id -> backend name
@@ -100,6 +112,8 @@ class TransferEngine:
                 name = "shm"
             except TransferError:  # same node id but the segment is not visible here
                 name = None
+        if name is None and remote.nixl_meta is not None and NixlBackend.available():
+            name = "nixl"
         if name is None and remote.tcp_address is not None:
             name = "tcp"
         if name is None:
@@ -151,3 +165,6 @@ class TransferEngine:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None

@@ -1,4 +1,5 @@
-"""Slots for GPU-cluster backends: NCCL, Mooncake's transfer engine, NVIDIA NIXL.
+"""Slots for GPU-cluster backends: NCCL and Mooncake's transfer engine (NIXL is wired:
+``nixl_backend.py``).
 
 Each is registered under its name so a deployment config can ask for it; constructing one
 checks its package first and raises ``BackendUnavailableError`` saying what to install, or,
@@ -7,8 +8,7 @@ implementing ``read``/``write`` of ``(remote offset, local buffer)`` ops and
 ``read_ranges``/``write_ranges`` of ``(remote offset, local offset, nbytes)`` ranges of a
 registered ``LocalMemory`` against the remote endpoint's registered memory (Mooncake:
 ``TransferEngine.register_memory`` on the shard's segment and on the local memory, then
-``batch_transfer_sync_read``/``batch_transfer_sync_write``; NIXL: register the segment with
-a ``nixl_agent`` and post READ/WRITE transfers; NCCL: paired ``send``/``recv`` between
+``batch_transfer_sync_read``/``batch_transfer_sync_write``; NCCL: paired ``send``/``recv`` between
 the two processes, which needs both sides to take part). The same-node ``shm`` and
 cross-node ``tcp`` backends need nothing beyond the standard library.
 """
@@ -90,9 +90,3 @@ class MooncakeBackend(_SlotBackend):
     name = "mooncake"
     package = "mooncake"
     install_hint = "pip package mooncake-transfer-engine; needs the CUDA driver and RDMA NICs"
-
-
-class NixlBackend(_SlotBackend):
-    name = "nixl"
-    package = "nixl"
-    install_hint = "pip package nixl; needs UCX and RDMA NICs"

@@ -15,7 +15,7 @@ from store.kv_store_errors import BackendUnavailableError, InvalidBlockError, Tr
 from store.shared_segment import SharedSegment
 from store.transfer import Endpoint, LocalMemory, TransferBackend, TransferEngine
 from store.transfer.endpoint import CopyOps, normalize_ops, normalize_ranges
-from store.transfer.gpu_backends import MooncakeBackend, NcclBackend, NixlBackend
+from store.transfer.gpu_backends import MooncakeBackend, NcclBackend
 
 SEG = 1 << 20
 BACKENDS = [((), "shm"), (("tcp",), "tcp")]
@@ -29,7 +29,7 @@ def payload(n: int, seed: int = 0) -> np.ndarray:
 def owner():
     seg = SharedSegment.create(SEG)
     seg.array[:] = payload(SEG, 9)
-    engine = TransferEngine("owner", "node-a", seg, serve_tcp=True)
+    engine = TransferEngine("owner", "node-a", seg, serve_tcp=True, serve_nixl=False)
     yield seg, engine
     engine.close()
     seg.close()
@@ -279,7 +279,7 @@ def test_backends_without_ranges_get_them_as_ops():
 
 
 def test_gpu_slots_refuse_ranges_with_their_clear_error():
-    for cls in (NcclBackend, MooncakeBackend, NixlBackend):
+    for cls in (NcclBackend, MooncakeBackend):
         with pytest.raises(BackendUnavailableError, match=cls.name):
             TransferEngine("c", "n", prefer=[cls.name])
         slot = object.__new__(cls)  # never built for real: construction refuses

@@ -1,0 +1,189 @@
+"""DualPath, live on the CPU engine: does a multi-turn agentic workload finish sooner when
+stored prefixes are read through both the prefill and the decode side's storage links than
+through the prefill side's alone? And do model-execution messages keep their latency
+while KV transfers fill a link?
+
+Workload (agentic, shaped like the paper's at toy scale): ``--conversations`` conversations
+of ``--turns`` turns; turn 1 is a ``--first``-token prompt, every later turn is the whole
+previous context, the previous answer and a ``--append``-token message; answers are
+``--output`` tokens (greedy). All conversations' turn t run together; before each turn
+the prefill replica forgets its own prefix cache (as a prefill engine's HBM would not
+hold them), so every reused prefix comes from the KV store, where decode replicas wrote
+each block back as it filled (``StoreConfig(write_back=True)``).
+
+Links: every replica stands for its own node, with a storage link of ``--storage-mbps``
+and a compute link of ``--compute-mbps`` (token buckets: ``store.transfer.links``). One
+prefill and one decode replica (tiny dense model, fp32, block 16). Two deployments,
+interleaved (A, B, A, B, ...), medians reported:
+
+- prefill-path: every stored prefix is read through the prefill replica's storage link;
+- dual-path: per request, the side with the shorter read queue (``read_path="dual"``):
+  the decode replica's reads go storage -> its cache -> the prefill replica, layer by
+  layer, over the compute link.
+
+Completion time is from turn 2's start to the last turn's end (turn 1 reads nothing).
+Tokens must be identical in every run.
+
+Model-execution messages: on one emulated compute link, 16 KB messages every 5 ms while
+four threads push KV through it; the message latency is measured with the two traffic
+classes (messages first) and with messages queued as KV (no classes), against the idle
+link. This is the link alone, not the engine's collectives (a tp=1 CPU replica has none).
+
+The last line is ``completion-time prefill-path/dual-path: <ratio>``.
+
+    python bench/dualpath.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from actors.disagg.cluster import PDCluster  # noqa: E402
+from actors.disagg.store_view import StoreConfig  # noqa: E402
+from actors.engine.sampling import SamplingParams  # noqa: E402
+from store.transfer.links import EXEC, KV, Link, LinkBudget  # noqa: E402
+
+ENGINE = dict(block_size=16, num_blocks=1024, chunk_size=256, token_budget=512)
+
+
+def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, list, dict]:
+    """One deployment through the whole workload: (completion time of turns 2.., every
+    answer, counters)."""
+    budget = LinkBudget(
+        storage_bps=args.storage_mbps * 1e6,
+        compute_bps=args.compute_mbps * 1e6,
+        chunk_bytes=16 << 10,
+    )
+    pd = PDCluster(
+        None,
+        store=StoreConfig(dram_bytes=256 << 20, write_back=True),
+        read_path=read_path,
+        prefill_replica_options={"link_budget": budget},
+        decode_replica_options={"link_budget": budget},
+        fit_costs=False,
+        **ENGINE,
+    )
+    rng = random.Random(args.seed)
+    contexts = [
+        [rng.randrange(3, 500) for _ in range(args.first)] for _ in range(args.conversations)
+    ]
+    params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    answers: list[list[int]] = []
+    cached = 0
+    start = 0.0
+    try:
+        for turn in range(args.turns):
+            if turn == 1:
+                start = time.perf_counter()
+            ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
+            outs = pd.generate(prompt_token_ids=contexts, sampling_params=params)
+            for i, out in enumerate(outs):
+                answers.append(out.token_ids)
+                if turn > 0:
+                    cached += out.num_cached_tokens
+                append = [rng.randrange(3, 500) for _ in range(args.append)]
+                contexts[i] = contexts[i] + out.token_ids + append
+        seconds = time.perf_counter() - start
+        decode_loaded = sum(
+            ray.get(h.report.remote(0.0)).stats.loaded_blocks for h in pd.decodes.values()
+        )
+        counters = {
+            "paths": dict(pd.path_counts),
+            "cached_tokens": cached,
+            "prefill_loaded": sum(s.loaded_blocks for s in pd.prefill_stats().values()),
+            "decode_loaded": decode_loaded,
+        }
+    finally:
+        pd.shutdown()
+    return seconds, answers, counters
+
+
+def message_latency(classes: bool, load: bool, seconds: float = 1.5) -> float:
+    """Median latency (ms) of 16 KB messages every 5 ms on a 20 MB/s link, with four KV
+    streams pushing through it (``load``), as EXEC (``classes``) or queued as KV."""
+    link = Link("compute", 20e6, burst_bytes=64 << 10, chunk_bytes=16 << 10, kv_floor=0.01)
+    stop = threading.Event()
+    payload = bytearray(16 << 10)
+    sink = bytearray(16 << 10)
+
+    def kv_stream() -> None:
+        while not stop.is_set():
+            link.acquire(len(payload), KV)
+            sink[:] = payload  # the real copy
+
+    threads = [threading.Thread(target=kv_stream) for _ in range(4 if load else 0)]
+    for t in threads:
+        t.start()
+    latencies = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        link.send(16 << 10, EXEC if classes else KV)
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.005)
+    stop.set()
+    for t in threads:
+        t.join()
+    return statistics.median(latencies) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first", type=int, default=500)
+    p.add_argument("--append", type=int, default=48)
+    p.add_argument("--output", type=int, default=16)
+    p.add_argument("--storage-mbps", type=float, default=1.0, help="MB/s per storage link")
+    p.add_argument("--compute-mbps", type=float, default=16.0, help="MB/s per compute link")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    times: dict[str, list[float]] = {"prefill": [], "dual": []}
+    reference: list | None = None
+    for r in range(args.repeats):
+        for path in ("prefill", "dual"):  # interleaved: A, B, A, B, ...
+            seconds, answers, counters = conversation_run(args, path)
+            if reference is None:
+                reference = answers
+            if answers != reference:
+                raise SystemExit(f"tokens differ on the {path} path (repeat {r})")
+            times[path].append(seconds)
+            print(f"repeat {r} {path:7s}: {seconds:6.2f} s  {counters}", flush=True)
+    ray.shutdown()
+
+    print("\nmodel-execution message latency (ms, 16 KB every 5 ms on a 20 MB/s link):")
+    lat: dict[str, list[float]] = {
+        "idle link": [],
+        "under KV, classes": [],
+        "under KV, no classes": [],
+    }
+    for _ in range(2):  # interleaved
+        lat["idle link"].append(message_latency(classes=True, load=False))
+        lat["under KV, classes"].append(message_latency(classes=True, load=True))
+        lat["under KV, no classes"].append(message_latency(classes=False, load=True))
+    for name, values in lat.items():
+        print(f"  {name:22s} median {statistics.median(values):7.2f}")
+
+    pp, dp = statistics.median(times["prefill"]), statistics.median(times["dual"])
+    print(
+        f"\nmedian completion time (turns 2..{args.turns}): prefill-path {pp:.2f} s, "
+        f"dual-path {dp:.2f} s over {args.repeats} interleaved pairs"
+    )
+    print(f"completion-time prefill-path/dual-path: {pp / dp:.2f}")
+
+
+if __name__ == "__main__":
+    main()
