@@ -20,7 +20,7 @@ Pure: stdlib only, deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Protocol
 
 from policies.prefix_trie import PrefixTrie
@@ -87,19 +87,12 @@ class CachedPrefixChoice:
         known: Sequence[str],
         outstanding: Mapping[str, int],
     ) -> tuple[str, int] | None:
-        if not candidates:
-            return None
         empty: Set[int] = frozenset()
-        scored = [
-            (
-                -cached_prefix_blocks(block_hashes, self.cached.get(c, empty)),
-                outstanding.get(c, 0),
-                k,
-            )
-            for k, c in enumerate(candidates)
-        ]
-        best = min(scored)
-        return candidates[best[2]], -best[0]
+        return _most_blocks(
+            candidates,
+            lambda c: cached_prefix_blocks(block_hashes, self.cached.get(c, empty)),
+            outstanding,
+        )
 
     def record(self, block_hashes: Sequence[int], target: str) -> None:
         """Nothing: the replica's own events will say what it stored."""
@@ -121,12 +114,8 @@ class MeasuredPrefixChoice:
         known: Sequence[str],
         outstanding: Mapping[str, int],
     ) -> tuple[str, int] | None:
-        if not candidates:
-            return None
         lengths = self.measured.pop(request_id, {})
-        scored = [(-lengths.get(c, 0), outstanding.get(c, 0), k) for k, c in enumerate(candidates)]
-        best = min(scored)
-        return candidates[best[2]], -best[0]
+        return _most_blocks(candidates, lambda c: lengths.get(c, 0), outstanding)
 
     def record(self, block_hashes: Sequence[int], target: str) -> None:
         """Nothing: the replica's own events will say what it stored."""
@@ -163,3 +152,14 @@ class SessionHashChoice:
 
     def forget(self, target: str) -> None:
         pass
+
+
+def _most_blocks(
+    candidates: Sequence[str], blocks: Callable[[str], int], outstanding: Mapping[str, int]
+) -> tuple[str, int] | None:
+    """``(target, its blocks)``: the candidate with the most matched blocks, then the fewest
+    outstanding pushes, then the earliest in preference order; None without candidates."""
+    if not candidates:
+        return None
+    best = min((-blocks(c), outstanding.get(c, 0), k) for k, c in enumerate(candidates))
+    return candidates[best[2]], -best[0]

@@ -49,6 +49,17 @@ _DEATH = (
 CHANNEL_BYTES = 1 << 24
 
 
+def teardown_quietly(graph: Any) -> None:
+    """Tear a compiled graph down (None: nothing to do), leaving its actors alive; a dead
+    actor may make the teardown fail, which leaves nothing to tear down."""
+    if graph is None:
+        return
+    try:
+        graph.teardown(kill_actors=False)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class RayExecutor:
     def __init__(
         self,
@@ -187,12 +198,8 @@ class RayExecutor:
         self._teardown()
 
     def _teardown(self) -> None:
-        if self._graph is not None:
-            graph, self._graph = self._graph, None
-            try:
-                graph.teardown(kill_actors=False)
-            except Exception:  # noqa: BLE001 - a dead actor may make teardown fail
-                pass
+        graph, self._graph = self._graph, None
+        teardown_quietly(graph)
 
     def restart(self) -> None:
         self._kill()

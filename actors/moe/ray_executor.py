@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from actors.engine.executor import WorkerFailure
-from actors.engine.ray_executor import _DEATH, CHANNEL_BYTES
+from actors.engine.ray_executor import _DEATH, CHANNEL_BYTES, teardown_quietly
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.moe.executor import MoEExecutorBase
 from actors.moe.messages import MoESpec
@@ -160,12 +160,8 @@ class RayMoEExecutor(MoEExecutorBase):
         self._teardown()
 
     def _teardown(self) -> None:
-        if self._graph is not None:
-            graph, self._graph = self._graph, None
-            try:
-                graph.teardown(kill_actors=False)
-            except Exception:  # noqa: BLE001 - a dead actor may make teardown fail
-                pass
+        graph, self._graph = self._graph, None
+        teardown_quietly(graph)
 
     def restart(self) -> None:
         self._kill()
