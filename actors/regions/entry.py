@@ -113,7 +113,13 @@ class RegionEntry:
             try:
                 if target != region:
                     await self.balancers[target].adopt.remote(region)
-                return await self.balancers[target].place.remote(request)
+                answer = await self.balancers[target].place.remote(request)
+                if target != region and self.stand_in.get(region) != target:
+                    # the home balancer came back (and released the stand-in) while this
+                    # adopt was in flight: release again, or the stand-in keeps the region
+                    with contextlib.suppress(Exception):
+                        await self.balancers[target].release.remote(region)
+                return answer
             except Exception:
                 if target not in self.down:
                     self.failovers += 1
