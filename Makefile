@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/serve run serve_app:app
+	RAY_worker_niceness=0 $(VENV)/bin/serve run serve_app:app
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

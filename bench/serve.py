@@ -286,7 +286,13 @@ def serve_app(app_args: dict[str, Any], env: dict[str, str]) -> Iterator[str]:
     os.environ.update(env)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
-        num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env}
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+        # Ray starts workers at nice 15; the replica engine runs at the same priority as the
+        # in-process engine and the peer server, not below the bench client.
+        _system_config={"worker_niceness": 0},
     )
     try:
         from serve_app import build_app
