@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +25,15 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
 
-from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused
+from actors.engine.events import Accepted, Delta, Done, Event, Failed
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
-from actors.regions.entry import RegionEntry
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
-from actors.serving.replay import ReplayDiverged, StreamLedger
-from actors.serving.router import own_request_id
+from actors.serving.relay import ReplicaRelay, retry_after_header
 from errors import (
     ContextLengthError,
     EngineUnavailableError,
@@ -49,13 +44,9 @@ from errors import (
 from models import load_tokenizer, read_model_config, tiny_model_dir
 from policies.api_keys import KeyRing
 from policies.rate_limit import RateLimited, RateLimiter
-from policies.region_balancer import BalancedRequest
 from policies.request import Request, SamplingParams
-from policies.routing import RouteRequest
 
 log = logging.getLogger(__name__)
-MAX_ATTEMPTS = 3  # per prompt: the first run and two replays on another replica
-REPLICA_GONE = (RayActorError, ActorUnavailableError)  # the replica died mid-request
 app = FastAPI(title="Meridian", docs_url=None, redoc_url=None)
 
 
@@ -69,24 +60,6 @@ class _Prepared:
         self.reserved = 0  # tokens taken from the key's tokens_per_minute, settled at the end
 
 
-@dataclass(frozen=True)
-class _Placed:
-    """Where a region balancer placed one attempt of a prompt."""
-
-    request_id: str
-    replica_id: str
-    group: str
-    region: str  # the region that serves it (the client's, or a peer's)
-    delay: float  # one-way injected delay to that region, seconds
-
-
-def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
-    """Whole seconds, rounded up, at least 1; the config's default when none was given."""
-    if seconds is None:
-        return str(cfg.limits.retry_after_s)
-    return str(max(1, math.ceil(seconds)))
-
-
 @serve.ingress(app)
 class Ingress:
     def __init__(
@@ -97,12 +70,7 @@ class Ingress:
         balancers: dict[str, Any] | None = None,  # region -> its balancer (regions section)
     ) -> None:
         self.cfg = ServeConfig.model_validate(config)
-        self.balancers = balancers or {}
-        self.entry = (
-            RegionEntry(self.balancers, self.cfg.regions.delays())
-            if self.balancers and self.cfg.regions
-            else None
-        )
+        self.relay = ReplicaRelay(self.cfg, router, replicas, balancers)
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
         positions = read_model_config(model_dir).max_position_embeddings
@@ -136,8 +104,9 @@ class Ingress:
             except Exception:  # down, or restarting
                 return {"region": region, "unreachable": True}
 
-        stats = await asyncio.gather(*(one(r, b) for r, b in self.balancers.items()))
-        failovers = self.entry.failovers if self.entry else 0
+        relay = self.relay
+        stats = await asyncio.gather(*(one(r, b) for r, b in relay.balancers.items()))
+        failovers = relay.entry.failovers if relay.entry else 0
         return JSONResponse({"regions": list(stats), "failovers": failovers})
 
     @app.get("/v1/models")
@@ -184,7 +153,7 @@ class Ingress:
 
         async def one(request: Request) -> RequestOutput:
             outs: list[Any] = [None]
-            async for item in self._start([request], None, region):
+            async for item in self.relay.start([request], None, region):
                 if isinstance(item, Done):
                     outs[0] = item.output
                 elif isinstance(item, Failed):
@@ -222,7 +191,7 @@ class Ingress:
             self._reserve(tenant, prep)
             session = prep.req.session_id or prep.req.user
             region = request.headers.get("x-meridian-region")
-            streams = [self._start(choices, session, region) for choices in prep.prompts]
+            streams = [self.relay.start(choices, session, region) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.
             firsts = [await anext(s) for s in streams]
             assert all(isinstance(f, Accepted) for f in firsts)
@@ -356,135 +325,6 @@ class Ingress:
             raise oai.APIError(422, "the body must be a JSON object", "body")
         return raw
 
-    async def _start(
-        self, choices: list[Request], session: str | None, region: str | None = None
-    ) -> AsyncIterator[Accepted | Event]:
-        """Route one prompt (the built request of each of its choices) and relay its replica
-        stream; the first item is ``Accepted``.
-
-        A replica that dies mid-request (or fails a choice retriably) costs a replay, not
-        the request: the prompt is routed again, up to ``MAX_ATTEMPTS`` in all, and the
-        replay continues each stream where its consumer stopped (``StreamLedger``: no
-        token twice, and a replay that differs ends its choices with a retriable error).
-        With regions, each attempt's balancer hears when it prefilled and when it ended.
-
-        Raises APIError (before the first yield) when the replica refuses it."""
-        gen, first, placed = await self._open(choices, session, region)
-        yield first
-        ledger = StreamLedger(len(choices))
-        attempt = 1
-        while True:
-            reason = None
-            prefilled = placed is None
-            try:
-                async for batch in gen:  # the replica sends its events in lists
-                    for item in batch:
-                        if not prefilled and isinstance(item, Delta) and item.delta.token_ids:
-                            prefilled = True
-                            assert placed is not None
-                            await asyncio.sleep(placed.delay)  # the way back
-                            await self._report(placed, "prefilled")
-                        if isinstance(item, Failed) and item.retriable and attempt < MAX_ATTEMPTS:
-                            reason = item.message
-                            break
-                        passed = ledger.admit(item)
-                        if passed is not None:
-                            yield passed
-                    if reason is not None:
-                        break
-            except REPLICA_GONE as e:
-                if attempt >= MAX_ATTEMPTS:
-                    raise
-                reason = f"{type(e).__name__}: {e}"
-            except ReplayDiverged as e:
-                for i in ledger.open_choices():
-                    yield Failed(i, f"{e}; retry the request")
-                return
-            finally:
-                gen.cancel()  # no-op when finished; aborts the replica's request otherwise
-                if placed is not None:
-                    await self._report(placed, "finished")
-            if reason is None or not ledger.open_choices():
-                return
-            attempt += 1
-            log.warning("replaying request %s (attempt %d): %s", first, attempt, reason)
-            retry = [c.with_id(f"{c.request_id}#{attempt}") for c in choices]
-            try:
-                gen, _, placed = await self._open(retry, session, region)
-            except oai.APIError as e:
-                for i in ledger.open_choices():
-                    yield Failed(i, f"its replica failed and a retry was refused: {e.message}")
-                return
-            ledger.begin_replay()
-
-    async def _open(
-        self, choices: list[Request], session: str | None, region: str | None
-    ) -> tuple[Any, Accepted, _Placed | None]:
-        """Route the choices of one prompt (through the client's region balancer when the
-        config has regions) and start them on a replica: (its event stream, its
-        ``Accepted``, where a balancer placed it). Raises APIError when refused."""
-        first_choice = choices[0]
-        placed = await self._place(first_choice, session, region) if self.balancers else None
-        if placed is None:
-            route_req = RouteRequest(
-                first_choice.request_id,
-                first_choice.block_hashes,
-                first_choice.num_prompt_tokens,
-                session,
-            )
-            pairs = await self.router.route.remote(route_req)
-            group = pairs[0][1] if pairs else self.cfg.groups[0].name
-            ranking = [rid for rid, g in pairs if g == group]
-        else:  # a region's balancer queued it and chose the replica (maybe in a peer region)
-            group, ranking = placed.group, [placed.replica_id]
-            await asyncio.sleep(placed.delay)  # the injected way to the serving region
-        payload = {"requests": choices, "ranking": ranking}
-        with own_request_id():  # concurrent prompts of one request must not share one id
-            gen = self.replicas[group].options(stream=True).generate.remote(payload)
-        try:
-            first = await anext(gen)
-        except BaseException:
-            gen.cancel()
-            if placed is not None:
-                await self._report(placed, "finished")
-            raise
-        if isinstance(first, Refused):
-            if placed is not None:
-                await self._report(placed, "finished")
-            headers = None
-            if first.status == 429:
-                headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
-            param = "prompt" if first.status == 400 else None
-            raise oai.APIError(first.status, first.message, param, headers=headers)
-        return gen, first, placed
-
-    async def _place(self, request: Request, session: str | None, region: str | None) -> _Placed:
-        """Where the client's region balancer (``X-Meridian-Region``; default: the first
-        region) placed the request."""
-        assert self.entry is not None
-        region = region or self.entry.default_region
-        if region not in self.balancers:
-            raise oai.APIError(
-                400,
-                f"unknown region {region!r} in X-Meridian-Region; regions: "
-                f"{', '.join(self.balancers)}",
-                "X-Meridian-Region",
-            )
-        meta = BalancedRequest(
-            request.request_id,
-            tuple(request.block_hashes),
-            time.monotonic(),
-            session,
-            request.tenant,
-            region,
-        )
-        replica_id, group, served_in, delay = await self.entry.place(meta, region)
-        return _Placed(request.request_id, replica_id, group, served_in, delay)
-
-    async def _report(self, placed: _Placed, event: str) -> None:
-        assert self.entry is not None
-        await self.entry.report(placed.region, event, placed.request_id)
-
     async def _collect(
         self, prep: _Prepared, streams: list[AsyncIterator[Accepted | Event]], chat: bool
     ) -> dict[str, Any]:
@@ -548,26 +388,35 @@ class Ingress:
         completion, cached, live = 0, 0, len(streams)
         try:
             while live:
-                pi, item = await q.get()
-                if item is None:
-                    live -= 1
-                elif isinstance(item, Delta):
-                    idx, d = pi * n + item.index, item.delta
-                    first = idx not in started
-                    if not (first or d.text or d.finished or want_ids or d.logprobs):
-                        continue  # a token that completes no character yet: nothing to send
-                    started.add(idx)
-                    reason = oai.finish_reason(d.finish_reason) if d.finished else None
-                    ids = d.token_ids if want_ids else None
-                    lps = self._logprobs(prep, d.logprobs, chat, offsets, idx)
-                    yield chunk([oai.chunk_choice(idx, d.text, reason, chat, ids, first, lps)])
-                elif isinstance(item, Done):
-                    out = item.output
-                    completion += len(out.token_ids)
-                    cached += out.num_cached_tokens if item.index == 0 else 0
-                elif isinstance(item, Failed):
-                    err = oai.APIError(503, f"generation failed: {item.message}; retry the request")
-                    yield f"data: {json.dumps(err.body())}\n\n"
+                # Everything ready goes out in one body write: one SSE event per delta, one
+                # ASGI message (and one proxy hop) per batch the replica sent.
+                ready = [await q.get()]
+                while not q.empty():
+                    ready.append(q.get_nowait())
+                out: list[str] = []
+                for pi, item in ready:
+                    if item is None:
+                        live -= 1
+                    elif isinstance(item, Delta):
+                        idx, d = pi * n + item.index, item.delta
+                        first = idx not in started
+                        if not (first or d.text or d.finished or want_ids or d.logprobs):
+                            continue  # a token that completes no character yet: nothing to send
+                        started.add(idx)
+                        reason = oai.finish_reason(d.finish_reason) if d.finished else None
+                        ids = d.token_ids if want_ids else None
+                        lps = self._logprobs(prep, d.logprobs, chat, offsets, idx)
+                        out.append(
+                            chunk([oai.chunk_choice(idx, d.text, reason, chat, ids, first, lps)])
+                        )
+                    elif isinstance(item, Done):
+                        completion += len(item.output.token_ids)
+                        cached += item.output.num_cached_tokens if item.index == 0 else 0
+                    elif isinstance(item, Failed):
+                        msg = f"generation failed: {item.message}; retry the request"
+                        out.append(f"data: {json.dumps(oai.APIError(503, msg).body())}\n\n")
+                if out:
+                    yield "".join(out)
             opts = prep.req.stream_options
             if opts is not None and opts.include_usage:
                 prompt_tokens = sum(p[0].num_prompt_tokens for p in prep.prompts)

@@ -1,0 +1,198 @@
+"""From the ingress to a replica and back: route one prompt (through the client's region
+balancer when the config has regions, else the router's ranking), start its choices on the
+chosen replica and relay the replica's event stream, replaying the prompt on another
+replica when its replica dies mid-request (``StreamLedger``: every token at most once).
+
+    relay = ReplicaRelay(cfg, router, replicas, balancers)
+    stream = relay.start(choices, session, region)  # first item: Accepted, then events
+"""
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from actors.engine.events import Accepted, Delta, Event, Failed, Refused
+from actors.regions.entry import RegionEntry
+from actors.serving import openai_protocol as oai
+from actors.serving.config import ServeConfig
+from actors.serving.replay import ReplayDiverged, StreamLedger
+from actors.serving.router import own_request_id
+from policies.region_balancer import BalancedRequest
+from policies.request import Request
+from policies.routing import RouteRequest
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 3  # per prompt: the first run and two replays on another replica
+REPLICA_GONE = (RayActorError, ActorUnavailableError)  # the replica died mid-request
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where a region balancer placed one attempt of a prompt."""
+
+    request_id: str
+    replica_id: str
+    group: str
+    region: str  # the region that serves it (the client's, or a peer's)
+    delay: float  # one-way injected delay to that region, seconds
+
+
+def retry_after_header(seconds: float | None, cfg: ServeConfig) -> str:
+    """Whole seconds, rounded up, at least 1; the config's default when none was given."""
+    if seconds is None:
+        return str(cfg.limits.retry_after_s)
+    return str(max(1, math.ceil(seconds)))
+
+
+class ReplicaRelay:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        router: Any,
+        replicas: dict[str, Any],
+        balancers: dict[str, Any] | None = None,  # region -> its balancer (regions section)
+    ) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.replicas = replicas
+        self.balancers = balancers or {}
+        self.entry = (
+            RegionEntry(self.balancers, cfg.regions.delays())
+            if self.balancers and cfg.regions
+            else None
+        )
+
+    async def start(
+        self, choices: list[Request], session: str | None, region: str | None = None
+    ) -> AsyncIterator[Accepted | Event]:
+        """Route one prompt (the built request of each of its choices) and relay its replica
+        stream; the first item is ``Accepted``.
+
+        A replica that dies mid-request (or fails a choice retriably) costs a replay, not
+        the request: the prompt is routed again, up to ``MAX_ATTEMPTS`` in all, and the
+        replay continues each stream where its consumer stopped (``StreamLedger``: no
+        token twice, and a replay that differs ends its choices with a retriable error).
+        With regions, each attempt's balancer hears when it prefilled and when it ended.
+
+        Raises APIError (before the first yield) when the replica refuses it."""
+        gen, first, placed = await self._open(choices, session, region)
+        yield first
+        ledger = StreamLedger(len(choices))
+        attempt = 1
+        while True:
+            reason = None
+            prefilled = placed is None
+            try:
+                async for batch in gen:  # the replica sends its events in lists
+                    for item in batch:
+                        if not prefilled and isinstance(item, Delta) and item.delta.token_ids:
+                            prefilled = True
+                            assert placed is not None
+                            await asyncio.sleep(placed.delay)  # the way back
+                            await self._report(placed, "prefilled")
+                        if isinstance(item, Failed) and item.retriable and attempt < MAX_ATTEMPTS:
+                            reason = item.message
+                            break
+                        passed = ledger.admit(item)
+                        if passed is not None:
+                            yield passed
+                    if reason is not None:
+                        break
+            except REPLICA_GONE as e:
+                if attempt >= MAX_ATTEMPTS:
+                    raise
+                reason = f"{type(e).__name__}: {e}"
+            except ReplayDiverged as e:
+                for i in ledger.open_choices():
+                    yield Failed(i, f"{e}; retry the request")
+                return
+            finally:
+                gen.cancel()  # no-op when finished; aborts the replica's request otherwise
+                if placed is not None:
+                    await self._report(placed, "finished")
+            if reason is None or not ledger.open_choices():
+                return
+            attempt += 1
+            log.warning("replaying request %s (attempt %d): %s", first, attempt, reason)
+            retry = [c.with_id(f"{c.request_id}#{attempt}") for c in choices]
+            try:
+                gen, _, placed = await self._open(retry, session, region)
+            except oai.APIError as e:
+                for i in ledger.open_choices():
+                    yield Failed(i, f"its replica failed and a retry was refused: {e.message}")
+                return
+            ledger.begin_replay()
+
+    async def _open(
+        self, choices: list[Request], session: str | None, region: str | None
+    ) -> tuple[Any, Accepted, _Placed | None]:
+        """Route the choices of one prompt (through the client's region balancer when the
+        config has regions) and start them on a replica: (its event stream, its
+        ``Accepted``, where a balancer placed it). Raises APIError when refused."""
+        first_choice = choices[0]
+        placed = await self._place(first_choice, session, region) if self.balancers else None
+        if placed is None:
+            route_req = RouteRequest(
+                first_choice.request_id,
+                first_choice.block_hashes,
+                first_choice.num_prompt_tokens,
+                session,
+            )
+            pairs = await self.router.route.remote(route_req)
+            group = pairs[0][1] if pairs else self.cfg.groups[0].name
+            ranking = [rid for rid, g in pairs if g == group]
+        else:  # a region's balancer queued it and chose the replica (maybe in a peer region)
+            group, ranking = placed.group, [placed.replica_id]
+            await asyncio.sleep(placed.delay)  # the injected way to the serving region
+        payload = {"requests": choices, "ranking": ranking}
+        with own_request_id():  # concurrent prompts of one request must not share one id
+            gen = self.replicas[group].options(stream=True).generate.remote(payload)
+        try:
+            first = await anext(gen)
+        except BaseException:
+            gen.cancel()
+            if placed is not None:
+                await self._report(placed, "finished")
+            raise
+        if isinstance(first, Refused):
+            if placed is not None:
+                await self._report(placed, "finished")
+            headers = None
+            if first.status == 429:
+                headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
+            param = "prompt" if first.status == 400 else None
+            raise oai.APIError(first.status, first.message, param, headers=headers)
+        return gen, first, placed
+
+    async def _place(self, request: Request, session: str | None, region: str | None) -> _Placed:
+        """Where the client's region balancer (``X-Meridian-Region``; default: the first
+        region) placed the request."""
+        assert self.entry is not None
+        region = region or self.entry.default_region
+        if region not in self.balancers:
+            raise oai.APIError(
+                400,
+                f"unknown region {region!r} in X-Meridian-Region; regions: "
+                f"{', '.join(self.balancers)}",
+                "X-Meridian-Region",
+            )
+        meta = BalancedRequest(
+            request.request_id,
+            tuple(request.block_hashes),
+            time.monotonic(),
+            session,
+            request.tenant,
+            region,
+        )
+        replica_id, group, served_in, delay = await self.entry.place(meta, region)
+        return _Placed(request.request_id, replica_id, group, served_in, delay)
+
+    async def _report(self, placed: _Placed, event: str) -> None:
+        assert self.entry is not None
+        await self.entry.report(placed.region, event, placed.request_id)
