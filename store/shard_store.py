@@ -15,6 +15,8 @@ block's bytes are any contiguous buffer of at most ``block_bytes`` bytes):
     store.pin(request_id, hashes) -> int / store.release(request_id) -> int
     store.remove(h) -> bool / change_replica(hashes, target, move=False) -> list[int]
     store.drain_events() -> list[("stored" | "removed", h)]   # feed a BlockDirectory
+    store.stats() -> dict[str, int]   # occupancy, and reads by tier: dram_hit_blocks,
+                                      # ssd_hit_blocks, miss_blocks (since the shard started)
 
 Invariants:
 - every visible block is in exactly one tier (DRAM or SSD: tiers are exclusive);
@@ -80,6 +82,9 @@ class ShardStore:
         self._pending_parent: dict[int, int | None] = {}
         self._busy: set[int] = set()  # blocks mid-promotion: not victims
         self._events: list[tuple[str, int]] = []
+        # blocks read (get_into) or acquired, by the tier that served them; misses: blocks
+        # asked for that this shard did not serve (acquire counts the rest of the prefix)
+        self.dram_hit_blocks = self.ssd_hit_blocks = self.miss_blocks = 0
         if self.ssd is not None:  # blocks adopted from an earlier run of this shard
             for h in list(self.ssd.lru_order()):
                 self._parent[h] = self.ssd.parent(h)
@@ -175,6 +180,7 @@ class ShardStore:
         h = check_block_hash(block_hash)
         dst = as_byte_view(out)
         if h not in self._parent:
+            self.miss_blocks += 1
             return False
         if dst.size != self.nbytes(h):
             raise InvalidBlockError(f"out holds {dst.size} bytes, block has {self.nbytes(h)}")
@@ -188,13 +194,17 @@ class ShardStore:
             if promoted is None:
                 if not self.ssd.read_into(h, dst):
                     self._forget(h)
+                    self.miss_blocks += 1
                     return False
             elif not promoted:  # torn file, already forgotten
+                self.miss_blocks += 1
                 return False
             else:
                 np.copyto(dst, self.dram.view(h))
+            self.ssd_hit_blocks += 1
         else:
             np.copyto(dst, self.dram.view(h))
+            self.dram_hit_blocks += 1
         self._touch_chain(h)
         return True
 
@@ -208,7 +218,9 @@ class ShardStore:
             if h not in self._parent:
                 break
             self.pins.pin(request_id, [h])
-            if not self.dram.contains(h):
+            if self.dram.contains(h):
+                self.dram_hit_blocks += 1
+            else:
                 try:
                     ok = self._promote(h)
                 except StoreFullError:
@@ -216,8 +228,10 @@ class ShardStore:
                 if not ok:
                     self.pins.unpin(request_id, [h])
                     break
+                self.ssd_hit_blocks += 1
             offset, nbytes = self.dram.location(h)
             out.append(BlockLocation(h, offset, nbytes, self._parent[h]))
+        self.miss_blocks += len(hashes) - len(out)
         if out:
             self._touch_chain(out[-1].block_hash)
         return out
@@ -284,6 +298,9 @@ class ShardStore:
             "pending_writes": len(self._pending_parent),
             "pinned_blocks": self.pins.num_pinned_blocks,
             "pinning_requests": len(self.pins),
+            "dram_hit_blocks": self.dram_hit_blocks,
+            "ssd_hit_blocks": self.ssd_hit_blocks,
+            "miss_blocks": self.miss_blocks,
         }
 
     # -- internals -------------------------------------------------------------------------

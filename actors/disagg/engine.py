@@ -127,6 +127,8 @@ class PDEngine:
         """Transfer and store counters for ``/metrics``, from the prefill replicas' last
         reports and the cluster's own."""
         reports = list(self.cluster.prefill_reports.values())
+        store = self.cluster.store
+        tiers = store.tier_counts() if store is not None else {}
         return PDCounters(
             kv_transfer_bytes=sum(r.bytes_streamed for r in reports),
             kv_transfer_layers=sum(r.layers_streamed for r in reports),
@@ -135,6 +137,9 @@ class PDEngine:
             store_replicated_blocks=self.cluster.replicated_blocks,
             prefill_restarts=self.cluster.num_prefill_restarts,
             decode_restarts=self.cluster.num_decode_restarts,
+            store_dram_hit_blocks=tiers.get("dram_hit_blocks", 0),
+            store_ssd_hit_blocks=tiers.get("ssd_hit_blocks", 0),
+            store_miss_blocks=tiers.get("miss_blocks", 0),
         )
 
     def cached_block_hashes(self) -> list[int]:

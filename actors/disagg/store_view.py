@@ -8,12 +8,14 @@ the cluster-wide block -> shards map, and what the Conductor asks of them:
   shard when the node has none);
 - ``copy_blocks``: put blocks the Conductor wants on an instance into its home shard, shard
   to shard (``change_replica``) where a shard holds them, else through ``export`` (the
-  holder replica writes them out of its own cache).
+  holder replica writes them out of its own cache);
+- ``tier_counts``: blocks the shards served from DRAM and from SSD, and misses, summed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,9 @@ class PDStore:
         self.client = KVStoreClient("pd-conductor")
         for sid, handle in self.shards.items():
             self.client.add_shard(sid, handle)
+        self._stats: dict[str, dict[str, int]] = {}  # shard -> its latest stats()
+        self._stats_calls: dict[str, Any] = {}  # shard -> its stats() call in flight
+        self._stats_asked = 0.0
 
     def _start(self, sid: str) -> Any:
         cfg = self.cfg
@@ -104,6 +109,23 @@ class PDStore:
         for sid in self.client.directory.shards:
             held |= self.client.directory.blocks_of(sid)
         return held
+
+    def tier_counts(self, every_s: float = 1.0) -> dict[str, int]:
+        """``dram_hit_blocks``, ``ssd_hit_blocks`` and ``miss_blocks`` summed over the
+        shards' latest stats. Never blocks: it asks each shard at most every ``every_s``
+        and reads the replies that are in; a dead shard keeps its last counts."""
+        for sid, ref in list(self._stats_calls.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                del self._stats_calls[sid]
+                with contextlib.suppress(*DEAD):
+                    self._stats[sid] = ray.get(ref)
+        now = time.monotonic()
+        if now - self._stats_asked >= every_s:
+            self._stats_asked = now
+            for sid, handle in self.live().items():
+                self._stats_calls.setdefault(sid, handle.stats.remote())
+        keys = ("dram_hit_blocks", "ssd_hit_blocks", "miss_blocks")
+        return {k: sum(st.get(k, 0) for st in self._stats.values()) for k in keys}
 
     def refresh(self) -> list[str]:
         """Apply shard events to the map; returns shards found dead."""

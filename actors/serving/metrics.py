@@ -52,6 +52,11 @@ class PDCounters:
     store_replicated_blocks: int  # blocks copied into a chosen instance's home shard
     prefill_restarts: int
     decode_restarts: int
+    # blocks the store's shards served from DRAM / from SSD, and blocks asked for that no
+    # shard served, since each shard started (a restarted shard counts from zero again)
+    store_dram_hit_blocks: int = 0
+    store_ssd_hit_blocks: int = 0
+    store_miss_blocks: int = 0
 
 
 # (family name without the prefix, help) of PDCounters' fields, as counters
@@ -63,7 +68,11 @@ _PD_FAMILIES = {
     "store_replicated_blocks": ("kv_store_replicated_blocks", "Blocks copied between shards"),
     "prefill_restarts": ("pd_prefill_restarts", "Prefill replicas restarted after a failure"),
     "decode_restarts": ("pd_decode_restarts", "Decode replicas restarted after a failure"),
+    "store_miss_blocks": ("kv_store_miss_blocks", "Blocks asked of the KV store it did not hold"),
 }
+# PDCounters' per-tier fields, as one counter labelled ``tier``
+_TIER_FAMILY = ("kv_store_hit_blocks", "Blocks the KV store served, by the tier they were in")
+_TIER_FIELDS = {"dram": "store_dram_hit_blocks", "ssd": "store_ssd_hit_blocks"}
 
 
 @dataclass(frozen=True)
@@ -214,6 +223,10 @@ class ReplicaMetrics:
                 fam = CounterMetricFamily(PREFIX + name, help_)
                 fam.add_metric([], getattr(c, attr))
                 families.append(fam)
+            tiers = CounterMetricFamily(PREFIX + _TIER_FAMILY[0], _TIER_FAMILY[1], labels=["tier"])
+            for tier, attr in _TIER_FIELDS.items():
+                tiers.add_metric([tier], getattr(c, attr))
+            families.append(tiers)
         snap = MetricsSnapshot(tuple(families))
         self._last = (now, snap)
         return snap

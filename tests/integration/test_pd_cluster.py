@@ -6,6 +6,7 @@ block is returned after each test."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -163,18 +164,31 @@ def test_prefix_from_dram_and_from_ssd_equals_recomputed(tmp_path):
     assert out.token_ids == want  # computed, and its 7 full blocks written to the store
     assert shard_stats(pd)["dram_blocks"] == 7 and not any(ssd_files(tmp_path, hashes))
 
+    before = shard_stats(pd)
     got, loaded = run_after_dropping_local_cache(pd, prompt)
     assert loaded == 7 and got == want  # from DRAM
+    after = shard_stats(pd)
+    assert after["dram_hit_blocks"] - before["dram_hit_blocks"] == 7
+    assert after["ssd_hit_blocks"] == before["ssd_hit_blocks"]
 
     # other prompts push the prefix out of DRAM onto SSD files
     for seed in range(20, 23):
         pd.generate(prompt_token_ids=[tokens(seed, 20)], sampling_params=PARAMS)
     assert all(ssd_files(tmp_path, hashes))
+    before = shard_stats(pd)
     got, loaded = run_after_dropping_local_cache(pd, prompt)
     assert loaded == 7 and got == want  # from SSD, promoted back to DRAM
     assert not any(ssd_files(tmp_path, hashes))
     stats = shard_stats(pd)
+    assert stats["ssd_hit_blocks"] - before["ssd_hit_blocks"] == 7
     assert stats["pinned_blocks"] == 0 and stats["pending_writes"] == 0
+    # the Conductor's view for /metrics catches up with the shard's counts, never blocking
+    assert pd.store is not None
+    keys = ("dram_hit_blocks", "ssd_hit_blocks", "miss_blocks")
+    deadline = time.monotonic() + 30
+    while pd.store.tier_counts(every_s=0.0) != {k: stats[k] for k in keys}:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     finish(pd)
 
 

@@ -241,3 +241,22 @@ def test_bad_configuration_errors():
         ShardStore(B, B - 1)
     with pytest.raises(InvalidBlockError, match="ssd_dir"):
         ShardStore(B, B, ssd_bytes=B)
+
+
+def test_reads_are_counted_by_the_tier_that_served_them(tmp_path):
+    s = ShardStore(B, 3 * B, ssd_bytes=10 * B, ssd_dir=tmp_path)
+    for h in (1, 2, 3, 4):
+        s.put(h, block(h))
+    assert [s.tier_of(h) for h in (1, 2, 3, 4)] == ["ssd", "dram", "dram", "dram"]
+    out = np.empty(B, dtype=np.uint8)
+    assert s.get_into(4, out) and s.get_into(1, out)  # one DRAM hit, one SSD hit (promoted)
+    assert not s.get_into(9, out)  # a miss
+    counts = {k: s.stats()[k] for k in ("dram_hit_blocks", "ssd_hit_blocks", "miss_blocks")}
+    assert counts == {"dram_hit_blocks": 1, "ssd_hit_blocks": 1, "miss_blocks": 1}
+    # acquire: each block of the visible prefix by the tier it is in when its turn comes
+    # (promoting 2 demotes 3, the LRU unpinned block), the rest of the prefix as misses
+    assert [s.tier_of(h) for h in (1, 2, 3)] == ["dram", "ssd", "dram"]
+    locs = s.acquire("r", [1, 2, 3, 7, 8])
+    assert [loc.block_hash for loc in locs] == [1, 2, 3]
+    st = s.stats()
+    assert (st["dram_hit_blocks"], st["ssd_hit_blocks"], st["miss_blocks"]) == (2, 3, 3)

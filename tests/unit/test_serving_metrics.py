@@ -179,6 +179,9 @@ def test_disaggregated_counters_and_rejections():
         store_replicated_blocks=2,
         prefill_restarts=1,
         decode_restarts=0,
+        store_dram_hit_blocks=30,
+        store_ssd_hit_blocks=4,
+        store_miss_blocks=6,
     )
     m = ReplicaMetrics(lambda: counters)
     m.on_refused(RequestRejected("decode_full", 1.0))
@@ -196,6 +199,11 @@ def test_disaggregated_counters_and_rejections():
     assert (
         value(fams["meridian:kv_store_stored_blocks"], "meridian:kv_store_stored_blocks_total") == 9
     )
+    hits = fams["meridian:kv_store_hit_blocks"]
+    assert value(hits, "meridian:kv_store_hit_blocks_total", tier="dram", replica="pd") == 30
+    assert value(hits, "meridian:kv_store_hit_blocks_total", tier="ssd") == 4
+    misses = fams["meridian:kv_store_miss_blocks"]
+    assert value(misses, "meridian:kv_store_miss_blocks_total") == 6
     restarts = fams["meridian:pd_prefill_restarts"]
     assert value(restarts, "meridian:pd_prefill_restarts_total") == 1
 
