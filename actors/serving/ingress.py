@@ -383,6 +383,9 @@ class Ingress:
             return f"data: {json.dumps(body)}\n\n"
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        opts = prep.req.stream_options
+        per_chunk = opts is not None and opts.usage_per_chunk()
+        generated: Counter[int] = Counter()  # per choice: tokens streamed so far
         started: set[int] = set()
         offsets: dict[int, int] = {}  # per choice: text offset of its next logprob token
         completion, cached, live = 0, 0, len(streams)
@@ -399,6 +402,7 @@ class Ingress:
                         live -= 1
                     elif isinstance(item, Delta):
                         idx, d = pi * n + item.index, item.delta
+                        generated[idx] += len(d.token_ids)
                         first = idx not in started
                         if not (first or d.text or d.finished or want_ids or d.logprobs):
                             continue  # a token that completes no character yet: nothing to send
@@ -406,9 +410,10 @@ class Ingress:
                         reason = oai.finish_reason(d.finish_reason) if d.finished else None
                         ids = d.token_ids if want_ids else None
                         lps = self._logprobs(prep, d.logprobs, chat, offsets, idx)
-                        out.append(
-                            chunk([oai.chunk_choice(idx, d.text, reason, chat, ids, first, lps)])
-                        )
+                        choice = oai.chunk_choice(idx, d.text, reason, chat, ids, first, lps)
+                        prompt_len = prep.prompts[pi][0].num_prompt_tokens
+                        use = oai.usage(prompt_len, generated[idx], None) if per_chunk else None
+                        out.append(chunk([choice], use))
                     elif isinstance(item, Done):
                         completion += len(item.output.token_ids)
                         cached += item.output.num_cached_tokens if item.index == 0 else 0
@@ -417,7 +422,6 @@ class Ingress:
                         out.append(f"data: {json.dumps(oai.APIError(503, msg).body())}\n\n")
                 if out:
                     yield "".join(out)
-            opts = prep.req.stream_options
             if opts is not None and opts.include_usage:
                 prompt_tokens = sum(p[0].num_prompt_tokens for p in prep.prompts)
                 yield chunk([], oai.usage(prompt_tokens, completion, cached))

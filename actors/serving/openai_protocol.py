@@ -95,6 +95,11 @@ class ResponseFormat(_Req):
 
 class StreamOptions(_Req):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
+
+    def usage_per_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class _Sampling(_Req):
@@ -285,13 +290,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    """``cached_tokens`` None (not known yet, a stream's per-chunk usage): no details."""
+    use: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        use["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return use
 
 
 def completion_body(

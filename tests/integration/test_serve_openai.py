@@ -123,6 +123,26 @@ def test_streaming_equals_non_streaming(server):
     assert finals == [whole.choices[0].finish_reason]
 
 
+def test_continuous_usage_stats_count_each_choice_so_far(server):
+    # vLLM's stream option, which load generators such as guidellm send
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.9, seed=5, n=2)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    extra = {"ignore_eos": True}
+    chunks = list(
+        server.client().completions.create(**kw, stream=True, stream_options=opts, extra_body=extra)
+    )
+    body = [c for c in chunks if c.choices]
+    assert body and all(c.usage is not None for c in body)
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    for index in (0, 1):
+        mine = [c.usage for c in body if c.choices[0].index == index]
+        counts = [u.completion_tokens for u in mine]
+        assert counts == sorted(counts) and counts[-1] == 8  # grows to the choice's tokens
+        assert all(u.prompt_tokens == prompt_tokens for u in mine)
+        assert all(u.total_tokens == prompt_tokens + u.completion_tokens for u in mine)
+    assert chunks[-1].usage.completion_tokens == 16  # the final usage: every choice
+
+
 def test_chat_stream_ends_with_done(server):
     body = {
         "model": MODEL,
