@@ -19,16 +19,14 @@ from pathlib import Path
 
 import openai
 import pytest
+from bad_requests import BAD, BODY_LIMIT, GOOD, MAX_TOKENS_LIMIT, MODEL
 from serve_common import Server, serve_running
 
 from actors import LLM, SamplingParams
 
-MODEL = "meridian-tiny"
 REPO = Path(__file__).resolve().parents[2]
 KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
 KEY_RATED = "sk-rated-0004"  # 2 requests and 300 tokens per minute
-MAX_TOKENS_LIMIT = 1800
-BODY_LIMIT = 256 * 1024
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -256,200 +254,6 @@ def test_sampling_fields_and_logprobs_equal_in_process(server, reference):
 def p_kw(kw: dict) -> dict:
     """The HTTP sampling fields as SamplingParams keywords (logit_bias keyed by int)."""
     return dict(kw, logit_bias={int(k): v for k, v in kw["logit_bias"].items()})
-
-
-# -- bad input ------------------------------------------------------------------------------
-GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-BAD = [
-    ("malformed json", "/v1/completions", b'{"model": "meridian-tiny", ', 400, "body"),
-    ("not an object", "/v1/completions", b"[1, 2]", 422, "body"),
-    ("missing prompt", "/v1/completions", {"model": MODEL}, 422, "prompt"),
-    ("missing model", "/v1/completions", {"prompt": "x"}, 422, "model"),
-    ("missing messages", "/v1/chat/completions", {"model": MODEL}, 422, "messages"),
-    ("mistyped max_tokens", "/v1/completions", dict(GOOD, max_tokens="5"), 422, "max_tokens"),
-    ("mistyped temperature", "/v1/completions", dict(GOOD, temperature="hot"), 422, "temperature"),
-    ("mistyped prompt", "/v1/completions", dict(GOOD, prompt={"a": 1}), 422, "prompt"),
-    (
-        "mistyped role",
-        "/v1/chat/completions",
-        dict(CHAT, messages=[{"role": "robot", "content": "x"}]),
-        422,
-        "messages.0.role",
-    ),
-    ("messages not a list", "/v1/chat/completions", dict(CHAT, messages="hi"), 422, "messages"),
-    ("empty messages", "/v1/chat/completions", dict(CHAT, messages=[]), 400, "messages"),
-    ("unknown model", "/v1/completions", dict(GOOD, model="gpt-9"), 404, "model"),
-    ("prompt over context", "/v1/completions", dict(GOOD, prompt="a" * 3000), 400, "prompt"),
-    (
-        "prompt + max_tokens over context",
-        "/v1/completions",
-        dict(GOOD, prompt="a" * 1500, max_tokens=1000),
-        400,
-        "max_tokens",
-    ),
-    ("max_tokens zero", "/v1/completions", dict(GOOD, max_tokens=0), 400, "max_tokens"),
-    ("max_tokens negative", "/v1/completions", dict(GOOD, max_tokens=-5), 400, "max_tokens"),
-    (
-        "max_tokens above limit",
-        "/v1/completions",
-        dict(GOOD, max_tokens=MAX_TOKENS_LIMIT + 1),
-        400,
-        "max_tokens",
-    ),
-    ("too many choices", "/v1/completions", dict(GOOD, n=1000), 400, "n"),
-    (
-        "temperature out of range",
-        "/v1/completions",
-        dict(GOOD, temperature=9.0),
-        400,
-        "temperature",
-    ),
-    ("too many stops", "/v1/completions", dict(GOOD, stop=list("abcde")), 400, "stop"),
-    ("token id out of range", "/v1/completions", dict(GOOD, prompt=[1, 10**9]), 400, "prompt"),
-    (
-        "invalid utf-8",
-        "/v1/completions",
-        b'{"model": "meridian-tiny", "prompt": "\xff\xfe"}',
-        400,
-        "body",
-    ),
-    ("oversized body", "/v1/completions", dict(GOOD, prompt="x" * (BODY_LIMIT + 1)), 413, "body"),
-    # sampling fields: out of range, or what the model cannot take
-    (
-        "penalty out of range",
-        "/v1/completions",
-        dict(GOOD, presence_penalty=3),
-        400,
-        "presence_penalty",
-    ),
-    (
-        "unknown logit_bias token",
-        "/v1/completions",
-        dict(GOOD, logit_bias={"99999": 1}),
-        400,
-        "logit_bias",
-    ),
-    ("too many logprobs", "/v1/completions", dict(GOOD, logprobs=21), 400, "logprobs"),
-    (
-        "top_logprobs without logprobs",
-        "/v1/chat/completions",
-        dict(CHAT, top_logprobs=2),
-        400,
-        "top_logprobs",
-    ),
-    ("min_tokens over max_tokens", "/v1/completions", dict(GOOD, min_tokens=9), 400, "min_tokens"),
-    (
-        "invalid json schema",
-        "/v1/chat/completions",
-        dict(
-            CHAT,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "nope"}},
-            },
-        ),
-        400,
-        "response_format",
-    ),
-    # more sampling fields out of range or mistyped, and prompts the engine cannot take
-    (
-        "frequency_penalty out of range",
-        "/v1/completions",
-        dict(GOOD, frequency_penalty=-2.5),
-        400,
-        "frequency_penalty",
-    ),
-    (
-        "repetition_penalty zero",
-        "/v1/completions",
-        dict(GOOD, repetition_penalty=0),
-        400,
-        "repetition_penalty",
-    ),
-    (
-        "logit_bias out of range",
-        "/v1/completions",
-        dict(GOOD, logit_bias={"5": 150}),
-        400,
-        "logit_bias",
-    ),
-    (
-        "logit_bias key not an id",
-        "/v1/completions",
-        dict(GOOD, logit_bias={"a": 1}),
-        400,
-        "logit_bias",
-    ),
-    (
-        "logit_bias value mistyped",
-        "/v1/completions",
-        dict(GOOD, logit_bias={"5": "high"}),
-        422,
-        "logit_bias.5",
-    ),
-    ("negative logprobs", "/v1/completions", dict(GOOD, logprobs=-1), 400, "logprobs"),
-    (
-        "too many top_logprobs",
-        "/v1/chat/completions",
-        dict(CHAT, logprobs=True, top_logprobs=21),
-        400,
-        "top_logprobs",
-    ),
-    (
-        "unknown response_format type",
-        "/v1/chat/completions",
-        dict(CHAT, response_format={"type": "xml"}),
-        422,
-        "response_format.type",
-    ),
-    (
-        "json_schema without a schema",
-        "/v1/chat/completions",
-        dict(CHAT, response_format={"type": "json_schema"}),
-        400,
-        "response_format",
-    ),
-    ("negative min_tokens", "/v1/completions", dict(GOOD, min_tokens=-1), 400, "min_tokens"),
-    (
-        "unknown logprobs_mode",
-        "/v1/completions",
-        dict(GOOD, logprobs_mode="fancy"),
-        422,
-        "logprobs_mode",
-    ),
-    ("top_p zero", "/v1/completions", dict(GOOD, top_p=0), 400, "top_p"),
-    ("top_k below -1", "/v1/completions", dict(GOOD, top_k=-2), 400, "top_k"),
-    (
-        "max_completion_tokens zero",
-        "/v1/chat/completions",
-        dict(CHAT, max_completion_tokens=0),
-        400,
-        "max_completion_tokens",
-    ),
-    (
-        "mistyped stream_options",
-        "/v1/completions",
-        dict(GOOD, stream=True, stream_options={"include_usage": "yes"}),
-        422,
-        "stream_options.include_usage",
-    ),
-    (
-        "mistyped message content",
-        "/v1/chat/completions",
-        dict(CHAT, messages=[{"role": "user", "content": 5}]),
-        422,
-        "messages.0.content",
-    ),
-    ("negative token id", "/v1/completions", dict(GOOD, prompt=[1, -1]), 400, "prompt"),
-    ("empty token prompt", "/v1/completions", dict(GOOD, prompt=[]), 400, "prompt"),
-    ("empty stop string", "/v1/completions", dict(GOOD, stop=[""]), 400, "stop"),
-    # fields this server does not implement: refused, never ignored
-    ("best_of", "/v1/completions", dict(GOOD, best_of=3), 400, "best_of"),
-    ("echo", "/v1/completions", dict(GOOD, echo=True), 400, "echo"),
-    ("tools", "/v1/chat/completions", dict(CHAT, tools=[{"type": "function"}]), 400, "tools"),
-    ("unknown field", "/v1/completions", dict(GOOD, frobnicate=1), 400, "frobnicate"),
-]
 
 
 def test_bad_input_table_while_serving(server, reference):
