@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/engine_cpu.py
