@@ -5,8 +5,8 @@ An engine (``ServingEngine``: a ``ReplicaController`` as ``ColocatedEngine``, or
 and is not thread-safe, so it never runs on an event loop: one engine thread owns it (every
 call into it but ``validate``, which reads immutable sizes, happens on that thread, placement
 and ``shutdown`` included), and other threads talk to it through a command queue. Results
-flow back through per-request sinks (``loop.call_soon_threadsafe``), so the event loop only
-ever waits on ``asyncio.Queue``s.
+flow back through per-request sinks (posted to the loop's ``LoopMailbox``: one wake-up per
+burst), so the event loop only ever waits on ``asyncio.Queue``s.
 
 Invariants:
 - A submitted request is answered on its sink first with exactly one ``Accepted`` or
@@ -38,6 +38,7 @@ from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.request_limits import RequestLimits
 from actors.engine.step_plan import StepResult
+from actors.serving.loop_mailbox import mailbox_of
 from actors.serving.metrics import MetricsSnapshot, ReplicaMetrics
 from errors import (
     EngineUnavailableError,
@@ -315,14 +316,11 @@ class EngineLoop:
         A consumer slower than the engine (a relay to another process) so pays one hop per
         batch rather than one per token. Closing early aborts; refusals raise as in
         ``stream``."""
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue[Verdict | Event] = asyncio.Queue()
+        box = mailbox_of(asyncio.get_running_loop())  # one loop wake-up per burst of events
 
         def sink(item: Verdict | Event) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
+            box.post(q, item)
 
         self.submit(requests, sink)
         ids = [r.request_id for r in requests]
