@@ -34,16 +34,14 @@ With ``fit_costs`` (default) the Conductor's estimates are refitted (``CostFitte
 the steps and store loads this deployment measures. Replicas and shards spread over the
 cluster's nodes (``placement.nodes``).
 
-Faults: a dead store shard drops out of the map (its blocks are recomputed) and
-``refresh_store`` replaces it with an empty one. A dead prefill
-replica's decode reservations are cancelled; a dead decode replica's requests run again
-from their prompt, never streaming a token twice (seeded sampling draws the same tokens).
-Either is replaced by a fresh actor and its requests are placed again.
+Faults (``actors.disagg.cluster_faults``): a dead store shard drops out of the map and
+``refresh_store`` replaces it with an empty one; a dead prefill or decode replica is
+replaced by a fresh actor and its requests run again from their prompt, never streaming a
+token twice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from pathlib import Path
@@ -51,6 +49,7 @@ from typing import Any
 
 import ray
 
+from actors.disagg.cluster_faults import Recovery, call_replica
 from actors.disagg.conductor import RequestRejected, default_conductor
 from actors.disagg.decode import DecodeReplica, RemoteDecode
 from actors.disagg.messages import (
@@ -97,16 +96,6 @@ from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
 REPORT_WAIT_S = 0.25  # a replica's long poll returns at the latest after this long
-
-
-def _call(method: Any, *args: Any) -> bool:
-    """Call a replica's actor method and wait for it; False when the replica is gone (its
-    death is handled when its long poll fails)."""
-    try:
-        ray.get(method.remote(*args))
-    except DEAD:
-        return False
-    return True
 
 
 class PDCluster:
@@ -212,6 +201,7 @@ class PDCluster:
         self._local_cached: dict[str, set[int]] = {}
         self._prefill_nodes: dict[str, str] = {}
         self._polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
+        self.recovery = Recovery(self)  # fault handling (``actors.disagg.cluster_faults``)
         for pid in self._prefill_ids:
             self._start_prefill(pid)
         self.decodes: dict[str, Any] = {}
@@ -366,7 +356,7 @@ class PDCluster:
         try:
             dest = ray.get(decode.reserve.remote(key, request))
         except DEAD:
-            self._decode_died(did)
+            self.recovery.decode_died(did)
             raise RequestRejected("decode_restarting", self.conductor.min_retry_after) from None
         if dest is None:  # the view was stale: the instance has no room now
             raise RequestRejected("decode_full", self.conductor.min_retry_after)
@@ -391,8 +381,8 @@ class PDCluster:
             read_path=path,
             relay=decode if path == DECODE_PATH else None,
         )
-        if not _call(self.prefills[pid].submit, task):
-            self._prefill_died(pid)  # places this request again
+        if not call_replica(self.prefills[pid].submit, task):
+            self.recovery.prefill_died(pid)  # places this request again
 
     def _home_blocks(self, pid: str) -> set[int]:
         return self.store.blocks_of(self.home_shard(pid)) if self.store else set()
@@ -452,7 +442,7 @@ class PDCluster:
         for rid, handles in ((req.prefill_id, self.prefills), (req.decode_id, self.decodes)):
             if rid is None or (handles is self.prefills and not req.in_prefill):
                 continue
-            _call(handles[rid].abort, key)  # queued before any later call
+            call_replica(handles[rid].abort, key)  # queued before any later call
         self._by_key.pop(key, None)
         self.read_paths.done(key)
         req.drop_attempt()
@@ -478,11 +468,11 @@ class PDCluster:
             try:
                 report = ray.get(ref)
             except Exception:  # the actor died, or its loop failed
-                self._replica_died(rid, handle)
+                self.recovery.replica_died(rid, handle)
                 continue
             self._watch(rid, handle)
             deltas += self._apply(report)
-        self._retry_pending()
+        self.recovery.retry_pending()
         if self.fitter is not None:
             self.fitter.refit(self.conductor)
         return deltas
@@ -501,9 +491,9 @@ class PDCluster:
             elif isinstance(e, PrefillDone):
                 self._on_prefill_done(e)
             elif isinstance(e, PrefillFailed):
-                self._on_prefill_failed(e)
+                self.recovery.prefill_failed(e)
             elif isinstance(e, ReservationLost):
-                self._on_reservation_lost(e)
+                self.recovery.reservation_lost(e)
             elif isinstance(e, CacheEvent):
                 cached = self._local_cached[rid]
                 (cached.add if e.stored else cached.discard)(e.block_hash)
@@ -537,26 +527,6 @@ class PDCluster:
             req.in_prefill = False
             req.cached_tokens = e.cached_tokens
 
-    def _on_prefill_failed(self, e: PrefillFailed) -> None:
-        """Its stream broke: the decode side is gone (its poll fails too and places its
-        requests again) or unreachable (free its side, run the request again)."""
-        self.read_paths.done(e.key)
-        req = self._by_key.get(e.key)
-        if req is None or req.decode_id is None:
-            return
-        req.in_prefill = False
-        if _call(self.decodes[req.decode_id].cancel, e.key):
-            self._requeue(req)
-
-    def _on_reservation_lost(self, e: ReservationLost) -> None:
-        """The decode side already freed it: stop the prefill, run the request again."""
-        req = self._by_key.get(e.key)
-        if req is None:
-            return
-        if req.in_prefill and req.prefill_id is not None:
-            _call(self.prefills[req.prefill_id].abort, e.key)
-        self._requeue(req)
-
     def _on_tokens(self, e: TokenDelta) -> StreamDelta | None:
         req = self._by_key.get(e.key)
         return req.stream(e.delta, e.time) if req is not None else None
@@ -565,66 +535,6 @@ class PDCluster:
         req = self._by_key.pop(e.key, None)
         if req is not None:
             req.finish(e.output)
-
-    def _requeue(self, req: PDRequest) -> None:
-        """Place a request again from its prompt (aborted after ``max_prefill_attempts``)."""
-        if req.key is not None:
-            self._by_key.pop(req.key, None)
-        req.drop_attempt()
-        if req.attempts >= self.max_prefill_attempts:
-            req.end(text=False)
-        else:
-            self._retry.append(req.request_id)
-
-    def _replica_died(self, rid: str, handle: Any) -> None:
-        if rid in self.prefills and self.prefills[rid] is handle:
-            self._prefill_died(rid)
-        elif rid in self.decodes and self.decodes[rid] is handle:
-            self._decode_died(rid)
-
-    def _decode_died(self, did: str) -> None:
-        """Replace the replica; every request bound to it runs again from its prompt (those
-        still in prefill are stopped there first)."""
-        lost = [r for r in self._reqs.values() if r.decode_id == did and r.output is None]
-        for req in lost:
-            if req.in_prefill and req.prefill_id is not None and req.key is not None:
-                _call(self.prefills[req.prefill_id].abort, req.key)
-        self._forget_replica(self.decodes[did])
-        self.num_decode_restarts += 1
-        self._start_decode(did)
-        for req in lost:
-            self._requeue(req)
-
-    def _prefill_died(self, pid: str) -> None:
-        """Cancel the decode reservations of its requests, replace it, place them again."""
-        lost = [r for r in self._reqs.values() if r.prefill_id == pid and r.in_prefill]
-        for req in lost:
-            assert req.decode_id is not None and req.key is not None
-            _call(self.decodes[req.decode_id].cancel, req.key)
-        self._forget_replica(self.prefills[pid])
-        self.num_prefill_restarts += 1
-        self._start_prefill(pid)
-        for req in lost:
-            self._requeue(req)
-
-    def _forget_replica(self, handle: Any) -> None:
-        for ref in [r for r, (_, h) in self._polls.items() if h is handle]:
-            del self._polls[ref]
-        try:
-            ray.kill(handle)
-        except DEAD:
-            pass
-
-    def _retry_pending(self) -> None:
-        for _ in range(len(self._retry)):
-            rid = self._retry.popleft()
-            req = self._reqs.get(rid)
-            if req is None or req.output is not None:
-                continue
-            try:
-                self._place(req)
-            except RequestRejected:
-                self._retry.append(rid)
 
     # -- batch API --------------------------------------------------------------------------
     def generate(
@@ -697,23 +607,13 @@ class PDCluster:
         return held | self.store.all_blocks() if self.store else held
 
     def refresh_store(self) -> list[str]:
-        """Apply shard events to the Conductor's map; returns shards found dead, each
-        replaced at once by an empty shard under its id that every prefill replica is told
-        of (the dead one's blocks are recomputed by whoever needs them)."""
-        if self.store is None:
-            return []
-        self.store.refresh()
-        dead = [sid for sid in self.store.shards if sid not in self.store.live()]
-        for sid in dead:  # found dead now, or earlier by a failed read or write
-            handle = self.store.restart(sid)
-            for replica in [*self.prefills.values(), *self.decodes.values()]:
-                with contextlib.suppress(*DEAD):  # a dead one is replaced with the live set
-                    ray.get(replica.add_shard.remote(sid, handle))
-        return dead
+        """Apply shard events to the Conductor's map; dead shards are replaced by empty
+        ones (``Recovery.refresh_store``); returns their ids."""
+        return self.recovery.refresh_store()
 
     def shutdown(self) -> None:
         for handle in [*self.prefills.values(), *self.decodes.values()]:
-            _call(handle.shutdown)
+            call_replica(handle.shutdown)
             ray.kill(handle)
         if self.store is not None:
             self.store.close()
