@@ -43,7 +43,7 @@ token twice.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ import ray
 from actors.disagg.cluster_faults import Recovery, call_replica
 from actors.disagg.conductor import RequestRejected, default_conductor
 from actors.disagg.decode import DecodeReplica, RemoteDecode
+from actors.disagg.dualpath_placement import SCHEDULERS, DualPathPlacer
 from actors.disagg.messages import (
     CacheEvent,
     DecodeStats,
@@ -90,7 +91,7 @@ from policies.conductor import (
     PrefillInstance,
     apply_decision,
 )
-from policies.dualpath import DECODE_PATH, PREFILL_PATH
+from policies.dualpath import DECODE_PATH, PREFILL_PATH, Assignment
 from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -114,6 +115,8 @@ class PDCluster:
         prefill_layout: dict[str, int] | None = None,
         decode_layout: dict[str, int] | None = None,
         read_path: str = PREFILL_PATH,
+        scheduler: str = "mooncake",
+        dualpath_thresholds: tuple[int, int] | None = None,
         prefill_replica_options: dict[str, Any] | None = None,
         decode_replica_options: dict[str, Any] | None = None,
         **controller_options: Any,
@@ -125,11 +128,18 @@ class PDCluster:
         store): where a stored prefix is read, ``"prefill"`` (storage -> the prefill
         replica), ``"decode"`` (storage -> the decode replica -> the prefill replica, layer
         by layer) or ``"dual"`` (per request, the side with the shorter read queue).
+        ``scheduler``: ``"mooncake"`` (the Conductor's TTFT/TBT choice and admission) or
+        ``"dualpath"`` (DualPath's rules, ``actors.disagg.dualpath_placement``: prefill
+        replica by read queue and unfinished tokens, decode replica by the Z rule, read
+        side by the shorter read queue in ``"dual"`` mode); ``dualpath_thresholds``: its
+        (alpha, beta) in tokens, fixed (default: from the fitted cost model).
         ``prefill_replica_options`` / ``decode_replica_options``: more keyword arguments of
         the replica classes (``link_budget``, ``record_loads``)."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
         self.read_paths = ReadPaths(read_path)
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
         if read_path != PREFILL_PATH and store is None:
             raise ValueError(
                 f"read_path={read_path!r} reads a KV store: give store=StoreConfig(...)"
@@ -142,6 +152,9 @@ class PDCluster:
             ray.init(include_dashboard=False)
         config = EngineConfig.from_options(**controller_options)  # names a bad option
         self.block_size = config.block_size
+        self.dualpath: DualPathPlacer | None = None
+        if scheduler == "dualpath":
+            self.dualpath = DualPathPlacer(self.block_size, read_path, dualpath_thresholds)
         cfg = read_model_config(Path(self.model_dir))
         self.tokenizer = load_tokenizer(Path(self.model_dir))
         on_gpu = ray.cluster_resources().get("GPU", 0) >= 1
@@ -270,13 +283,13 @@ class PDCluster:
             return None
         return self.store.live()
 
-    def _choose_read_path(self, key: str, request: Request, pid: str, did: str) -> str:
-        """Where this attempt's stored prefix is read (``ReadPaths``)."""
+    def _stored_blocks(self, request: Request) -> int:
+        """How many of the prompt's leading blocks the KV store holds (the last prompt
+        token is always computed)."""
         if self.store is None:
-            return PREFILL_PATH
+            return 0
         usable = request.block_hashes[: (request.num_prompt_tokens - 1) // self.block_size]
-        _, hit = self.store.client.directory.best_holder(usable)
-        return self.read_paths.choose(key, hit, pid, did)
+        return self.store.client.directory.best_holder(usable)[1]
 
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
@@ -346,7 +359,16 @@ class PDCluster:
             view.cached = self._local_cached[view.instance_id] | self._home_blocks(view.instance_id)
             prefills.append(view)
         decodes = list(self.decode_views.values())
-        decision = self.conductor.schedule(creq, prefills, decodes, now)
+        rule: Assignment | None = None  # DualPath's placement, with its read side
+        hit = self._stored_blocks(request)
+        if self.dualpath is not None:
+            in_prefill = Counter(r.prefill_id or "" for r in self._reqs.values() if r.in_prefill)
+            queues = self.read_paths.tokens(self.block_size)
+            decision, rule = self.dualpath.decide(
+                creq, hit, prefills, in_prefill, decodes, queues, self.conductor
+            )
+        else:
+            decision = self.conductor.schedule(creq, prefills, decodes, now)
         if not decision.accepted:
             raise RequestRejected(decision.reason, decision.retry_after or 1.0)
         pid, did = decision.prefill_id, decision.decode_id
@@ -371,7 +393,11 @@ class PDCluster:
             self._copy_blocks(request, wanted, source, pid)
         req.start_attempt(key, pid, did)
         self._by_key[key] = req
-        path = self._choose_read_path(key, request, pid, did)
+        if rule is None:
+            path = self.read_paths.choose(key, hit, pid, did) if self.store else PREFILL_PATH
+        else:
+            path = rule.path
+            self.read_paths.record(key, path, rule.read_node, hit)
         task = PrefillTask(
             key,
             request,
