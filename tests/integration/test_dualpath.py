@@ -157,3 +157,56 @@ def test_a_relaying_decode_replica_that_dies_loses_no_request():
         assert set(pd.check_blocks().values()) == {0}
     finally:
         pd.shutdown()
+
+
+def test_the_live_conductor_places_requests_by_dualpaths_rules():
+    """Two prefill and two decode replicas under ``scheduler="dualpath"`` (alpha = 40
+    tokens): a request reading a stored prefix on p0 makes p0's read queue long, so the
+    next fresh requests go to p1 even once p1 has more unfinished tokens; with alpha
+    raised the smaller unfinished tokens win again. Every output equals the colocated
+    reference."""
+    first = tokens(141, 50)  # 12 full blocks go to the store
+    hit = first + tokens(142, 6)  # 56 tokens, 48 of them stored
+    fresh = [tokens(143, 40), tokens(144, 20), tokens(145, 12)]
+    prompts = [hit, *fresh]
+    want = colocated(prompts)
+    pd = PDCluster(
+        None,
+        2,
+        2,
+        store=StoreConfig(dram_bytes=64 << 20),
+        read_path="dual",
+        scheduler="dualpath",
+        dualpath_thresholds=(40, 10_000),
+        **OPTS,
+    )
+    try:
+        pd.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+        for _ in range(4):  # the replicas' reports bring the views back to idle
+            pd.poll(0.3)
+        assert all(v.queued_tokens == 0 for v in pd.prefill_views.values())
+        assert all(v.pending_blocks == 0 for v in pd.decode_views.values())
+        ids = [pd.submit(hit, PARAMS)]
+        # idle replicas tie: p0, d0; the 48 stored tokens are read on p0's side (tie)
+        assert pd.placement(ids[0]) == ("p0", "d0")
+        assert pd.read_paths.tokens(BS) == {"p0": 48}
+        # p0 reads more than alpha: a fresh request goes to p1; d1 is under Z
+        # (1.05 * (40 + 64) / 2 = 54.6 >= 0 + 40) where d0 (64 + 40) is not
+        ids.append(pd.submit(fresh[0], PARAMS))
+        assert pd.placement(ids[1]) == ("p1", "d1")
+        # p1 now has 40 unfinished tokens, p0 8, yet p0's read queue still keeps it out
+        assert pd.prefill_views["p0"].queued_tokens == 8
+        ids.append(pd.submit(fresh[1], PARAMS))
+        assert pd.placement(ids[2])[0] == "p1"
+        # with alpha raised, both are in the short-queue class: fewer unfinished tokens win
+        assert pd.dualpath is not None
+        pd.dualpath.thresholds = (10_000, 10_000)
+        ids.append(pd.submit(fresh[2], PARAMS))
+        assert pd.placement(ids[3])[0] == "p0"
+        while pd.has_unfinished():
+            pd.poll()
+        assert [pd.release(i).token_ids for i in ids] == want
+        assert pd.path_counts == {"prefill": 1, "decode": 0}
+        assert set(pd.check_blocks().values()) == {0}
+    finally:
+        pd.shutdown()
