@@ -17,8 +17,9 @@ cache events, stats), and a replica whose poll fails is dead.
 Per request: the Conductor (``policies.conductor``) picks the prefill instance with the
 lowest estimated TTFT (queue + prefill time, the cached prefix being what the instance's
 own prefix cache and the KV store on its node hold) and the decode instance with the
-lowest predicted TBT among those with room for the request's lifetime KV, or rejects it.
-The decode replica reserves the blocks, the prefill replica computes the prompt while
+lowest predicted TBT among those with room for the request's lifetime KV, or rejects it
+(``actors.disagg.cluster_placement``; with ``scheduler="dualpath"`` DualPath's rules choose
+instead). The decode replica reserves the blocks, the prefill replica computes the prompt while
 streaming each layer's KV into them through the transfer layer (never through Ray), and
 once its last prefill step returned it tells the decode replica to admit the request with
 its first token (directly), which joins the decode batch at that replica's next step.
@@ -43,15 +44,16 @@ token twice.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from actors.disagg.cluster_faults import Recovery, call_replica
+from actors.disagg.cluster_placement import RequestPlacement
 from actors.disagg.conductor import RequestRejected, default_conductor
-from actors.disagg.decode import DecodeReplica, RemoteDecode
+from actors.disagg.decode import DecodeReplica
 from actors.disagg.dualpath_placement import SCHEDULERS, DualPathPlacer
 from actors.disagg.messages import (
     CacheEvent,
@@ -62,7 +64,6 @@ from actors.disagg.messages import (
     PrefillFailed,
     PrefillStats,
     PrefillStep,
-    PrefillTask,
     Report,
     ReservationLost,
     StoreLoad,
@@ -72,7 +73,7 @@ from actors.disagg.pd_request import PDRequest
 from actors.disagg.prefill import PrefillReplica
 from actors.disagg.read_paths import ReadPaths
 from actors.disagg.replica_loop import split_cores
-from actors.disagg.store_view import DEAD, PDStore, StoreConfig
+from actors.disagg.store_view import PDStore, StoreConfig
 from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.request_builder import RequestBuilder
@@ -86,12 +87,10 @@ from models.config import read_model_config
 from placement.nodes import NodePlacement, ReplicaSpec
 from policies.conductor import (
     Conductor,
-    ConductorRequest,
     DecodeInstance,
     PrefillInstance,
-    apply_decision,
 )
-from policies.dualpath import DECODE_PATH, PREFILL_PATH, Assignment
+from policies.dualpath import PREFILL_PATH
 from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -215,6 +214,7 @@ class PDCluster:
         self._prefill_nodes: dict[str, str] = {}
         self._polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
         self.recovery = Recovery(self)  # fault handling (``actors.disagg.cluster_faults``)
+        self.placing = RequestPlacement(self)  # ``actors.disagg.cluster_placement``
         for pid in self._prefill_ids:
             self._start_prefill(pid)
         self.decodes: dict[str, Any] = {}
@@ -283,14 +283,6 @@ class PDCluster:
             return None
         return self.store.live()
 
-    def _stored_blocks(self, request: Request) -> int:
-        """How many of the prompt's leading blocks the KV store holds (the last prompt
-        token is always computed)."""
-        if self.store is None:
-            return 0
-        usable = request.block_hashes[: (request.num_prompt_tokens - 1) // self.block_size]
-        return self.store.client.directory.best_holder(usable)[1]
-
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
         moves off a node that is gone)."""
@@ -336,102 +328,11 @@ class PDCluster:
         req = PDRequest(request)
         self._reqs[request.request_id] = req  # a replica death while placing requeues it
         try:
-            self._place(req)
+            self.placing.place(req)
         except RequestRejected:
             del self._reqs[request.request_id]
             raise
         return request.request_id
-
-    def _place(self, req: PDRequest) -> None:
-        now = time.monotonic()
-        request = req.request
-        creq = ConductorRequest(
-            request.request_id,
-            request.block_hashes,
-            request.num_prompt_tokens,
-            request.params.max_tokens,
-            self.block_size,
-        )
-        if self.store is not None:
-            self.store.refresh()
-        prefills = []
-        for view in self.prefill_views.values():
-            view.cached = self._local_cached[view.instance_id] | self._home_blocks(view.instance_id)
-            prefills.append(view)
-        decodes = list(self.decode_views.values())
-        rule: Assignment | None = None  # DualPath's placement, with its read side
-        hit = self._stored_blocks(request)
-        if self.dualpath is not None:
-            in_prefill = Counter(r.prefill_id or "" for r in self._reqs.values() if r.in_prefill)
-            queues = self.read_paths.tokens(self.block_size)
-            decision, rule = self.dualpath.decide(
-                creq, hit, prefills, in_prefill, decodes, queues, self.conductor
-            )
-        else:
-            decision = self.conductor.schedule(creq, prefills, decodes, now)
-        if not decision.accepted:
-            raise RequestRejected(decision.reason, decision.retry_after or 1.0)
-        pid, did = decision.prefill_id, decision.decode_id
-        assert pid is not None and did is not None
-        key = f"{request.request_id}#{req.attempts + 1}"
-        decode = self.decodes[did]
-        try:
-            dest = ray.get(decode.reserve.remote(key, request))
-        except DEAD:
-            self.recovery.decode_died(did)
-            raise RequestRejected("decode_restarting", self.conductor.min_retry_after) from None
-        if dest is None:  # the view was stale: the instance has no room now
-            raise RequestRejected("decode_full", self.conductor.min_retry_after)
-        wanted = decision.replicate_blocks
-        if decision.transfer_from is not None:  # this request reads the copied prefix
-            mine = self.prefill_views[pid].cached
-            hashes = request.block_hashes[: decision.cached_blocks]
-            wanted = [h for h in hashes if h not in mine]
-        source = decision.replicate_from or decision.transfer_from
-        apply_decision(decision, creq, prefills, decodes, now)
-        if wanted and source is not None:
-            self._copy_blocks(request, wanted, source, pid)
-        req.start_attempt(key, pid, did)
-        self._by_key[key] = req
-        if rule is None:
-            path = self.read_paths.choose(key, hit, pid, did) if self.store else PREFILL_PATH
-        else:
-            path = rule.path
-            self.read_paths.record(key, path, rule.read_node, hit)
-        task = PrefillTask(
-            key,
-            request,
-            dest,
-            RemoteDecode(decode),
-            self.home_shard(pid),
-            read_path=path,
-            relay=decode if path == DECODE_PATH else None,
-        )
-        if not call_replica(self.prefills[pid].submit, task):
-            self.recovery.prefill_died(pid)  # places this request again
-
-    def _home_blocks(self, pid: str) -> set[int]:
-        return self.store.blocks_of(self.home_shard(pid)) if self.store else set()
-
-    def _copy_blocks(self, request: Request, hashes: list[int], src_pid: str, dst_pid: str) -> None:
-        """Copy blocks the Conductor wants on ``dst_pid`` into its home shard, from a shard
-        (``src_pid``'s home first) or out of ``src_pid``'s own cache."""
-        dst = self.home_shard(dst_pid)
-        if self.store is None or dst is None:
-            return  # no store: nowhere to copy to
-
-        def export(rest: list[int]) -> int:
-            handle = self.prefills[src_pid]
-            try:
-                ref = handle.export_blocks.remote(
-                    request.block_hashes, request.prompt_token_ids, rest, dst
-                )
-                return int(ray.get(ref))
-            except DEAD:
-                return 0  # its death is handled when its poll fails
-
-        home = self.home_shard(src_pid)
-        self.replicated_blocks += self.store.copy_blocks(hashes, dst, home, export)
 
     def placement(self, request_id: str) -> tuple[str | None, str | None]:
         """(prefill id, decode id) the Conductor chose for a request not yet released."""

@@ -92,7 +92,7 @@ class Recovery:
             if req is None or req.output is not None:
                 continue
             try:
-                c._place(req)
+                c.placing.place(req)
             except RequestRejected:
                 c._retry.append(rid)
 
