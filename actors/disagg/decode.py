@@ -109,7 +109,10 @@ class DecodeReplica(LoopedReplica):
                 self.load_client.add_shard(shard_id, handle)
         self.write_back = write_back and self.client is not None
         links = NodeLinks(link_budget) if link_budget is not None else None
+        self.links = links
         self._storage_link = links.storage(replica_id) if links is not None else None
+        if self.client is not None:
+            self.client.write_link = self._storage_link  # write-back pays it too
         self._load_lock = threading.Lock()
         # guards _reserved_blocks against loads on other threads: a reservation is never
         # freed while a load writes into its blocks
@@ -198,6 +201,11 @@ class DecodeReplica(LoopedReplica):
                 client.unpin(pin)
             self.loaded_blocks += n
             return n
+
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes granted so far on this replica's emulated links (``NodeLinks.granted``;
+        empty without a ``link_budget``)."""
+        return self.links.granted(self.replica_id) if self.links is not None else {}
 
     def crash_on_load(self) -> None:
         """Fault injection for tests: the process exits at the next ``load_prefix``."""

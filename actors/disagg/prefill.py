@@ -122,13 +122,15 @@ class PrefillReplica(LoopedReplica):
         folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
         num_kv_heads = read_model_config(folder).num_key_value_heads
         heads = (0, num_kv_heads)
-        self.streamer = LayerStreamer(self.engine, self.block_size, heads, heads)
-        self.loader = LayerLoader(record=record_loads)
         self.links = NodeLinks(link_budget) if link_budget is not None else None
-        self.load_engine = TransferEngine(f"prefill-{replica_id}-loads", self.node_id)
-        link = self.links.storage(replica_id) if self.links is not None else None
-        self.storage = BudgetedTransfer(self.load_engine, link)
+        storage_link = self.links.storage(replica_id) if self.links is not None else None
         compute_link = self.links.compute(replica_id) if self.links is not None else None
+        # the KV stream to decode replicas and relayed reads share the compute link
+        stream = BudgetedTransfer(self.engine, compute_link)
+        self.streamer = LayerStreamer(stream, self.block_size, heads, heads)
+        self.loader = LayerLoader(record=record_loads)
+        self.load_engine = TransferEngine(f"prefill-{replica_id}-loads", self.node_id)
+        self.storage = BudgetedTransfer(self.load_engine, storage_link)
         self.compute = BudgetedTransfer(self.load_engine, compute_link)
         self.hook = PrefillHook(self.streamer, self._after_step, self.loader)
         hooks: WorkerHooks | StreamingWorkers = WorkerHooks(self.cache, self.hook)
@@ -145,6 +147,7 @@ class PrefillReplica(LoopedReplica):
             self.client = KVStoreClient(f"prefill-{replica_id}", node_id=self.node_id)
             for shard_id, handle in store_shards.items():
                 self.client.add_shard(shard_id, handle)
+            self.client.write_link = storage_link  # store writes pay the storage link
         self._tasks: dict[str, PrefillTask] = {}
         self._failed: dict[str, str] = {}  # request key -> why its KV stream broke
         self.loaded_blocks = 0  # blocks brought in from the store
@@ -214,6 +217,11 @@ class PrefillReplica(LoopedReplica):
             return out
 
         return list(self.loop.call(read).result())
+
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes granted so far on this replica's emulated links (``NodeLinks.granted``;
+        empty without a ``link_budget``)."""
+        return self.links.granted(self.replica_id) if self.links is not None else {}
 
     def load_timeline(self) -> list[tuple[str, int, float]]:
         """``(event, layer, perf_counter time)`` of store loads and layer computes, when

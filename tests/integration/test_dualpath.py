@@ -210,3 +210,30 @@ def test_the_live_conductor_places_requests_by_dualpaths_rules():
         assert set(pd.check_blocks().values()) == {0}
     finally:
         pd.shutdown()
+
+
+def test_store_writes_pay_the_storage_links():
+    """Prefill's store writes and decode's write-back pass their replica's emulated
+    storage link (KV class), byte for byte."""
+    budget = LinkBudget(storage_bps=20e6, chunk_bytes=16 << 10)
+    prompt = tokens(151, 30)
+    pd = PDCluster(
+        None,
+        store=StoreConfig(dram_bytes=64 << 20, write_back=True),
+        prefill_replica_options={"link_budget": budget},
+        decode_replica_options={"link_budget": budget},
+        **OPTS,
+    )
+    try:
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=ANSWER)
+        assert out.token_ids == colocated([prompt], ANSWER)[0]
+        (p0,) = pd.prefills.values()
+        (d0,) = pd.decodes.values()
+        prefill_stored = pd.prefill_stats()["p0"].stored_blocks
+        decode_stored = ray.get(d0.report.remote(0.0)).stats.stored_blocks
+        assert (prefill_stored, decode_stored) == (7, 3)  # the prompt's, then the answer's
+        prefill_links = ray.get(p0.link_bytes.remote())
+        assert prefill_links["storage"] == {"exec": 0, "kv": 7 * pd.block_bytes}
+        assert ray.get(d0.link_bytes.remote())["storage"] == {"exec": 0, "kv": 3 * pd.block_bytes}
+    finally:
+        pd.shutdown()
