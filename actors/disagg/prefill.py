@@ -272,6 +272,9 @@ class PrefillReplica(LoopedReplica):
                 self._failed.update(report.failed)
                 self.bytes_streamed += report.bytes_sent
                 self.layers_streamed += report.layers_sent
+            # stats before the step's events: a report that takes a PrefillDone never
+            # carries the queue from before it (the Conductor's view would stay stale)
+            self.stats = self._stats()
             if chunks:
                 self.loop.emit(PrefillStep(chunks, end - start))
             for d in deltas:
@@ -364,7 +367,8 @@ class PrefillReplica(LoopedReplica):
         """DualPath's decode read path: the decode replica reads the stored prefix (blocks
         ``[0, m)``, Full Blocks) into the request's reserved blocks there; this replica
         reads blocks ``[k, m)`` beyond its own prefix from them layer by layer over the
-        compute path while the prefill runs, and streams only blocks from ``m`` on."""
+        compute path while the prefill runs (layer ``l`` once the decode replica has read
+        it, while it reads layer ``l + 1``), and streams only blocks from ``m`` on."""
         client, pool, bs = self.client, self.controller.pool, self.block_size
         assert client is not None
         tokens = task.request.prompt_token_ids
@@ -385,15 +389,15 @@ class PrefillReplica(LoopedReplica):
         mine = usable[k:m]
         for i, b in enumerate(blocks):
             pool.register(b, mine[i], tokens[(k + i) * bs : (k + i + 1) * bs])
+        # the decode replica yields once per layer read from the store (a streaming call)
         relayed = task.relay.load_prefix.remote(task.key, usable[:m], list(dest.block_ids[:m]))
         caches, compute, heads = self.cache.kv_caches, self.compute, self.streamer.held
         relay_blocks = list(dest.block_ids[k:m])
 
         def read_layer(layer: int) -> int:
-            if layer == 0:
-                got = ray.get(relayed)
-                if got < m:
-                    raise KVStoreError(f"the decode replica loaded {got} of {m} blocks")
+            got = ray.get(next(relayed))  # layer ``layer`` is in the decode replica's cache
+            if got < m:
+                raise KVStoreError(f"the decode replica loaded {got} of {m} blocks")
             kv = caches[layer]
             local = LocalMemory(kv[0], kv[1])
             piece = local.sizes[0] // kv[0].shape[0]
