@@ -237,3 +237,35 @@ def test_store_writes_pay_the_storage_links():
         assert ray.get(d0.link_bytes.remote())["storage"] == {"exec": 0, "kv": 3 * pd.block_bytes}
     finally:
         pd.shutdown()
+
+
+def test_the_decode_side_read_is_relayed_layer_by_layer():
+    """On the decode read path the prefill replica reads layer 0 of the prefix from the
+    decode replica before the decode replica has read the last layer from the store (a
+    slow storage link there: ~0.3 s a layer)."""
+    prompt = tokens(161, 30)  # 7 full blocks
+    budget = LinkBudget(storage_bps=50_000, chunk_bytes=4096)
+    pd = PDCluster(
+        None,
+        store=StoreConfig(dram_bytes=64 << 20),
+        read_path="decode",
+        prefill_replica_options={"record_loads": True},
+        decode_replica_options={"link_budget": budget, "record_loads": True},
+        **OPTS,
+    )
+    try:
+        pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        (p0,) = pd.prefills.values()
+        (d0,) = pd.decodes.values()
+        ray.get(p0.drop_local_cache.remote())
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        assert out.token_ids == colocated([prompt])[0] and out.num_cached_tokens == 7 * BS
+        assert pd.path_counts == {"prefill": 0, "decode": 1}
+        relayed = ray.get(p0.load_timeline.remote())
+        stored = ray.get(d0.load_timeline.remote())
+        layers = 4
+        assert [layer for layer, _ in stored] == list(range(layers))  # one load, in order
+        assert first_after(relayed, "load-end", 0, 0.0) < stored[-1][1]
+        assert set(pd.check_blocks().values()) == {0}
+    finally:
+        pd.shutdown()
