@@ -111,7 +111,7 @@ class RequestPlacement:
         if rule is None:
             path = c.read_paths.choose(key, hit, pid, did) if c.store else PREFILL_PATH
         else:
-            path = rule.path
+            path = rule.path if hit else PREFILL_PATH  # nothing stored: nothing to relay
             c.read_paths.record(key, path, rule.read_node, hit)
         task = PrefillTask(
             key,
