@@ -17,6 +17,7 @@ their small protocols; policies never import this module).
 from __future__ import annotations
 
 from placement.cost_model import Batch, CostModel
+from policies.dualpath import attention_time_fn
 from policies.pd_costs import CostFitter, LinearPrefillTime
 
 # Before the first fit and without a prior: 1 ms per step and 0.1 ms per new token (the
@@ -72,6 +73,13 @@ class RuntimePredictor:
         if self.prior is not None:
             return self.prior.batch_time(batch)
         return COLD_START.step_time(batch)
+
+    def attention_time(self, batch: Batch) -> float:
+        """Seconds of one step computing ``batch`` spent on attention: its (new token,
+        earlier token) pairs and context reads, from the fitted step model (DualPath's
+        attention quota, ``policies.dualpath``). Before the first fit the cold-start model,
+        which has no attention terms: 0, so only the token budget bounds a step."""
+        return attention_time_fn(self.prefill_time or COLD_START)(batch)
 
     def remaining_prefill_time(
         self, new_tokens: int, context_tokens: int, chunk: int | None = None

@@ -38,6 +38,14 @@ class StepPredictor(Protocol):
     ) -> int: ...
 
 
+class Packer(Protocol):
+    """What a scheduler asks of a packer: tokens per candidate this step, in order."""
+
+    def pack(
+        self, decodes: Batch, candidates: Sequence[PrefillCandidate], budget: int
+    ) -> list[int]: ...
+
+
 @dataclass(frozen=True)
 class PrefillCandidate:
     uncomputed: int  # tokens neither computed nor in flight (at least 1)

@@ -29,7 +29,10 @@ Intra-engine level (``fill_batch``): a PE takes its queue in FIFO order while th
 predicted attention time of the batch stays within a quota (the paper: 300 ms), and
 binary-searches the largest chunk of the request that would overflow it, so data-parallel
 attention ranks finish together. ``attention_time_fn`` turns the Conductor's fitted
-``LinearPrefillTime`` (``policies.pd_costs``) into that prediction.
+``LinearPrefillTime`` (``policies.pd_costs``) into that prediction. ``AttentionQuotaPacker``
+is that rule as a replica scheduler's packer (``policies.scheduler``; the engine option
+``attention_quota``), predicting with the replica's runtime predictor
+(``placement.runtime_predictor``, the one Medha's batch packer uses).
 
 Pure: no clock, no I/O; the runtime and the simulator share it. Stdlib only.
 """
@@ -38,7 +41,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
+from policies.batch_packer import PrefillCandidate
 from policies.pd_costs import LinearPrefillTime
 
 PREFILL_PATH = "prefill"  # storage -> the PE's node
@@ -280,3 +285,50 @@ def fill_batch(
             batch.append((q.request_id, lo))
         break
     return batch
+
+
+class AttentionPredictor(Protocol):
+    def attention_time(self, batch: Sequence[Chunk]) -> float: ...
+
+
+class AttentionQuotaPacker:
+    """The intra-engine rule as a scheduler's packer: ``pack`` sizes the prefills of one
+    step by ``fill_batch`` (FIFO, the candidates' order), the step's decodes counted in
+    the attention time first. Then the scheduler's limits: each chunk at most
+    ``max_chunk`` and all together at most ``budget`` tokens, in order (cutting a chunk
+    only lowers the attention time, so the quota still holds)."""
+
+    def __init__(
+        self, predictor: AttentionPredictor, quota: float, max_chunk: int | None = None
+    ) -> None:
+        if quota <= 0:
+            raise ValueError("attention_quota must be positive (seconds of attention per step)")
+        if max_chunk is not None and max_chunk < 1:
+            raise ValueError("max_chunk must be at least 1")
+        self.predictor = predictor
+        self.quota = quota
+        self.max_chunk = max_chunk
+
+    def pack(
+        self,
+        decodes: Sequence[Chunk],
+        candidates: Sequence[PrefillCandidate],
+        budget: int,
+    ) -> list[int]:
+        """Tokens per candidate this step (0: not this time), at most ``budget`` in all."""
+        chunks = [0] * len(candidates)
+        if not candidates or budget <= 0:
+            return chunks
+        fixed = list(decodes)
+
+        def attention_time(batch: Sequence[Chunk]) -> float:
+            return self.predictor.attention_time([*fixed, *batch])
+
+        queue = [QueuedPrefill(str(i), c.uncomputed, c.context) for i, c in enumerate(candidates)]
+        for rid, n in fill_batch(queue, attention_time, self.quota):
+            if self.max_chunk is not None:
+                n = min(n, self.max_chunk)
+            n = min(n, budget)
+            chunks[int(rid)] = n
+            budget -= n
+        return chunks

@@ -3,12 +3,12 @@
 Each ``schedule`` call returns ``{request: number of tokens}`` for one iteration: running
 requests in decode take one token each first (decode is never starved by prefill), then
 prompt chunks of running and waiting requests fill what is left of the budget (sized by the
-chunk rule, or with a ``BatchPacker`` by a runtime predictor, running and waiting prefills
-ranked together). A request is admitted only when the free KV blocks cover what every
-admitted request may still grow by (prompt + max_tokens), so a decode always finds its next
-block. When a prefill's KV cannot grow, the prefill that the ordering ranks last is
-preempted: its blocks are freed and it is recomputed later from its tokens. A request past
-its prompt (a decode) is never preempted.
+chunk rule, or with a packer by a runtime predictor, Medha's ``BatchPacker`` or DualPath's
+``AttentionQuotaPacker``, running and waiting prefills ranked together). A request is
+admitted only when the free KV blocks cover what every admitted request may still grow by
+(prompt + max_tokens), so a decode always finds its next block. When a prefill's KV cannot
+grow, the prefill that the ordering ranks last is preempted: its blocks are freed and it is
+recomputed later from its tokens. A request past its prompt (a decode) is never preempted.
 
 Steps may be pipelined: ``schedule`` can be called again before ``update`` of the previous
 steps. Scheduled tokens count as in flight (``Sequence.num_inflight_tokens``) until their
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policies.batch_packer import BatchPacker, PrefillCandidate
+from policies.batch_packer import Packer, PrefillCandidate
 from policies.chunking import ChunkRule, FixedChunk
 from policies.ordering import FCFS, Ordering
 from policies.sequence import FinishReason, SeqStatus, Sequence
@@ -109,7 +109,7 @@ class Scheduler:
         kv: KVManager,
         ordering: Ordering | None = None,
         chunk_rule: ChunkRule | None = None,
-        packer: BatchPacker | None = None,
+        packer: Packer | None = None,
     ) -> None:
         self.config = config
         self.kv = kv

@@ -17,8 +17,9 @@ cache events, stats), and a replica whose poll fails is dead.
 Per request: the Conductor (``policies.conductor``) picks the prefill instance with the
 lowest estimated TTFT (queue + prefill time, the cached prefix being what the instance's
 own prefix cache and the KV store on its node hold) and the decode instance with the
-lowest predicted TBT among those with room for the request's lifetime KV, or rejects it.
-The decode replica reserves the blocks, the prefill replica computes the prompt while
+lowest predicted TBT among those with room for the request's lifetime KV, or rejects it
+(``actors.disagg.cluster_placement``; with ``scheduler="dualpath"`` DualPath's rules choose
+instead). The decode replica reserves the blocks, the prefill replica computes the prompt while
 streaming each layer's KV into them through the transfer layer (never through Ray), and
 once its last prefill step returned it tells the decode replica to admit the request with
 its first token (directly), which joins the decode batch at that replica's next step.
@@ -34,16 +35,14 @@ With ``fit_costs`` (default) the Conductor's estimates are refitted (``CostFitte
 the steps and store loads this deployment measures. Replicas and shards spread over the
 cluster's nodes (``placement.nodes``).
 
-Faults: a dead store shard drops out of the map (its blocks are recomputed) and
-``refresh_store`` replaces it with an empty one. A dead prefill
-replica's decode reservations are cancelled; a dead decode replica's requests run again
-from their prompt, never streaming a token twice (seeded sampling draws the same tokens).
-Either is replaced by a fresh actor and its requests are placed again.
+Faults (``actors.disagg.cluster_faults``): a dead store shard drops out of the map and
+``refresh_store`` replaces it with an empty one; a dead prefill or decode replica is
+replaced by a fresh actor and its requests run again from their prompt, never streaming a
+token twice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from pathlib import Path
@@ -51,8 +50,11 @@ from typing import Any
 
 import ray
 
+from actors.disagg.cluster_faults import Recovery, call_replica
+from actors.disagg.cluster_placement import RequestPlacement
 from actors.disagg.conductor import RequestRejected, default_conductor
-from actors.disagg.decode import DecodeReplica, RemoteDecode
+from actors.disagg.decode import DecodeReplica
+from actors.disagg.dualpath_placement import SCHEDULERS, DualPathPlacer
 from actors.disagg.messages import (
     CacheEvent,
     DecodeStats,
@@ -62,7 +64,6 @@ from actors.disagg.messages import (
     PrefillFailed,
     PrefillStats,
     PrefillStep,
-    PrefillTask,
     Report,
     ReservationLost,
     StoreLoad,
@@ -72,7 +73,7 @@ from actors.disagg.pd_request import PDRequest
 from actors.disagg.prefill import PrefillReplica
 from actors.disagg.read_paths import ReadPaths
 from actors.disagg.replica_loop import split_cores
-from actors.disagg.store_view import DEAD, PDStore, StoreConfig
+from actors.disagg.store_view import PDStore, StoreConfig
 from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.request_builder import RequestBuilder
@@ -86,27 +87,15 @@ from models.config import read_model_config
 from placement.nodes import NodePlacement, ReplicaSpec
 from policies.conductor import (
     Conductor,
-    ConductorRequest,
     DecodeInstance,
     PrefillInstance,
-    apply_decision,
 )
-from policies.dualpath import DECODE_PATH, PREFILL_PATH
+from policies.dualpath import PREFILL_PATH
 from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
 REPORT_WAIT_S = 0.25  # a replica's long poll returns at the latest after this long
-
-
-def _call(method: Any, *args: Any) -> bool:
-    """Call a replica's actor method and wait for it; False when the replica is gone (its
-    death is handled when its long poll fails)."""
-    try:
-        ray.get(method.remote(*args))
-    except DEAD:
-        return False
-    return True
 
 
 class PDCluster:
@@ -125,6 +114,8 @@ class PDCluster:
         prefill_layout: dict[str, int] | None = None,
         decode_layout: dict[str, int] | None = None,
         read_path: str = PREFILL_PATH,
+        scheduler: str = "mooncake",
+        dualpath_thresholds: tuple[int, int] | None = None,
         prefill_replica_options: dict[str, Any] | None = None,
         decode_replica_options: dict[str, Any] | None = None,
         **controller_options: Any,
@@ -136,11 +127,18 @@ class PDCluster:
         store): where a stored prefix is read, ``"prefill"`` (storage -> the prefill
         replica), ``"decode"`` (storage -> the decode replica -> the prefill replica, layer
         by layer) or ``"dual"`` (per request, the side with the shorter read queue).
+        ``scheduler``: ``"mooncake"`` (the Conductor's TTFT/TBT choice and admission) or
+        ``"dualpath"`` (DualPath's rules, ``actors.disagg.dualpath_placement``: prefill
+        replica by read queue and unfinished tokens, decode replica by the Z rule, read
+        side by the shorter read queue in ``"dual"`` mode); ``dualpath_thresholds``: its
+        (alpha, beta) in tokens, fixed (default: from the fitted cost model).
         ``prefill_replica_options`` / ``decode_replica_options``: more keyword arguments of
         the replica classes (``link_budget``, ``record_loads``)."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
         self.read_paths = ReadPaths(read_path)
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
         if read_path != PREFILL_PATH and store is None:
             raise ValueError(
                 f"read_path={read_path!r} reads a KV store: give store=StoreConfig(...)"
@@ -153,6 +151,9 @@ class PDCluster:
             ray.init(include_dashboard=False)
         config = EngineConfig.from_options(**controller_options)  # names a bad option
         self.block_size = config.block_size
+        self.dualpath: DualPathPlacer | None = None
+        if scheduler == "dualpath":
+            self.dualpath = DualPathPlacer(self.block_size, read_path, dualpath_thresholds)
         cfg = read_model_config(Path(self.model_dir))
         self.tokenizer = load_tokenizer(Path(self.model_dir))
         on_gpu = ray.cluster_resources().get("GPU", 0) >= 1
@@ -212,6 +213,8 @@ class PDCluster:
         self._local_cached: dict[str, set[int]] = {}
         self._prefill_nodes: dict[str, str] = {}
         self._polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
+        self.recovery = Recovery(self)  # fault handling (``actors.disagg.cluster_faults``)
+        self.placing = RequestPlacement(self)  # ``actors.disagg.cluster_placement``
         for pid in self._prefill_ids:
             self._start_prefill(pid)
         self.decodes: dict[str, Any] = {}
@@ -280,14 +283,6 @@ class PDCluster:
             return None
         return self.store.live()
 
-    def _choose_read_path(self, key: str, request: Request, pid: str, did: str) -> str:
-        """Where this attempt's stored prefix is read (``ReadPaths``)."""
-        if self.store is None:
-            return PREFILL_PATH
-        usable = request.block_hashes[: (request.num_prompt_tokens - 1) // self.block_size]
-        _, hit = self.store.client.directory.best_holder(usable)
-        return self.read_paths.choose(key, hit, pid, did)
-
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
         moves off a node that is gone)."""
@@ -333,89 +328,11 @@ class PDCluster:
         req = PDRequest(request)
         self._reqs[request.request_id] = req  # a replica death while placing requeues it
         try:
-            self._place(req)
+            self.placing.place(req)
         except RequestRejected:
             del self._reqs[request.request_id]
             raise
         return request.request_id
-
-    def _place(self, req: PDRequest) -> None:
-        now = time.monotonic()
-        request = req.request
-        creq = ConductorRequest(
-            request.request_id,
-            request.block_hashes,
-            request.num_prompt_tokens,
-            request.params.max_tokens,
-            self.block_size,
-        )
-        if self.store is not None:
-            self.store.refresh()
-        prefills = []
-        for view in self.prefill_views.values():
-            view.cached = self._local_cached[view.instance_id] | self._home_blocks(view.instance_id)
-            prefills.append(view)
-        decodes = list(self.decode_views.values())
-        decision = self.conductor.schedule(creq, prefills, decodes, now)
-        if not decision.accepted:
-            raise RequestRejected(decision.reason, decision.retry_after or 1.0)
-        pid, did = decision.prefill_id, decision.decode_id
-        assert pid is not None and did is not None
-        key = f"{request.request_id}#{req.attempts + 1}"
-        decode = self.decodes[did]
-        try:
-            dest = ray.get(decode.reserve.remote(key, request))
-        except DEAD:
-            self._decode_died(did)
-            raise RequestRejected("decode_restarting", self.conductor.min_retry_after) from None
-        if dest is None:  # the view was stale: the instance has no room now
-            raise RequestRejected("decode_full", self.conductor.min_retry_after)
-        wanted = decision.replicate_blocks
-        if decision.transfer_from is not None:  # this request reads the copied prefix
-            mine = self.prefill_views[pid].cached
-            hashes = request.block_hashes[: decision.cached_blocks]
-            wanted = [h for h in hashes if h not in mine]
-        source = decision.replicate_from or decision.transfer_from
-        apply_decision(decision, creq, prefills, decodes, now)
-        if wanted and source is not None:
-            self._copy_blocks(request, wanted, source, pid)
-        req.start_attempt(key, pid, did)
-        self._by_key[key] = req
-        path = self._choose_read_path(key, request, pid, did)
-        task = PrefillTask(
-            key,
-            request,
-            dest,
-            RemoteDecode(decode),
-            self.home_shard(pid),
-            read_path=path,
-            relay=decode if path == DECODE_PATH else None,
-        )
-        if not _call(self.prefills[pid].submit, task):
-            self._prefill_died(pid)  # places this request again
-
-    def _home_blocks(self, pid: str) -> set[int]:
-        return self.store.blocks_of(self.home_shard(pid)) if self.store else set()
-
-    def _copy_blocks(self, request: Request, hashes: list[int], src_pid: str, dst_pid: str) -> None:
-        """Copy blocks the Conductor wants on ``dst_pid`` into its home shard, from a shard
-        (``src_pid``'s home first) or out of ``src_pid``'s own cache."""
-        dst = self.home_shard(dst_pid)
-        if self.store is None or dst is None:
-            return  # no store: nowhere to copy to
-
-        def export(rest: list[int]) -> int:
-            handle = self.prefills[src_pid]
-            try:
-                ref = handle.export_blocks.remote(
-                    request.block_hashes, request.prompt_token_ids, rest, dst
-                )
-                return int(ray.get(ref))
-            except DEAD:
-                return 0  # its death is handled when its poll fails
-
-        home = self.home_shard(src_pid)
-        self.replicated_blocks += self.store.copy_blocks(hashes, dst, home, export)
 
     def placement(self, request_id: str) -> tuple[str | None, str | None]:
         """(prefill id, decode id) the Conductor chose for a request not yet released."""
@@ -452,7 +369,7 @@ class PDCluster:
         for rid, handles in ((req.prefill_id, self.prefills), (req.decode_id, self.decodes)):
             if rid is None or (handles is self.prefills and not req.in_prefill):
                 continue
-            _call(handles[rid].abort, key)  # queued before any later call
+            call_replica(handles[rid].abort, key)  # queued before any later call
         self._by_key.pop(key, None)
         self.read_paths.done(key)
         req.drop_attempt()
@@ -478,11 +395,11 @@ class PDCluster:
             try:
                 report = ray.get(ref)
             except Exception:  # the actor died, or its loop failed
-                self._replica_died(rid, handle)
+                self.recovery.replica_died(rid, handle)
                 continue
             self._watch(rid, handle)
             deltas += self._apply(report)
-        self._retry_pending()
+        self.recovery.retry_pending()
         if self.fitter is not None:
             self.fitter.refit(self.conductor)
         return deltas
@@ -501,9 +418,9 @@ class PDCluster:
             elif isinstance(e, PrefillDone):
                 self._on_prefill_done(e)
             elif isinstance(e, PrefillFailed):
-                self._on_prefill_failed(e)
+                self.recovery.prefill_failed(e)
             elif isinstance(e, ReservationLost):
-                self._on_reservation_lost(e)
+                self.recovery.reservation_lost(e)
             elif isinstance(e, CacheEvent):
                 cached = self._local_cached[rid]
                 (cached.add if e.stored else cached.discard)(e.block_hash)
@@ -537,26 +454,6 @@ class PDCluster:
             req.in_prefill = False
             req.cached_tokens = e.cached_tokens
 
-    def _on_prefill_failed(self, e: PrefillFailed) -> None:
-        """Its stream broke: the decode side is gone (its poll fails too and places its
-        requests again) or unreachable (free its side, run the request again)."""
-        self.read_paths.done(e.key)
-        req = self._by_key.get(e.key)
-        if req is None or req.decode_id is None:
-            return
-        req.in_prefill = False
-        if _call(self.decodes[req.decode_id].cancel, e.key):
-            self._requeue(req)
-
-    def _on_reservation_lost(self, e: ReservationLost) -> None:
-        """The decode side already freed it: stop the prefill, run the request again."""
-        req = self._by_key.get(e.key)
-        if req is None:
-            return
-        if req.in_prefill and req.prefill_id is not None:
-            _call(self.prefills[req.prefill_id].abort, e.key)
-        self._requeue(req)
-
     def _on_tokens(self, e: TokenDelta) -> StreamDelta | None:
         req = self._by_key.get(e.key)
         return req.stream(e.delta, e.time) if req is not None else None
@@ -565,66 +462,6 @@ class PDCluster:
         req = self._by_key.pop(e.key, None)
         if req is not None:
             req.finish(e.output)
-
-    def _requeue(self, req: PDRequest) -> None:
-        """Place a request again from its prompt (aborted after ``max_prefill_attempts``)."""
-        if req.key is not None:
-            self._by_key.pop(req.key, None)
-        req.drop_attempt()
-        if req.attempts >= self.max_prefill_attempts:
-            req.end(text=False)
-        else:
-            self._retry.append(req.request_id)
-
-    def _replica_died(self, rid: str, handle: Any) -> None:
-        if rid in self.prefills and self.prefills[rid] is handle:
-            self._prefill_died(rid)
-        elif rid in self.decodes and self.decodes[rid] is handle:
-            self._decode_died(rid)
-
-    def _decode_died(self, did: str) -> None:
-        """Replace the replica; every request bound to it runs again from its prompt (those
-        still in prefill are stopped there first)."""
-        lost = [r for r in self._reqs.values() if r.decode_id == did and r.output is None]
-        for req in lost:
-            if req.in_prefill and req.prefill_id is not None and req.key is not None:
-                _call(self.prefills[req.prefill_id].abort, req.key)
-        self._forget_replica(self.decodes[did])
-        self.num_decode_restarts += 1
-        self._start_decode(did)
-        for req in lost:
-            self._requeue(req)
-
-    def _prefill_died(self, pid: str) -> None:
-        """Cancel the decode reservations of its requests, replace it, place them again."""
-        lost = [r for r in self._reqs.values() if r.prefill_id == pid and r.in_prefill]
-        for req in lost:
-            assert req.decode_id is not None and req.key is not None
-            _call(self.decodes[req.decode_id].cancel, req.key)
-        self._forget_replica(self.prefills[pid])
-        self.num_prefill_restarts += 1
-        self._start_prefill(pid)
-        for req in lost:
-            self._requeue(req)
-
-    def _forget_replica(self, handle: Any) -> None:
-        for ref in [r for r, (_, h) in self._polls.items() if h is handle]:
-            del self._polls[ref]
-        try:
-            ray.kill(handle)
-        except DEAD:
-            pass
-
-    def _retry_pending(self) -> None:
-        for _ in range(len(self._retry)):
-            rid = self._retry.popleft()
-            req = self._reqs.get(rid)
-            if req is None or req.output is not None:
-                continue
-            try:
-                self._place(req)
-            except RequestRejected:
-                self._retry.append(rid)
 
     # -- batch API --------------------------------------------------------------------------
     def generate(
@@ -697,23 +534,13 @@ class PDCluster:
         return held | self.store.all_blocks() if self.store else held
 
     def refresh_store(self) -> list[str]:
-        """Apply shard events to the Conductor's map; returns shards found dead, each
-        replaced at once by an empty shard under its id that every prefill replica is told
-        of (the dead one's blocks are recomputed by whoever needs them)."""
-        if self.store is None:
-            return []
-        self.store.refresh()
-        dead = [sid for sid in self.store.shards if sid not in self.store.live()]
-        for sid in dead:  # found dead now, or earlier by a failed read or write
-            handle = self.store.restart(sid)
-            for replica in [*self.prefills.values(), *self.decodes.values()]:
-                with contextlib.suppress(*DEAD):  # a dead one is replaced with the live set
-                    ray.get(replica.add_shard.remote(sid, handle))
-        return dead
+        """Apply shard events to the Conductor's map; dead shards are replaced by empty
+        ones (``Recovery.refresh_store``); returns their ids."""
+        return self.recovery.refresh_store()
 
     def shutdown(self) -> None:
         for handle in [*self.prefills.values(), *self.decodes.values()]:
-            _call(handle.shutdown)
+            call_replica(handle.shutdown)
             ray.kill(handle)
         if self.store is not None:
             self.store.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,15 @@ class DecodeReplica(LoopedReplica):
         store_shards: dict[str, Any] | None = None,
         write_back: bool = True,
         link_budget: LinkBudget | None = None,
+        record_loads: bool = False,
         **controller_options: Any,
     ) -> None:
         """``store_shards``: the KV store shards it reads prefixes from for prefill
         replicas (``load_prefix``, DualPath's decode read path) and, with ``write_back``,
-        writes every full block back to. ``link_budget``: its store reads pay this
-        replica's emulated storage link (on one machine each replica stands for a node).
+        writes every full block back to. ``link_budget``: its store reads and writes pay
+        this replica's emulated storage link (on one machine each replica stands for a
+        node). ``record_loads``: keep when each layer of a prefix load was in
+        (``load_timeline``).
         ``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
         ``tcp_host`` (this node's address); same-node ones always use shared memory.
         ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads. ``tp`` /
@@ -109,7 +113,10 @@ class DecodeReplica(LoopedReplica):
                 self.load_client.add_shard(shard_id, handle)
         self.write_back = write_back and self.client is not None
         links = NodeLinks(link_budget) if link_budget is not None else None
+        self.links = links
         self._storage_link = links.storage(replica_id) if links is not None else None
+        if self.client is not None:
+            self.client.write_link = self._storage_link  # write-back pays it too
         self._load_lock = threading.Lock()
         # guards _reserved_blocks against loads on other threads: a reservation is never
         # freed while a load writes into its blocks
@@ -118,6 +125,8 @@ class DecodeReplica(LoopedReplica):
         self._free_after_load: set[str] = set()
         self.loaded_blocks = 0  # blocks read from the store for prefill replicas
         self._crash_on_load = False
+        self._record_loads = record_loads
+        self._load_timeline: list[tuple[int, float]] = []  # (layer, perf_counter) read
         self._recoveries = 0
         self._reserved_blocks: dict[str, int] = {}
         self.stats = self._stats()
@@ -140,24 +149,28 @@ class DecodeReplica(LoopedReplica):
         """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""
         self.loop.post(lambda: self._abort(key))
 
-    def load_prefix(self, key: str, hashes: list[int], block_ids: list[int]) -> int:
-        """DualPath's decode read path: read the longest stored prefix of ``hashes`` (Full
-        Blocks, through this replica's storage link) into blocks ``block_ids`` (same order)
-        of request ``key``'s reservation; returns the leading blocks loaded (0: a miss or
-        a dead shard). Runs on the caller's thread: the blocks are reserved, nothing else
-        touches them until the prefill replica's KV arrives."""
+    def load_prefix(self, key: str, hashes: list[int], block_ids: list[int]) -> Iterator[int]:
+        """DualPath's decode read path, layer by layer: read the longest stored prefix of
+        ``hashes`` (Full Blocks, through this replica's storage link) into blocks
+        ``block_ids`` (same order) of request ``key``'s reservation. A generator (a Ray
+        streaming call): after each layer is in it yields the leading blocks loaded, so
+        the prefill replica relays layer ``l`` while layer ``l + 1`` is read; a miss or a
+        dead shard yields 0 once and stops. Runs on the caller's thread: the blocks are
+        reserved, nothing else touches them until the prefill replica's KV arrives."""
         if self._crash_on_load:
             os._exit(1)  # tests only: the relaying replica dies
         client = self.load_client
         executor = self.controller.executor
         if client is None or not isinstance(executor, LocalExecutor):
-            return 0
+            yield 0
+            return
         with self._reservations:  # a reservation being loaded into is freed only after
             if key not in self._reserved_blocks:
-                return 0  # cancelled or aborted meanwhile
+                yield 0  # cancelled or aborted meanwhile
+                return
             self._loading.add(key)
         try:
-            return self._load(client, executor, key, hashes, block_ids)
+            yield from self._load(client, executor, key, hashes, block_ids)
         finally:
             with self._reservations:
                 self._loading.discard(key)
@@ -173,31 +186,43 @@ class DecodeReplica(LoopedReplica):
         key: str,
         hashes: list[int],
         block_ids: list[int],
-    ) -> int:
+    ) -> Iterator[int]:
         with self._load_lock:
             client.refresh()
             pin = client.pin_prefix(key, hashes[: len(block_ids)])
             if pin is None:
-                return 0
+                yield 0
+                return
             caches = executor.worker.kv_caches
             n = len(pin.offsets)
-            ranges: list[tuple[int, int, int]] = []
-            local = None
-            for layer in range(len(caches)):
-                local, per = KVStoreClient.layer_ranges(caches, layer, pin.offsets, block_ids[:n])
-                ranges += per
+            link = BudgetedTransfer(client.engine, self._storage_link)
             try:
-                assert local is not None
-                BudgetedTransfer(client.engine, self._storage_link).read_ranges(
-                    pin.endpoint, local, ranges
-                )
-            except KVStoreError:
-                client.mark_dead(pin.shard_id)
-                return 0
+                for layer in range(len(caches)):
+                    local, ranges = KVStoreClient.layer_ranges(
+                        caches, layer, pin.offsets, block_ids[:n]
+                    )
+                    try:
+                        link.read_ranges(pin.endpoint, local, ranges)
+                    except KVStoreError:
+                        client.mark_dead(pin.shard_id)
+                        yield 0
+                        return
+                    if self._record_loads:
+                        self._load_timeline.append((layer, time.perf_counter()))
+                    yield n
             finally:
                 client.unpin(pin)
             self.loaded_blocks += n
-            return n
+
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes granted so far on this replica's emulated links (``NodeLinks.granted``;
+        empty without a ``link_budget``)."""
+        return self.links.granted(self.replica_id) if self.links is not None else {}
+
+    def load_timeline(self) -> list[tuple[int, float]]:
+        """``(layer, time.perf_counter())`` as each layer of a prefix load was read (with
+        ``record_loads``; one clock for every process of the machine)."""
+        return list(self._load_timeline)
 
     def crash_on_load(self) -> None:
         """Fault injection for tests: the process exits at the next ``load_prefix``."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
@@ -46,27 +47,8 @@ class PDEngine:
 
     @classmethod
     def for_group(cls, model: str | None, group: ReplicaGroupConfig, replica_id: str) -> PDEngine:
-        """The cluster of one Serve replica of a disaggregated group; its store's SSD files
-        go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a folder."""
-        assert group.num_prefill is not None and group.num_decode is not None
-        store = None
-        if group.store is not None:
-            s = group.store
-            ssd_dir = str(Path(s.ssd_dir) / replica_id) if s.ssd_dir else None
-            store = StoreConfig(s.dram_bytes, s.ssd_bytes, ssd_dir, s.num_shards)
-        conductor = group.conductor or ConductorSectionConfig()
-        cluster = PDCluster(
-            model,
-            group.num_prefill,
-            group.num_decode,
-            store=store,
-            conductor_options=conductor.model_dump(exclude={"fit_costs"}),
-            fit_costs=conductor.fit_costs,
-            prefill_layout=group.prefill.options() if group.prefill else None,
-            decode_layout=group.decode.options() if group.decode else None,
-            **group.engine_options(),
-        )
-        return cls(cluster)
+        """The cluster of one Serve replica of a disaggregated group (``cluster_args``)."""
+        return cls(PDCluster(**cluster_args(model, group, replica_id)))
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
@@ -154,3 +136,32 @@ class PDEngine:
 
     def check_blocks(self) -> dict[str, int]:
         return self.cluster.check_blocks()
+
+
+def cluster_args(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> dict[str, Any]:
+    """``PDCluster``'s arguments for one Serve replica of a disaggregated group; its store's
+    SSD files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a
+    folder. The store section's ``read_path`` and ``write_back`` and the conductor
+    section's ``scheduler`` (DualPath) pass through."""
+    assert group.num_prefill is not None and group.num_decode is not None
+    store = None
+    read_path = "prefill"
+    if group.store is not None:
+        s = group.store
+        ssd_dir = str(Path(s.ssd_dir) / replica_id) if s.ssd_dir else None
+        store = StoreConfig(s.dram_bytes, s.ssd_bytes, ssd_dir, s.num_shards, s.write_back)
+        read_path = s.read_path
+    conductor = group.conductor or ConductorSectionConfig()
+    return dict(
+        model_dir=model,
+        num_prefill=group.num_prefill,
+        num_decode=group.num_decode,
+        store=store,
+        conductor_options=conductor.model_dump(exclude={"fit_costs", "scheduler"}),
+        fit_costs=conductor.fit_costs,
+        read_path=read_path,
+        scheduler=conductor.scheduler,
+        prefill_layout=group.prefill.options() if group.prefill else None,
+        decode_layout=group.decode.options() if group.decode else None,
+        **group.engine_options(),
+    )

@@ -34,6 +34,7 @@ from actors.engine.worker_hooks import CacheGeometry, KVCaches, WorkerHooks
 from models.sharding import kv_head_range, layer_range
 from store.shared_segment import SharedSegment
 from store.transfer import LocalMemory, TransferEngine
+from store.transfer.links import BudgetedTransfer
 
 
 @dataclass(frozen=True)
@@ -155,13 +156,14 @@ class LayerStreamer:
 
     def __init__(
         self,
-        engine: TransferEngine,
+        engine: TransferEngine | BudgetedTransfer,
         block_size: int,
         held: tuple[int, int],
         sent: tuple[int, int],
     ) -> None:
         """``held``: the global KV heads this worker caches; ``sent``: those it sends
-        (``kv_routes.sent_heads``: a replicated head goes from one worker only)."""
+        (``kv_routes.sent_heads``: a replicated head goes from one worker only).
+        ``engine``: a ``BudgetedTransfer`` makes the stream pay a link (KV class)."""
         self.engine = engine
         self.block_size = block_size
         self.held, self.sent = held, sent

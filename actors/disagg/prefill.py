@@ -122,13 +122,15 @@ class PrefillReplica(LoopedReplica):
         folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
         num_kv_heads = read_model_config(folder).num_key_value_heads
         heads = (0, num_kv_heads)
-        self.streamer = LayerStreamer(self.engine, self.block_size, heads, heads)
-        self.loader = LayerLoader(record=record_loads)
         self.links = NodeLinks(link_budget) if link_budget is not None else None
-        self.load_engine = TransferEngine(f"prefill-{replica_id}-loads", self.node_id)
-        link = self.links.storage(replica_id) if self.links is not None else None
-        self.storage = BudgetedTransfer(self.load_engine, link)
+        storage_link = self.links.storage(replica_id) if self.links is not None else None
         compute_link = self.links.compute(replica_id) if self.links is not None else None
+        # the KV stream to decode replicas and relayed reads share the compute link
+        stream = BudgetedTransfer(self.engine, compute_link)
+        self.streamer = LayerStreamer(stream, self.block_size, heads, heads)
+        self.loader = LayerLoader(record=record_loads)
+        self.load_engine = TransferEngine(f"prefill-{replica_id}-loads", self.node_id)
+        self.storage = BudgetedTransfer(self.load_engine, storage_link)
         self.compute = BudgetedTransfer(self.load_engine, compute_link)
         self.hook = PrefillHook(self.streamer, self._after_step, self.loader)
         hooks: WorkerHooks | StreamingWorkers = WorkerHooks(self.cache, self.hook)
@@ -145,6 +147,7 @@ class PrefillReplica(LoopedReplica):
             self.client = KVStoreClient(f"prefill-{replica_id}", node_id=self.node_id)
             for shard_id, handle in store_shards.items():
                 self.client.add_shard(shard_id, handle)
+            self.client.write_link = storage_link  # store writes pay the storage link
         self._tasks: dict[str, PrefillTask] = {}
         self._failed: dict[str, str] = {}  # request key -> why its KV stream broke
         self.loaded_blocks = 0  # blocks brought in from the store
@@ -215,6 +218,11 @@ class PrefillReplica(LoopedReplica):
 
         return list(self.loop.call(read).result())
 
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes granted so far on this replica's emulated links (``NodeLinks.granted``;
+        empty without a ``link_budget``)."""
+        return self.links.granted(self.replica_id) if self.links is not None else {}
+
     def load_timeline(self) -> list[tuple[str, int, float]]:
         """``(event, layer, perf_counter time)`` of store loads and layer computes, when
         started with ``record_loads``."""
@@ -264,6 +272,9 @@ class PrefillReplica(LoopedReplica):
                 self._failed.update(report.failed)
                 self.bytes_streamed += report.bytes_sent
                 self.layers_streamed += report.layers_sent
+            # stats before the step's events: a report that takes a PrefillDone never
+            # carries the queue from before it (the Conductor's view would stay stale)
+            self.stats = self._stats()
             if chunks:
                 self.loop.emit(PrefillStep(chunks, end - start))
             for d in deltas:
@@ -356,7 +367,8 @@ class PrefillReplica(LoopedReplica):
         """DualPath's decode read path: the decode replica reads the stored prefix (blocks
         ``[0, m)``, Full Blocks) into the request's reserved blocks there; this replica
         reads blocks ``[k, m)`` beyond its own prefix from them layer by layer over the
-        compute path while the prefill runs, and streams only blocks from ``m`` on."""
+        compute path while the prefill runs (layer ``l`` once the decode replica has read
+        it, while it reads layer ``l + 1``), and streams only blocks from ``m`` on."""
         client, pool, bs = self.client, self.controller.pool, self.block_size
         assert client is not None
         tokens = task.request.prompt_token_ids
@@ -377,15 +389,15 @@ class PrefillReplica(LoopedReplica):
         mine = usable[k:m]
         for i, b in enumerate(blocks):
             pool.register(b, mine[i], tokens[(k + i) * bs : (k + i + 1) * bs])
+        # the decode replica yields once per layer read from the store (a streaming call)
         relayed = task.relay.load_prefix.remote(task.key, usable[:m], list(dest.block_ids[:m]))
         caches, compute, heads = self.cache.kv_caches, self.compute, self.streamer.held
         relay_blocks = list(dest.block_ids[k:m])
 
         def read_layer(layer: int) -> int:
-            if layer == 0:
-                got = ray.get(relayed)
-                if got < m:
-                    raise KVStoreError(f"the decode replica loaded {got} of {m} blocks")
+            got = ray.get(next(relayed))  # layer ``layer`` is in the decode replica's cache
+            if got < m:
+                raise KVStoreError(f"the decode replica loaded {got} of {m} blocks")
             kv = caches[layer]
             local = LocalMemory(kv[0], kv[1])
             piece = local.sizes[0] // kv[0].shape[0]

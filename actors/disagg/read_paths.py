@@ -31,10 +31,21 @@ class ReadPaths:
         if path == "dual":
             path = pick_path(prefill_id, decode_id, self.queue)
         side = prefill_id if path == PREFILL_PATH else decode_id
+        self.record(key, path, side, hit_blocks)
+        return path
+
+    def record(self, key: str, path: str, side: str, hit_blocks: int) -> None:
+        """This attempt reads ``hit_blocks`` stored blocks on replica ``side`` (chosen
+        elsewhere, e.g. by DualPath's scheduler): queued there until ``done``."""
+        if hit_blocks <= 0:
+            return
         self.queue[side] = self.queue.get(side, 0) + hit_blocks
         self._reads[key] = (side, hit_blocks)
         self.counts[path] += 1
-        return path
+
+    def tokens(self, block_size: int) -> dict[str, int]:
+        """The read queues in tokens (the unit of ``policies.dualpath``)."""
+        return {side: blocks * block_size for side, blocks in self.queue.items()}
 
     def done(self, key: str) -> None:
         """The attempt's prefill ended (or was given up): its blocks leave the queue."""

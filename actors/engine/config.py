@@ -36,8 +36,11 @@ class EngineConfig:
     decodes' TPOT target) turns on the batch packer (``policies.batch_packer``): adaptive
     chunks under that predicted step time and prefill-prefill batching, the short
     prefills' share of a step at most ``max_prefill_share``; ``chunk_size`` then caps a
-    chunk. Both use the replica's runtime predictor (``placement.runtime_predictor``),
-    fitted online from its measured steps."""
+    chunk. ``attention_quota`` (seconds; DualPath's intra-engine rule, instead of
+    ``target_batch_time``) fills each step in FIFO order while its predicted attention time
+    stays within the quota and chunks the request that would overflow it
+    (``policies.dualpath.AttentionQuotaPacker``). All use the replica's runtime predictor
+    (``placement.runtime_predictor``), fitted online from its measured steps."""
 
     dtype: torch.dtype | str | None = None
     device: str | None = None
@@ -77,6 +80,7 @@ class EngineConfig:
     min_ttft_slo: float = 0.0
     target_batch_time: float | None = None
     max_prefill_share: float = 0.5
+    attention_quota: float | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling not in POLICIES:
@@ -85,7 +89,11 @@ class EngineConfig:
             )
         if self.scheduling != "fcfs" and self.ordering is not None:
             raise ValueError("give scheduling or an ordering object, not both")
-        for name in ("default_ttft_slo", "target_batch_time"):
+        if self.target_batch_time is not None and self.attention_quota is not None:
+            raise ValueError(
+                "give target_batch_time (Medha's packer) or attention_quota (DualPath's), not both"
+            )
+        for name in ("default_ttft_slo", "target_batch_time", "attention_quota"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds or None")

@@ -37,8 +37,9 @@ from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
 from models.sharding import kv_heads_per_rank
 from placement.runtime_predictor import RuntimePredictor
-from policies.batch_packer import BatchPacker
+from policies.batch_packer import BatchPacker, Packer
 from policies.chunking import FixedChunk
+from policies.dualpath import AttentionQuotaPacker
 from policies.kvp_balancer import choose_kvp_rank
 from policies.request import Request, SampleSpec
 from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -129,8 +130,9 @@ class ReplicaController:
         # chunks (``target_batch_time``) and predicts the prefill time deadlines rank by.
         self.predictor: RuntimePredictor | None = None
         ordering = config.ordering
-        packer = None
-        if config.scheduling != "fcfs" or config.target_batch_time is not None:
+        packer: Packer | None = None
+        packing = config.target_batch_time is not None or config.attention_quota is not None
+        if config.scheduling != "fcfs" or packing:
             self.predictor = RuntimePredictor(
                 chunk_size=config.chunk_size or 512, min_samples=8, refit_every=8
             )
@@ -150,6 +152,11 @@ class ReplicaController:
                 config.target_batch_time,
                 config.max_prefill_share,
                 max_chunk=config.chunk_size,
+            )
+        if config.attention_quota is not None:  # DualPath's intra-engine rule
+            assert self.predictor is not None
+            packer = AttentionQuotaPacker(
+                self.predictor, config.attention_quota, max_chunk=config.chunk_size
             )
         self.scheduler = Scheduler(
             SchedulerConfig(config.token_budget, config.max_num_seqs),

@@ -49,6 +49,7 @@ from store.kv_store_errors import InvalidBlockError, StoreFullError, TransferErr
 from store.shard_store import BlockLocation, ShardStore
 from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
 from store.transfer import Endpoint, LocalMemory, TransferEngine
+from store.transfer.links import BudgetedTransfer, Link
 
 DEAD = (RayActorError, ActorUnavailableError)
 LOG_LIMIT = 100_000  # events a shard keeps for directory readers
@@ -210,6 +211,8 @@ class KVStoreClient:
     ) -> None:
         self.directory = directory if directory is not None else BlockDirectory()
         self.engine = TransferEngine(client_id, node_id or current_node_id(), prefer=prefer)
+        # writes pay this link (its node's emulated storage link, KV class); None: unlimited
+        self.write_link: Link | None = None
         self.handles: dict[str, Any] = {}
         self.endpoints: dict[str, Endpoint] = {}
         self._cursors: dict[str, int] = {}
@@ -344,7 +347,7 @@ class KVStoreClient:
                 ]
                 ranges = [(off + rel, lo, n) for _, off, block in todo for rel, lo, n in block]
                 try:
-                    self.engine.write_ranges(ep, local, ranges)
+                    BudgetedTransfer(self.engine, self.write_link).write_ranges(ep, local, ranges)
                 except TransferError:
                     handle.abort_put.remote([h for h, _, _ in todo])
                     raise

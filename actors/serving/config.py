@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from actors.disagg.dualpath_placement import SCHEDULERS
+from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
 from policies.rate_limit import KeyRateLimits
 
@@ -27,12 +29,26 @@ class _Strict(BaseModel):
 class StoreSectionConfig(_Strict):
     """KV store shards of a disaggregated group (``actors.disagg.cluster.StoreConfig``), started
     by each Serve replica of the group. ``ssd_dir`` is a folder on the replica's node; each
-    replica uses a subfolder of it named after its replica id."""
+    replica uses a subfolder of it named after its replica id. DualPath: ``read_path`` is
+    where a stored prefix is read ("prefill", "decode" or "dual": per request, the side with
+    the shorter read queue); ``write_back`` makes decode replicas write each block to the
+    store as it fills, so a conversation's next turn hits its own previous answer."""
 
     dram_bytes: int = Field(64 << 20, ge=1)
     ssd_bytes: int = Field(0, ge=0)
     ssd_dir: str | None = None
     num_shards: int = Field(1, ge=1)
+    read_path: str = "prefill"
+    write_back: StrictBool = False
+
+    @field_validator("read_path")
+    @classmethod
+    def _known_read_path(cls, value: str) -> str:
+        if value not in READ_PATHS:
+            raise ValueError(
+                f"store.read_path must be one of {', '.join(READ_PATHS)}, got {value!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> StoreSectionConfig:
@@ -54,6 +70,17 @@ class ConductorSectionConfig(_Strict):
     admission: Literal["none", "early", "predictive"] = "none"
     replication_threshold: float = Field(2.0, ge=1)
     fit_costs: bool = True
+    # "dualpath": DualPath's rules place requests instead (``actors.disagg.dualpath_placement``)
+    scheduler: str = "mooncake"
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str) -> str:
+        if value not in SCHEDULERS:
+            raise ValueError(
+                f"conductor.scheduler must be one of {', '.join(SCHEDULERS)}, got {value!r}"
+            )
+        return value
 
 
 class AdmissionSectionConfig(_Strict):
@@ -252,6 +279,12 @@ class ReplicaGroupConfig(_Strict):
                 raise ValueError(
                     f"{where}: a disaggregated group sets its replicas' layouts in its "
                     f"prefill and decode sections (tp, spp); remove {name}={degree}"
+                )
+        if self.store is not None and self.decode is not None and self.store.write_back:
+            if self.decode.tp * self.decode.spp > 1:
+                raise ValueError(
+                    f"{where}: store.write_back needs single-worker decode replicas; "
+                    "remove write_back or set decode tp = spp = 1"
                 )
         if self.store is not None and self.prefill is not None:
             if self.prefill.tp * self.prefill.spp > 1:

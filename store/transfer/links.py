@@ -155,6 +155,13 @@ class NodeLinks:
     def storage(self, node: str) -> Link | None:
         return self._get(node, "storage", self.budget.storage_bps)
 
+    def granted(self, node: str) -> dict[str, dict[str, int]]:
+        """Bytes granted so far on ``node``'s limited links: kind ("storage", "compute")
+        -> class ("exec", "kv") -> bytes."""
+        with self._lock:
+            links = {k: link for (n, k), link in self._links.items() if n == node and link}
+        return {k: {c.value: link.bytes[c] for c in TrafficClass} for k, link in links.items()}
+
     def compute(self, node: str) -> Link | None:
         return self._get(node, "compute", self.budget.compute_bps)
 

@@ -157,3 +157,115 @@ def test_a_relaying_decode_replica_that_dies_loses_no_request():
         assert set(pd.check_blocks().values()) == {0}
     finally:
         pd.shutdown()
+
+
+def test_the_live_conductor_places_requests_by_dualpaths_rules():
+    """Two prefill and two decode replicas under ``scheduler="dualpath"`` (alpha = 40
+    tokens): a request reading a stored prefix on p0 makes p0's read queue long, so the
+    next fresh requests go to p1 even once p1 has more unfinished tokens; with alpha
+    raised the smaller unfinished tokens win again. Every output equals the colocated
+    reference."""
+    first = tokens(141, 50)  # 12 full blocks go to the store
+    hit = first + tokens(142, 6)  # 56 tokens, 48 of them stored
+    fresh = [tokens(143, 40), tokens(144, 20), tokens(145, 12)]
+    prompts = [hit, *fresh]
+    want = colocated(prompts)
+    pd = PDCluster(
+        None,
+        2,
+        2,
+        store=StoreConfig(dram_bytes=64 << 20),
+        read_path="dual",
+        scheduler="dualpath",
+        dualpath_thresholds=(40, 10_000),
+        **OPTS,
+    )
+    try:
+        pd.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+        for _ in range(4):  # the replicas' reports bring the views back to idle
+            pd.poll(0.3)
+        assert all(v.queued_tokens == 0 for v in pd.prefill_views.values())
+        assert all(v.pending_blocks == 0 for v in pd.decode_views.values())
+        ids = [pd.submit(hit, PARAMS)]
+        # idle replicas tie: p0, d0; the 48 stored tokens are read on p0's side (tie)
+        assert pd.placement(ids[0]) == ("p0", "d0")
+        assert pd.read_paths.tokens(BS) == {"p0": 48}
+        # p0 reads more than alpha: a fresh request goes to p1; d1 is under Z
+        # (1.05 * (40 + 64) / 2 = 54.6 >= 0 + 40) where d0 (64 + 40) is not
+        ids.append(pd.submit(fresh[0], PARAMS))
+        assert pd.placement(ids[1]) == ("p1", "d1")
+        # p1 now has 40 unfinished tokens, p0 8, yet p0's read queue still keeps it out
+        assert pd.prefill_views["p0"].queued_tokens == 8
+        ids.append(pd.submit(fresh[1], PARAMS))
+        assert pd.placement(ids[2])[0] == "p1"
+        # with alpha raised, both are in the short-queue class: fewer unfinished tokens win
+        assert pd.dualpath is not None
+        pd.dualpath.thresholds = (10_000, 10_000)
+        ids.append(pd.submit(fresh[2], PARAMS))
+        assert pd.placement(ids[3])[0] == "p0"
+        while pd.has_unfinished():
+            pd.poll()
+        assert [pd.release(i).token_ids for i in ids] == want
+        assert pd.path_counts == {"prefill": 1, "decode": 0}
+        assert set(pd.check_blocks().values()) == {0}
+    finally:
+        pd.shutdown()
+
+
+def test_store_writes_pay_the_storage_links():
+    """Prefill's store writes and decode's write-back pass their replica's emulated
+    storage link (KV class), byte for byte."""
+    budget = LinkBudget(storage_bps=20e6, chunk_bytes=16 << 10)
+    prompt = tokens(151, 30)
+    pd = PDCluster(
+        None,
+        store=StoreConfig(dram_bytes=64 << 20, write_back=True),
+        prefill_replica_options={"link_budget": budget},
+        decode_replica_options={"link_budget": budget},
+        **OPTS,
+    )
+    try:
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=ANSWER)
+        assert out.token_ids == colocated([prompt], ANSWER)[0]
+        (p0,) = pd.prefills.values()
+        (d0,) = pd.decodes.values()
+        prefill_stored = pd.prefill_stats()["p0"].stored_blocks
+        decode_stored = ray.get(d0.report.remote(0.0)).stats.stored_blocks
+        assert (prefill_stored, decode_stored) == (7, 3)  # the prompt's, then the answer's
+        prefill_links = ray.get(p0.link_bytes.remote())
+        assert prefill_links["storage"] == {"exec": 0, "kv": 7 * pd.block_bytes}
+        assert ray.get(d0.link_bytes.remote())["storage"] == {"exec": 0, "kv": 3 * pd.block_bytes}
+    finally:
+        pd.shutdown()
+
+
+def test_the_decode_side_read_is_relayed_layer_by_layer():
+    """On the decode read path the prefill replica reads layer 0 of the prefix from the
+    decode replica before the decode replica has read the last layer from the store (a
+    slow storage link there: ~0.3 s a layer)."""
+    prompt = tokens(161, 30)  # 7 full blocks
+    budget = LinkBudget(storage_bps=50_000, chunk_bytes=4096)
+    pd = PDCluster(
+        None,
+        store=StoreConfig(dram_bytes=64 << 20),
+        read_path="decode",
+        prefill_replica_options={"record_loads": True},
+        decode_replica_options={"link_budget": budget, "record_loads": True},
+        **OPTS,
+    )
+    try:
+        pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        (p0,) = pd.prefills.values()
+        (d0,) = pd.decodes.values()
+        ray.get(p0.drop_local_cache.remote())
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        assert out.token_ids == colocated([prompt])[0] and out.num_cached_tokens == 7 * BS
+        assert pd.path_counts == {"prefill": 0, "decode": 1}
+        relayed = ray.get(p0.load_timeline.remote())
+        stored = ray.get(d0.load_timeline.remote())
+        layers = 4
+        assert [layer for layer, _ in stored] == list(range(layers))  # one load, in order
+        assert first_after(relayed, "load-end", 0, 0.0) < stored[-1][1]
+        assert set(pd.check_blocks().values()) == {0}
+    finally:
+        pd.shutdown()

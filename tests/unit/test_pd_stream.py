@@ -18,6 +18,7 @@ from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from policies.request import Request
 from store.hashing import chained_block_hashes
+from store.transfer.links import LinkBudget
 
 OPTS = dict(dtype=torch.float64, block_size=4, num_blocks=48, token_budget=16, chunk_size=8)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -90,6 +91,19 @@ def test_pd_in_process_equals_colocated(prompts, colocated):
     outs = run_pd(prefill, decode, prompts)
     assert [o.token_ids for o in outs] == colocated
     assert prefill.streamer.layers_sent > 0 and prefill.streamer.bytes_sent > 0
+    assert prefill.check_blocks() == 0 and decode.check_blocks() == 0
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_the_kv_stream_pays_the_prefill_sides_compute_link(prompts, colocated):
+    budget = LinkBudget(compute_bps=20e6, chunk_bytes=16 << 10)
+    prefill = PrefillReplica("p", None, link_budget=budget, **OPTS)
+    decode = DecodeReplica("d", None, **OPTS)
+    outs = run_pd(prefill, decode, prompts)
+    assert [o.token_ids for o in outs] == colocated
+    sent = prefill.streamer.bytes_sent
+    assert sent > 0 and prefill.link_bytes() == {"compute": {"exec": 0, "kv": sent}}
     assert prefill.check_blocks() == 0 and decode.check_blocks() == 0
     prefill.shutdown()
     decode.shutdown()

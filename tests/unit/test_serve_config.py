@@ -128,3 +128,45 @@ def test_commented_pd_example_in_serve_config_validates():
     (raw,) = yaml.safe_load("\n".join(block))
     g = ReplicaGroupConfig(**raw)
     assert g.disaggregated and g.num_replicas == 1
+
+
+@pytest.mark.parametrize(
+    "group, needle",
+    [
+        (
+            {"store": {"read_path": "both"}},
+            "store.read_path must be one of prefill, decode, dual, got 'both'",
+        ),
+        ({"store": {"write_back": "yes"}}, "write_back"),
+        (
+            {"conductor": {"scheduler": "dual"}},
+            "conductor.scheduler must be one of mooncake, dualpath, got 'dual'",
+        ),
+        (
+            {"store": {"write_back": True}, "decode": {"tp": 2}},
+            "store.write_back needs single-worker decode replicas",
+        ),
+    ],
+)
+def test_dualpath_keys_refuse_unknown_values_naming_the_choices(group, needle):
+    assert needle in error(name="g", num_prefill=1, num_decode=1, **group)
+
+
+def test_dualpath_keys_reach_the_cluster():
+    from actors.disagg.engine import cluster_args
+
+    g = ReplicaGroupConfig(
+        num_prefill=2,
+        num_decode=1,
+        store={"read_path": "dual", "write_back": True, "ssd_bytes": 1, "ssd_dir": "/kv"},
+        conductor={"scheduler": "dualpath", "ttft_slo": 5.0},
+    )
+    args = cluster_args("m", g, "r1")
+    assert (args["read_path"], args["scheduler"]) == ("dual", "dualpath")
+    assert args["store"].write_back and args["store"].ssd_dir == "/kv/r1"
+    assert args["conductor_options"]["ttft_slo"] == 5.0
+    assert "scheduler" not in args["conductor_options"]
+    plain = cluster_args(None, ReplicaGroupConfig(num_prefill=1, num_decode=1), "r0")
+    assert (plain["read_path"], plain["scheduler"], plain["store"]) == ("prefill", "mooncake", None)
+    stored = ReplicaGroupConfig(num_prefill=1, num_decode=1, store={}).store
+    assert stored is not None and (stored.read_path, stored.write_back) == ("prefill", False)

@@ -116,6 +116,11 @@ def test_node_links_are_per_node_and_optional():
     assert a is not None and b is not None and a is not b
     assert links.storage("a") is a
     assert links.compute("a") is None
+    a.send(3000, KV)
+    a.send(200, EXEC)
+    assert links.granted("a") == {"storage": {"exec": 200, "kv": 3000}}
+    assert links.granted("b") == {"storage": {"exec": 0, "kv": 0}}
+    assert links.granted("c") == {}  # no link made for it yet
 
 
 def test_bad_links_are_refused():

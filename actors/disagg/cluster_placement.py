@@ -1,0 +1,151 @@
+"""How ``PDCluster`` places one request (or its next attempt after a fault).
+
+1. The choice of (prefill replica, decode replica): Mooncake's Conductor
+   (``policies.conductor``: lowest predicted TTFT, then lowest TBT with room, or a 429 by
+   the SLOs), or with ``scheduler="dualpath"`` DualPath's rules
+   (``actors.disagg.dualpath_placement``, which call ``policies.dualpath.schedule``).
+2. The decode replica reserves the request's lifetime KV blocks (a stale view that finds
+   no room there is a 429; a dead decode replica is replaced and the request retried).
+3. Blocks the Conductor wants on the chosen prefill replica are copied into its home
+   shard (``transfer_from``, ``replicate_blocks``); the views take the decision
+   (``apply_decision``) before the replicas' next reports.
+4. The side that reads the stored prefix (``ReadPaths``: a fixed mode, the shorter read
+   queue, or DualPath's choice), then the prefill task is queued on the prefill replica.
+
+Invariant: an accepted attempt has its key in ``_by_key`` and its reservation on the
+decode replica before its prefill task is queued.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import ray
+
+from actors.disagg.cluster_faults import call_replica
+from actors.disagg.conductor import RequestRejected
+from actors.disagg.decode import RemoteDecode
+from actors.disagg.messages import PrefillTask
+from actors.disagg.pd_request import PDRequest
+from actors.disagg.store_view import DEAD
+from policies.conductor import ConductorRequest, apply_decision
+from policies.dualpath import DECODE_PATH, PREFILL_PATH, Assignment
+from policies.request import Request
+
+if TYPE_CHECKING:
+    from actors.disagg.cluster import PDCluster
+
+
+class RequestPlacement:
+    """Placement of one ``PDCluster``'s requests (it owns the replicas and the views)."""
+
+    def __init__(self, cluster: PDCluster) -> None:
+        self.cluster = cluster
+
+    def stored_blocks(self, request: Request) -> int:
+        """How many of the prompt's leading blocks the KV store holds (the last prompt
+        token is always computed)."""
+        c = self.cluster
+        if c.store is None:
+            return 0
+        usable = request.block_hashes[: (request.num_prompt_tokens - 1) // c.block_size]
+        return c.store.client.directory.best_holder(usable)[1]
+
+    def place(self, req: PDRequest) -> None:
+        """Place one request (or its next attempt): choose (prefill, decode) by the
+        Conductor or DualPath's rules, reserve its KV on decode, copy wanted blocks, pick
+        the read side, queue its prefill; raises ``RequestRejected`` when it cannot now."""
+        c = self.cluster
+        now = time.monotonic()
+        request = req.request
+        creq = ConductorRequest(
+            request.request_id,
+            request.block_hashes,
+            request.num_prompt_tokens,
+            request.params.max_tokens,
+            c.block_size,
+        )
+        if c.store is not None:
+            c.store.refresh()
+        prefills = []
+        for view in c.prefill_views.values():
+            view.cached = c._local_cached[view.instance_id] | self.home_blocks(view.instance_id)
+            prefills.append(view)
+        decodes = list(c.decode_views.values())
+        rule: Assignment | None = None  # DualPath's placement, with its read side
+        hit = self.stored_blocks(request)
+        if c.dualpath is not None:
+            in_prefill = Counter(r.prefill_id or "" for r in c._reqs.values() if r.in_prefill)
+            queues = c.read_paths.tokens(c.block_size)
+            decision, rule = c.dualpath.decide(
+                creq, hit, prefills, in_prefill, decodes, queues, c.conductor
+            )
+        else:
+            decision = c.conductor.schedule(creq, prefills, decodes, now)
+        if not decision.accepted:
+            raise RequestRejected(decision.reason, decision.retry_after or 1.0)
+        pid, did = decision.prefill_id, decision.decode_id
+        assert pid is not None and did is not None
+        key = f"{request.request_id}#{req.attempts + 1}"
+        decode = c.decodes[did]
+        try:
+            dest = ray.get(decode.reserve.remote(key, request))
+        except DEAD:
+            c.recovery.decode_died(did)
+            raise RequestRejected("decode_restarting", c.conductor.min_retry_after) from None
+        if dest is None:  # the view was stale: the instance has no room now
+            raise RequestRejected("decode_full", c.conductor.min_retry_after)
+        wanted = decision.replicate_blocks
+        if decision.transfer_from is not None:  # this request reads the copied prefix
+            mine = c.prefill_views[pid].cached
+            hashes = request.block_hashes[: decision.cached_blocks]
+            wanted = [h for h in hashes if h not in mine]
+        source = decision.replicate_from or decision.transfer_from
+        apply_decision(decision, creq, prefills, decodes, now)
+        if wanted and source is not None:
+            self.copy_blocks(request, wanted, source, pid)
+        req.start_attempt(key, pid, did)
+        c._by_key[key] = req
+        if rule is None:
+            path = c.read_paths.choose(key, hit, pid, did) if c.store else PREFILL_PATH
+        else:
+            path = rule.path if hit else PREFILL_PATH  # nothing stored: nothing to relay
+            c.read_paths.record(key, path, rule.read_node, hit)
+        task = PrefillTask(
+            key,
+            request,
+            dest,
+            RemoteDecode(decode),
+            c.home_shard(pid),
+            read_path=path,
+            relay=decode if path == DECODE_PATH else None,
+        )
+        if not call_replica(c.prefills[pid].submit, task):
+            c.recovery.prefill_died(pid)  # places this request again
+
+    def home_blocks(self, pid: str) -> set[int]:
+        c = self.cluster
+        return c.store.blocks_of(c.home_shard(pid)) if c.store else set()
+
+    def copy_blocks(self, request: Request, hashes: list[int], src_pid: str, dst_pid: str) -> None:
+        """Copy blocks the Conductor wants on ``dst_pid`` into its home shard, from a shard
+        (``src_pid``'s home first) or out of ``src_pid``'s own cache."""
+        c = self.cluster
+        dst = c.home_shard(dst_pid)
+        if c.store is None or dst is None:
+            return  # no store: nowhere to copy to
+
+        def export(rest: list[int]) -> int:
+            handle = c.prefills[src_pid]
+            try:
+                ref = handle.export_blocks.remote(
+                    request.block_hashes, request.prompt_token_ids, rest, dst
+                )
+                return int(ray.get(ref))
+            except DEAD:
+                return 0  # its death is handled when its poll fails
+
+        home = c.home_shard(src_pid)
+        c.replicated_blocks += c.store.copy_blocks(hashes, dst, home, export)
