@@ -1,0 +1,328 @@
+"""Deployment plan of a dense model for a trace: a colocated group of ``tp x spp x kvp``
+replicas, or a prefill/decode disaggregated group (P/D ratio and each side's ``tp x spp``),
+whichever the roofline cost model (``placement.cost_model``) says is cheapest while the
+trace's arrival rate meets the TTFT and TPOT SLOs.
+
+The trace enters only through ``TraceStats`` (rate, prompt-length quantiles, mean output,
+longest request). Per candidate layout the model is queueing-light and closed-form:
+
+- prefill: ``rho = rate_per_instance * E[prefill time alone]`` (the mean over the prompt
+  quantiles, chunks of ``CHUNK`` tokens) is a prefill instance's busy share; the p90
+  prompt's TTFT is its prefill alone inflated by ``1 / (1 - rho)`` (waiting behind others);
+  it must meet the TTFT SLO, and ``rho <= max_util``;
+- decode: by Little's law a decode instance holds ``D = rate_per_instance * E[output] *
+  TPOT`` requests; TPOT is one decode iteration of ``D`` requests of mean context; on a
+  colocated replica the prefills take ``rho`` of the time, so ``TPOT = t_d(D) / (1 - rho)``
+  (the least fixed point, found by iteration from ``D = 1``);
+- memory: the longest request's KV fits an instance, and ``D`` mean contexts do too.
+
+Colocated: the fewest replicas meeting both (binary search; both sides improve with more).
+P/D: the fewest prefill instances for the TTFT side and the fewest decode instances for the
+TPOT side, each side's layout chosen independently (P/D replicas take ``tp x spp``, no
+``kvp``, as ``actors.serving.config.PDLayoutConfig`` does). The objective is the total
+relative price (``GPUSpec.price``); ties go to fewer GPUs, then to colocated.
+``sim.plan_replay`` replays the trace on the plan to check these predictions.
+
+Pure code: no torch, no Ray, no files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from placement.cost_model import RooflineCostModel, decode_time, prefill_time
+from placement.model_specs import ModelSpec
+from placement.moe_plan import Hardware, tp_choices
+
+CHUNK = 2048  # prefill chunk tokens (the engine's default token budget)
+SPP_CHOICES = (1, 2, 4)
+KVP_CHOICES = (1, 2, 4)
+QUANTILES = 32  # prompt-length quantile points kept from a trace
+MAX_INSTANCES = 1 << 16
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    """What the planner needs of a trace. ``input_quantiles``: sorted prompt lengths at
+    evenly spaced quantiles (their mean stands for the trace's mean prefill work)."""
+
+    rate: float  # requests per second
+    input_quantiles: tuple[int, ...]
+    mean_output: float
+    max_tokens: int  # the longest request's prompt + output
+
+    @property
+    def p90_input(self) -> int:
+        q = self.input_quantiles
+        return q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]
+
+    @property
+    def mean_context(self) -> float:
+        """Mean KV tokens of a decoding request: its prompt plus half its output."""
+        q = self.input_quantiles
+        return sum(q) / len(q) + self.mean_output / 2
+
+
+def trace_stats(requests: Iterable[tuple[float, int, int]]) -> TraceStats:
+    """From ``(arrival seconds, input_len, output_len)`` triples. The rate is the requests
+    over the span of their arrivals (a trace of one request: one per second)."""
+    rows = sorted(requests)
+    if not rows:
+        raise ValueError("the trace holds no requests")
+    span = rows[-1][0] - rows[0][0]
+    rate = (len(rows) - 1) / span if span > 0 and len(rows) > 1 else 1.0
+    inputs = sorted(r[1] for r in rows)
+    n = len(inputs)
+    points = min(QUANTILES, n)
+    quant = tuple(inputs[min(n - 1, (2 * i + 1) * n // (2 * points))] for i in range(points))
+    return TraceStats(
+        rate=rate,
+        input_quantiles=quant,
+        mean_output=sum(r[2] for r in rows) / n,
+        max_tokens=max(r[1] + r[2] for r in rows),
+    )
+
+
+@dataclass(frozen=True)
+class DenseSLO:
+    ttft_s: float = 30.0
+    tpot_s: float = 0.150
+    max_util: float = 0.8  # most busy share a prefill side may run at
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0 or not 0 < self.max_util < 1:
+            raise ValueError("SLOs must be positive and max_util in (0, 1)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    spp: int = 1
+    kvp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.spp * self.kvp
+
+    def __str__(self) -> str:
+        return f"tp {self.tp} x spp {self.spp} x kvp {self.kvp}"
+
+
+@dataclass(frozen=True)
+class DensePlan:
+    """``mode`` "colocated": ``replicas`` of ``layout``; "pd": ``num_prefill`` instances of
+    ``prefill`` and ``num_decode`` of ``decode``. Predicted p90 TTFT and mean TPOT."""
+
+    model: str
+    gpu: str
+    mode: str
+    cost: float
+    gpus: int
+    ttft_p90: float
+    tpot: float
+    layout: Layout | None = None
+    replicas: int = 0
+    prefill: Layout | None = None
+    num_prefill: int = 0
+    decode: Layout | None = None
+    num_decode: int = 0
+
+    @property
+    def prefill_share(self) -> float:
+        """Share of the GPUs that prefill only (0 for colocated)."""
+        if self.mode != "pd" or self.prefill is None:
+            return 0.0
+        return self.num_prefill * self.prefill.gpus / self.gpus
+
+    def describe(self) -> str:
+        if self.mode == "colocated":
+            what = f"colocated: {self.replicas} replica(s) of {self.layout}"
+        else:
+            what = (
+                f"P/D: {self.num_prefill} prefill of {self.prefill} : {self.num_decode} "
+                f"decode of {self.decode} (prefill share {self.prefill_share:.0%} of GPUs)"
+            )
+        return f"{what} on {self.gpu}, {self.gpus} GPUs, cost {self.cost:g}"
+
+
+def _cost_model(model: ModelSpec, hw: Hardware, layout: Layout) -> RooflineCostModel | None:
+    cost = RooflineCostModel(model, hw.gpu, tp=layout.tp, spp=layout.spp, kvp=layout.kvp)
+    try:
+        cost.kv_capacity_tokens()
+    except ValueError:  # the weights do not fit one stage
+        return None
+    return cost
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One layout's per-instance numbers that do not depend on the instance count."""
+
+    layout: Layout
+    cost: RooflineCostModel
+    capacity: int  # KV tokens
+    mean_prefill: float  # seconds, mean over the prompt quantiles
+    p90_prefill: float
+
+    @classmethod
+    def of(cls, model: ModelSpec, hw: Hardware, layout: Layout, t: TraceStats) -> _Side | None:
+        cost = _cost_model(model, hw, layout)
+        if cost is None or cost.kv_capacity_tokens() < t.max_tokens:
+            return None
+        times = [prefill_time(cost, n, 0, CHUNK) for n in t.input_quantiles]
+        return cls(
+            layout,
+            cost,
+            cost.kv_capacity_tokens(),
+            sum(times) / len(times),
+            prefill_time(cost, t.p90_input, 0, CHUNK),
+        )
+
+    def decode(self, batch: float, t: TraceStats) -> float:
+        b = max(1, math.ceil(batch))
+        return decode_time(self.cost, b, int(b * t.mean_context))
+
+
+def _colocated_tpot(side: _Side, rate: float, t: TraceStats, slo: DenseSLO) -> float | None:
+    """TPOT of one colocated replica at ``rate`` requests/s, or None if none is stable."""
+    rho = rate * side.mean_prefill
+    if rho >= slo.max_util:
+        return None
+    tpot = side.decode(1, t) / (1 - rho)
+    for _ in range(100):  # monotone from below: converges to the least fixed point
+        batch = rate * t.mean_output * tpot
+        if batch * t.mean_context > side.capacity:
+            return None
+        nxt = side.decode(batch, t) / (1 - rho)
+        if nxt > 10 * slo.tpot_s:
+            return None
+        if abs(nxt - tpot) <= 1e-9 * tpot:
+            return nxt
+        tpot = nxt
+    return tpot
+
+
+def _colocated(
+    model: ModelSpec, hw: Hardware, side: _Side, t: TraceStats, slo: DenseSLO
+) -> DensePlan | None:
+    def ok(n: int) -> tuple[float, float] | None:
+        rate = t.rate / n
+        rho = rate * side.mean_prefill
+        if rho >= slo.max_util:
+            return None
+        ttft = side.p90_prefill / (1 - rho)
+        tpot = _colocated_tpot(side, rate, t, slo)
+        if tpot is None or tpot > slo.tpot_s or ttft > slo.ttft_s:
+            return None
+        return ttft, tpot
+
+    if side.p90_prefill > slo.ttft_s or ok(MAX_INSTANCES) is None:
+        return None
+    lo, hi = 1, MAX_INSTANCES
+    while lo < hi:  # invariant: ok(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) is not None else (mid + 1, hi)
+    found = ok(lo)
+    assert found is not None
+    gpus = lo * side.layout.gpus
+    return DensePlan(
+        model.name,
+        hw.gpu.name,
+        "colocated",
+        gpus * hw.gpu.price,
+        gpus,
+        found[0],
+        found[1],
+        layout=side.layout,
+        replicas=lo,
+    )
+
+
+def _prefill_side(side: _Side, t: TraceStats, slo: DenseSLO) -> tuple[int, float] | None:
+    """The fewest prefill instances and the p90 TTFT they give."""
+    if side.p90_prefill >= slo.ttft_s:
+        return None
+    util = min(slo.max_util, 1 - side.p90_prefill / slo.ttft_s)
+    n = max(1, math.ceil(t.rate * side.mean_prefill / util - 1e-12))
+    return n, side.p90_prefill / (1 - t.rate * side.mean_prefill / n)
+
+
+def _decode_side(side: _Side, t: TraceStats, slo: DenseSLO) -> tuple[int, float] | None:
+    """The fewest decode instances and their TPOT: each runs at most the largest batch
+    whose iteration meets the TPOT SLO and whose mean contexts fit its KV."""
+    if side.decode(1, t) > slo.tpot_s:
+        return None
+    cap = max(1, int(side.capacity // t.mean_context))
+    lo, hi = 1, cap
+    while lo < hi:  # invariant: decode(lo) <= SLO
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if side.decode(mid, t) <= slo.tpot_s else (lo, mid - 1)
+    tpot = side.decode(lo, t)
+    n = max(1, math.ceil(t.rate * t.mean_output * tpot / lo - 1e-12))
+    return n, side.decode(t.rate * t.mean_output * tpot / n, t)
+
+
+def layouts(hw: Hardware, kvp: bool = True) -> list[Layout]:
+    kvps = KVP_CHOICES if kvp else (1,)
+    return [
+        Layout(tp, spp, k) for tp in tp_choices(hw.gpus_per_node) for spp in SPP_CHOICES for k in kvps
+    ]
+
+
+def _key(plan: DensePlan) -> tuple[float, int, int]:
+    return (plan.cost, plan.gpus, 0 if plan.mode == "colocated" else 1)
+
+
+def search_dense_plan(
+    model: ModelSpec,
+    hardware: Sequence[Hardware],
+    trace: TraceStats,
+    slo: DenseSLO = DenseSLO(),
+    modes: Sequence[str] = ("colocated", "pd"),
+) -> DensePlan:
+    """The cheapest plan over every GPU type, layout and mode (see the module docstring)."""
+    if model.is_moe:
+        raise ValueError(f"{model.name} is MoE: plan it with placement.moe_plan")
+    if not hardware:
+        raise ValueError("give at least one hardware type")
+    best: DensePlan | None = None
+    for hw in hardware:
+        sides = [s for lay in layouts(hw) if (s := _Side.of(model, hw, lay, trace)) is not None]
+        candidates: list[DensePlan] = []
+        if "colocated" in modes:
+            candidates += [p for s in sides if (p := _colocated(model, hw, s, trace, slo))]
+        if "pd" in modes:
+            pd_sides = [s for s in sides if s.layout.kvp == 1]
+            pre = [(s, r) for s in pd_sides if (r := _prefill_side(s, trace, slo))]
+            dec = [(s, r) for s in pd_sides if (r := _decode_side(s, trace, slo))]
+            if pre and dec:
+                p_side, (n_p, ttft) = min(pre, key=lambda x: (x[1][0] * x[0].layout.gpus))
+                d_side, (n_d, tpot) = min(dec, key=lambda x: (x[1][0] * x[0].layout.gpus))
+                gpus = n_p * p_side.layout.gpus + n_d * d_side.layout.gpus
+                candidates.append(
+                    DensePlan(
+                        model.name,
+                        hw.gpu.name,
+                        "pd",
+                        gpus * hw.gpu.price,
+                        gpus,
+                        ttft,
+                        tpot,
+                        prefill=p_side.layout,
+                        num_prefill=n_p,
+                        decode=d_side.layout,
+                        num_decode=n_d,
+                    )
+                )
+        for plan in candidates:
+            if best is None or _key(plan) < _key(best):
+                best = plan
+    if best is None:
+        raise ValueError(
+            f"no layout of {model.name} on {', '.join(h.gpu.name for h in hardware)} meets "
+            f"TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s * 1e3:g} ms for this trace "
+            f"(longest request {trace.max_tokens} tokens): raise the SLOs or use larger GPUs"
+        )
+    return best
