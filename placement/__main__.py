@@ -23,7 +23,6 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-
 from typing import TYPE_CHECKING, Any
 
 from placement.dense_plan import DenseSLO, search_dense_plan, trace_stats
@@ -156,7 +155,9 @@ def _moe_plan(
         hw_a = next(h for h in attention if h.gpu.name == plan.gpu_a)
         hw_e = next(h for h in (experts or attention) if h.gpu.name == plan.gpu_e)
         cluster = moe_cluster(plan, model, hw_a, hw_e, replicas)
-        lines.append(replay(cluster, requests, args.ttft_slo, args.tpot_slo, args.slo_target).line())
+        lines.append(
+            replay(cluster, requests, args.ttft_slo, args.tpot_slo, args.slo_target).line()
+        )
     else:
         lines.append("no --trace: no simulated replay")
     if not args.out:

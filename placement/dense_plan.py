@@ -267,7 +267,10 @@ def _decode_side(side: _Side, t: TraceStats, slo: DenseSLO) -> tuple[int, float]
 def layouts(hw: Hardware, kvp: bool = True) -> list[Layout]:
     kvps = KVP_CHOICES if kvp else (1,)
     return [
-        Layout(tp, spp, k) for tp in tp_choices(hw.gpus_per_node) for spp in SPP_CHOICES for k in kvps
+        Layout(tp, spp, k)
+        for tp in tp_choices(hw.gpus_per_node)
+        for spp in SPP_CHOICES
+        for k in kvps
     ]
 
 
@@ -298,8 +301,8 @@ def search_dense_plan(
             pre = [(s, r) for s in pd_sides if (r := _prefill_side(s, trace, slo))]
             dec = [(s, r) for s in pd_sides if (r := _decode_side(s, trace, slo))]
             if pre and dec:
-                p_side, (n_p, ttft) = min(pre, key=lambda x: (x[1][0] * x[0].layout.gpus))
-                d_side, (n_d, tpot) = min(dec, key=lambda x: (x[1][0] * x[0].layout.gpus))
+                p_side, (n_p, ttft) = min(pre, key=lambda x: x[1][0] * x[0].layout.gpus)
+                d_side, (n_d, tpot) = min(dec, key=lambda x: x[1][0] * x[0].layout.gpus)
                 gpus = n_p * p_side.layout.gpus + n_d * d_side.layout.gpus
                 candidates.append(
                     DensePlan(

@@ -77,7 +77,9 @@ def heterogeneous_rows() -> list[tuple[str, str, str, float, str, float]]:
         best = max(
             (colocated_plan(model, hw, WORKLOAD) for hw in hws), key=lambda c: c.throughput_per_cost
         )
-        out.append((name, d.gpu_a, d.gpu_e, d.throughput_per_cost, best.gpu, best.throughput_per_cost))
+        out.append(
+            (name, d.gpu_a, d.gpu_e, d.throughput_per_cost, best.gpu, best.throughput_per_cost)
+        )
     return out
 
 
