@@ -67,7 +67,8 @@ class TraceStats:
 
 def trace_stats(requests: Iterable[tuple[float, int, int]]) -> TraceStats:
     """From ``(arrival seconds, input_len, output_len)`` triples. The rate is the requests
-    over the span of their arrivals (a trace of one request: one per second)."""
+    over the span of their arrivals; a trace of one request, or whose requests all arrive at
+    one instant, gives no span and is taken as one request per second."""
     rows = sorted(requests)
     if not rows:
         raise ValueError("the trace holds no requests")
