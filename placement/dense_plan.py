@@ -6,15 +6,21 @@ trace's arrival rate meets the TTFT and TPOT SLOs.
 The trace enters only through ``TraceStats`` (rate, prompt-length quantiles, mean output,
 longest request). Per candidate layout the model is queueing-light and closed-form:
 
-- prefill: ``rho = rate_per_instance * E[prefill time alone]`` (the mean over the prompt
-  quantiles, chunks of ``CHUNK`` tokens) is a prefill instance's busy share; the p90
-  prompt's TTFT is its prefill alone inflated by ``1 / (1 - rho)`` (waiting behind others);
-  it must meet the TTFT SLO, and ``rho <= max_util``;
-- decode: by Little's law a decode instance holds ``D = rate_per_instance * E[output] *
-  TPOT`` requests; TPOT is one decode iteration of ``D`` requests of mean context; on a
-  colocated replica the prefills take ``rho`` of the time, so ``TPOT = t_d(D) / (1 - rho)``
-  (the least fixed point, found by iteration from ``D = 1``);
-- memory: the longest request's KV fits an instance, and ``D`` mean contexts do too.
+- prefill-only instances (P/D): ``rho = rate_per_instance * E[prefill time alone]`` (the
+  mean over the prompt quantiles, chunks of ``CHUNK`` tokens overlapping across ``spp``
+  stages) is the busy share; the p90 prompt's TTFT is its prefill alone inflated by
+  ``1 / (1 - rho)`` (waiting behind others); it must meet the TTFT SLO, and
+  ``rho <= max_util``;
+- colocated replicas: the same with the chunks run one after another (each step also
+  decodes, so it waits for its outputs and stages do not overlap); while prefills keep a
+  replica busy, every step carries a chunk, so TPOT is the decode step plus a chunk step
+  when that is more than ``1 - target`` of the time, else the time-share mean gap;
+- decode: by Little's law an instance decodes ``D = rate_per_instance * E[output] * TPOT``
+  requests at once, TPOT being one decode iteration of ``D`` requests of mean context; a
+  decode instance runs at most the largest batch meeting the TPOT SLO;
+- memory: the longest request fits an instance, and the requests it holds (P/D decode:
+  from arrival, when the Conductor reserves their KV, to their last token) stay within its
+  KV with a Poisson margin (``_Side.most_held``).
 
 Colocated: the fewest replicas meeting both (binary search; both sides improve with more).
 P/D: the fewest prefill instances for the TTFT side and the fewest decode instances for the
@@ -59,6 +65,12 @@ class TraceStats:
         return q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]
 
     @property
+    def mean_total(self) -> int | float:
+        """Mean tokens of a whole request (the KV it holds at its end)."""
+        q = self.input_quantiles
+        return sum(q) / len(q) + self.mean_output
+
+    @property
     def mean_context(self) -> float:
         """Mean KV tokens of a decoding request: its prompt plus half its output."""
         q = self.input_quantiles
@@ -90,11 +102,14 @@ def trace_stats(requests: Iterable[tuple[float, int, int]]) -> TraceStats:
 class DenseSLO:
     ttft_s: float = 30.0
     tpot_s: float = 0.150
-    max_util: float = 0.8  # most busy share a prefill side may run at
+    max_util: float = 0.8  # most busy share of a prefill side
+    target: float = 0.9  # share of requests the SLOs are for
 
     def __post_init__(self) -> None:
         if self.ttft_s <= 0 or self.tpot_s <= 0 or not 0 < self.max_util < 1:
             raise ValueError("SLOs must be positive and max_util in (0, 1)")
+        if not 0 < self.target <= 1:
+            raise ValueError("target must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -159,13 +174,20 @@ def _cost_model(model: ModelSpec, hw: Hardware, layout: Layout) -> RooflineCostM
 
 @dataclass(frozen=True)
 class _Side:
-    """One layout's per-instance numbers that do not depend on the instance count."""
+    """One layout's per-instance numbers that do not depend on the instance count.
+    ``mean_prefill`` / ``p90_prefill``: a prompt alone on a prefill-only instance (chunks
+    overlap across ``spp`` stages); ``serial_*``: the same chunks one after another, as on a
+    colocated replica, whose steps also carry decodes (each waits for its outputs);
+    ``chunk_time``: a prefill chunk step's mean duration, weighted by time."""
 
     layout: Layout
     cost: RooflineCostModel
     capacity: int  # KV tokens
     mean_prefill: float  # seconds, mean over the prompt quantiles
     p90_prefill: float
+    serial_mean: float
+    serial_p90: float
+    chunk_time: float
 
     @classmethod
     def of(cls, model: ModelSpec, hw: Hardware, layout: Layout, t: TraceStats) -> _Side | None:
@@ -173,30 +195,56 @@ class _Side:
         if cost is None or cost.kv_capacity_tokens() < t.max_tokens:
             return None
         times = [prefill_time(cost, n, 0, CHUNK) for n in t.input_quantiles]
+        chunks = [_chunk_times(cost, n) for n in t.input_quantiles]
+        serial = [sum(c) for c in chunks]
         return cls(
             layout,
             cost,
             cost.kv_capacity_tokens(),
             sum(times) / len(times),
             prefill_time(cost, t.p90_input, 0, CHUNK),
+            sum(serial) / len(serial),
+            sum(_chunk_times(cost, t.p90_input)),
+            sum(x * x for c in chunks for x in c) / sum(serial),
         )
+
+    def most_held(self, t: TraceStats) -> float:
+        """The most requests an instance may hold on average: ``k`` whole mean requests
+        fit its KV, and the count held at once (Poisson, mean ``x``) stays within ``k`` at
+        ``x + 2 sqrt(x) <= k`` (about 97% of the time)."""
+        k = self.capacity / t.mean_total
+        return (math.sqrt(1 + k) - 1) ** 2
 
     def decode(self, batch: float, t: TraceStats) -> float:
         b = max(1, math.ceil(batch))
         return decode_time(self.cost, b, int(b * t.mean_context))
 
 
+def _chunk_times(cost: RooflineCostModel, prompt: int) -> list[float]:
+    return [cost.batch_time([(min(CHUNK, prompt - d), d)]) for d in range(0, prompt, CHUNK)]
+
+
 def _colocated_tpot(side: _Side, rate: float, t: TraceStats, slo: DenseSLO) -> float | None:
-    """TPOT of one colocated replica at ``rate`` requests/s, or None if none is stable."""
-    rho = rate * side.mean_prefill
+    """TPOT of one colocated replica at ``rate`` requests/s, or None if none is stable. While
+    prefills keep it busy (a share ``rho`` of the time) every step also computes a prefill
+    chunk; when that is more than ``1 - target`` of the time, the p90 request decodes beside
+    chunks throughout (TPOT = chunk + decode step), else the mean gap of the time share."""
+    rho = rate * side.serial_mean
     if rho >= slo.max_util:
         return None
-    tpot = side.decode(1, t) / (1 - rho)
+
+    def gap(t_d: float) -> float:
+        if rho > 1 - slo.target:
+            return side.chunk_time + t_d
+        return 1 / (rho / (side.chunk_time + t_d) + (1 - rho) / t_d)
+
+    tpot = gap(side.decode(1, t))
     for _ in range(100):  # monotone from below: converges to the least fixed point
         batch = rate * t.mean_output * tpot
-        if batch * t.mean_context > side.capacity:
+        held = rate * (side.serial_mean / (1 - rho) + t.mean_output * tpot)
+        if held > side.most_held(t):
             return None
-        nxt = side.decode(batch, t) / (1 - rho)
+        nxt = gap(side.decode(batch, t))
         if nxt > 10 * slo.tpot_s:
             return None
         if abs(nxt - tpot) <= 1e-9 * tpot:
@@ -210,16 +258,16 @@ def _colocated(
 ) -> DensePlan | None:
     def ok(n: int) -> tuple[float, float] | None:
         rate = t.rate / n
-        rho = rate * side.mean_prefill
+        rho = rate * side.serial_mean
         if rho >= slo.max_util:
             return None
-        ttft = side.p90_prefill / (1 - rho)
+        ttft = side.serial_p90 / (1 - rho)
         tpot = _colocated_tpot(side, rate, t, slo)
         if tpot is None or tpot > slo.tpot_s or ttft > slo.ttft_s:
             return None
         return ttft, tpot
 
-    if side.p90_prefill > slo.ttft_s or ok(MAX_INSTANCES) is None:
+    if side.serial_p90 > slo.ttft_s or ok(MAX_INSTANCES) is None:
         return None
     lo, hi = 1, MAX_INSTANCES
     while lo < hi:  # invariant: ok(hi)
@@ -241,18 +289,23 @@ def _colocated(
     )
 
 
-def _prefill_side(side: _Side, t: TraceStats, slo: DenseSLO) -> tuple[int, float] | None:
-    """The fewest prefill instances and the p90 TTFT they give."""
+def _prefill_side(side: _Side, t: TraceStats, slo: DenseSLO) -> tuple[int, float, float] | None:
+    """The fewest prefill instances, the p90 TTFT they give and the mean TTFT."""
     if side.p90_prefill >= slo.ttft_s:
         return None
     util = min(slo.max_util, 1 - side.p90_prefill / slo.ttft_s)
     n = max(1, math.ceil(t.rate * side.mean_prefill / util - 1e-12))
-    return n, side.p90_prefill / (1 - t.rate * side.mean_prefill / n)
+    rho = t.rate * side.mean_prefill / n
+    return n, side.p90_prefill / (1 - rho), side.mean_prefill / (1 - rho)
 
 
-def _decode_side(side: _Side, t: TraceStats, slo: DenseSLO) -> tuple[int, float] | None:
+def _decode_side(
+    side: _Side, t: TraceStats, slo: DenseSLO, hold_s: float
+) -> tuple[int, float] | None:
     """The fewest decode instances and their TPOT: each runs at most the largest batch
-    whose iteration meets the TPOT SLO and whose mean contexts fit its KV."""
+    whose iteration meets the TPOT SLO and whose mean contexts fit its KV, and holds the
+    KV of the requests assigned to it, from arrival (the Conductor reserves it then: a mean
+    TTFT of ``hold_s``) to their last token, within ``max_util`` of its capacity."""
     if side.decode(1, t) > slo.tpot_s:
         return None
     cap = max(1, int(side.capacity // t.mean_context))
@@ -261,7 +314,12 @@ def _decode_side(side: _Side, t: TraceStats, slo: DenseSLO) -> tuple[int, float]
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if side.decode(mid, t) <= slo.tpot_s else (lo, mid - 1)
     tpot = side.decode(lo, t)
-    n = max(1, math.ceil(t.rate * t.mean_output * tpot / lo - 1e-12))
+    held = t.rate * (hold_s + t.mean_output * tpot)
+    n = max(
+        1,
+        math.ceil(t.rate * t.mean_output * tpot / lo - 1e-12),
+        math.ceil(held / side.most_held(t) - 1e-12),
+    )
     return n, side.decode(t.rate * t.mean_output * tpot / n, t)
 
 
@@ -300,9 +358,10 @@ def search_dense_plan(
         if "pd" in modes:
             pd_sides = [s for s in sides if s.layout.kvp == 1]
             pre = [(s, r) for s in pd_sides if (r := _prefill_side(s, trace, slo))]
-            dec = [(s, r) for s in pd_sides if (r := _decode_side(s, trace, slo))]
+            if pre:
+                p_side, (n_p, ttft, hold) = min(pre, key=lambda x: x[1][0] * x[0].layout.gpus)
+            dec = [(s, r) for s in pd_sides if pre and (r := _decode_side(s, trace, slo, hold))]
             if pre and dec:
-                p_side, (n_p, ttft) = min(pre, key=lambda x: x[1][0] * x[0].layout.gpus)
                 d_side, (n_d, tpot) = min(dec, key=lambda x: x[1][0] * x[0].layout.gpus)
                 gpus = n_p * p_side.layout.gpus + n_d * d_side.layout.gpus
                 candidates.append(
