@@ -333,6 +333,36 @@ def layouts(hw: Hardware, kvp: bool = True) -> list[Layout]:
     ]
 
 
+def _pd(
+    model: ModelSpec, hw: Hardware, sides: Sequence[_Side], t: TraceStats, slo: DenseSLO
+) -> DensePlan | None:
+    """The cheapest P/D group: the prefill layout first (its mean TTFT is how long the
+    decode side holds a request's KV before its first token), then the decode layout."""
+    sides = [s for s in sides if s.layout.kvp == 1]
+    pre = [(s, r) for s in sides if (r := _prefill_side(s, t, slo)) is not None]
+    if not pre:
+        return None
+    p_side, (n_p, ttft, hold) = min(pre, key=lambda x: x[1][0] * x[0].layout.gpus)
+    dec = [(s, d) for s in sides if (d := _decode_side(s, t, slo, hold)) is not None]
+    if not dec:
+        return None
+    d_side, (n_d, tpot) = min(dec, key=lambda x: x[1][0] * x[0].layout.gpus)
+    gpus = n_p * p_side.layout.gpus + n_d * d_side.layout.gpus
+    return DensePlan(
+        model.name,
+        hw.gpu.name,
+        "pd",
+        gpus * hw.gpu.price,
+        gpus,
+        ttft,
+        tpot,
+        prefill=p_side.layout,
+        num_prefill=n_p,
+        decode=d_side.layout,
+        num_decode=n_d,
+    )
+
+
 def _key(plan: DensePlan) -> tuple[float, int, int]:
     return (plan.cost, plan.gpus, 0 if plan.mode == "colocated" else 1)
 
@@ -355,30 +385,8 @@ def search_dense_plan(
         candidates: list[DensePlan] = []
         if "colocated" in modes:
             candidates += [p for s in sides if (p := _colocated(model, hw, s, trace, slo))]
-        if "pd" in modes:
-            pd_sides = [s for s in sides if s.layout.kvp == 1]
-            pre = [(s, r) for s in pd_sides if (r := _prefill_side(s, trace, slo))]
-            if pre:
-                p_side, (n_p, ttft, hold) = min(pre, key=lambda x: x[1][0] * x[0].layout.gpus)
-            dec = [(s, r) for s in pd_sides if pre and (r := _decode_side(s, trace, slo, hold))]
-            if pre and dec:
-                d_side, (n_d, tpot) = min(dec, key=lambda x: x[1][0] * x[0].layout.gpus)
-                gpus = n_p * p_side.layout.gpus + n_d * d_side.layout.gpus
-                candidates.append(
-                    DensePlan(
-                        model.name,
-                        hw.gpu.name,
-                        "pd",
-                        gpus * hw.gpu.price,
-                        gpus,
-                        ttft,
-                        tpot,
-                        prefill=p_side.layout,
-                        num_prefill=n_p,
-                        decode=d_side.layout,
-                        num_decode=n_d,
-                    )
-                )
+        if "pd" in modes and (pd := _pd(model, hw, sides, trace, slo)) is not None:
+            candidates.append(pd)
         for plan in candidates:
             if best is None or _key(plan) < _key(best):
                 best = plan
