@@ -183,7 +183,10 @@ def _dense_plan(
 
     hardware = _hardware(args.gpus, args)
     stats = trace_stats((r.arrival, r.input_len, r.output_len) for r in requests)
-    slo = DenseSLO(args.ttft_slo, args.tpot_slo)
+    try:
+        slo = DenseSLO(args.ttft_slo, args.tpot_slo, target=args.slo_target)
+    except ValueError as e:
+        raise SystemExit(f"--ttft-slo, --tpot-slo, --slo-target: {e}") from None
     try:
         plan = search_dense_plan(model, hardware, stats, slo)
     except ValueError as e:
