@@ -187,8 +187,11 @@ def _dense_plan(
         slo = DenseSLO(args.ttft_slo, args.tpot_slo, target=args.slo_target)
     except ValueError as e:
         raise SystemExit(f"--ttft-slo, --tpot-slo, --slo-target: {e}") from None
+    modes = [m.strip() for m in args.dense_modes.split(",") if m.strip()]
+    if not modes or not set(modes) <= {"colocated", "pd"}:
+        raise SystemExit(f"--dense-modes takes colocated, pd or both, got {args.dense_modes!r}")
     try:
-        plan = search_dense_plan(model, hardware, stats, slo)
+        plan = search_dense_plan(model, hardware, stats, slo, modes)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if args.max_gpus is not None and plan.gpus > args.max_gpus:
@@ -264,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-dir", help="where trace files live (default: the shared traces)")
     p.add_argument("--trace-limit", type=int, default=None, help="first N requests only")
     p.add_argument("--micro-batches", default="3,4", help="m values to try")
+    p.add_argument(
+        "--dense-modes", default="colocated,pd", help="dense groups to consider: colocated, pd"
+    )
     p.add_argument("--out", help="write a Serve config YAML here")
     p.add_argument("--model-name", help="the model id clients send (default: the spec name)")
     p.add_argument("--port", type=int, default=8000)

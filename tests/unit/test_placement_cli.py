@@ -165,6 +165,13 @@ def test_dense_plan_from_a_trace_writes_a_group_and_the_replay_verdict(tmp_path,
         main([*argv, "--ttft-slo", "5", "--tpot-slo", "0.1", "--max-gpus", "0"])
     with pytest.raises(SystemExit, match="needs --trace"):
         main(["plan", "--model", "llama3-8b", "--gpus", "A100"])
+    with pytest.raises(SystemExit, match="--dense-modes"):
+        main([*argv, "--dense-modes", "both"])
+    # Only P/D allowed: the group is disaggregated.
+    assert main([*argv, "--ttft-slo", "5", "--dense-modes", "pd", "--out", str(out)]) == 0
+    (app,) = yaml.safe_load(out.read_text())["applications"]
+    (group,) = ServeConfig.model_validate(app["args"]).groups
+    assert group.disaggregated and group.conductor is not None
 
 
 def test_moe_plan_with_a_trace_replays_it(tmp_path, capsys, monkeypatch):
