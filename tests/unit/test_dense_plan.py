@@ -179,3 +179,24 @@ def test_moe_plan_cost_of_a_decode_batch_is_the_plans_iteration_time():
     # Prefill chunks cost more than a decode step of as many requests.
     assert cost.batch_time([(512, 0)] * 4) > cost.batch_time([(1, 649)] * 4)
     assert cost.kv_capacity_tokens() > plan.batch * 650
+
+
+def test_moe_replicas_follow_the_decode_load_and_the_replay_runs_the_plan():
+    import dataclasses
+
+    from sim.plan_replay import moe_cluster, moe_replicas
+
+    model, hw = get_model("mixtral-8x22b"), Hardware.named("A800")
+    plan = search_plan(model, [hw], None, Workload(avg_context=650))
+    reqs = poisson(200, 50.0, 400, 900, 100, seed=5)
+    assert moe_replicas(plan, reqs) == 1  # ~50 x 100 x TPOT requests at once << the batch
+    # Little's law: rate x mean output x TPOT requests decode at once, batch per replica.
+    rate = (len(reqs) - 1) / (reqs[-1].arrival - reqs[0].arrival)
+    small = dataclasses.replace(plan, batch=10)
+    want = -(-rate * 100 * plan.t_iter // 10)
+    assert moe_replicas(small, reqs) == want > 1
+    assert moe_replicas(plan, reqs[:1]) == 1
+    cluster = moe_cluster(plan, model, hw, hw, 1)
+    result = replay(cluster, reqs, ttft_s=5.0, tpot_s=0.150)
+    assert result.holds, result.line()
+    assert result.tpot_p90 <= plan.t_iter * 1.05  # never above the full batch's iteration
