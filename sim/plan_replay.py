@@ -6,8 +6,9 @@ block pool), timed by the same cost model the planner used.
   ``tp x spp x kvp`` roofline, least-loaded routing, chunked prefill of
   ``dense_plan.CHUNK`` tokens;
 - dense P/D (mode "pd"): the Conductor over ``num_prefill`` prefill and ``num_decode``
-  decode instances, each side timed by its own layout (no admission control: every
-  request is served, so a plan that is too small shows as missed SLOs, not rejections);
+  decode instances, each side timed by its own layout, KV moving at ``NIC_BW`` (admission
+  "none": a request is refused only when no decode instance has room for its KV, and a
+  refused request counts as a miss);
 - MoE (``MoEPlan``): ``replicas`` instances timed by ``placement.moe_cost.MoEPlanCost``
   (attention/expert ping-pong), at most the plan's global batch each.
 
@@ -36,6 +37,7 @@ from sim.metrics import RequestStats, percentile
 from sim.workload import TraceRequest
 
 BLOCK = 512  # simulated KV block (the Mooncake trace's hash-id block)
+NIC_BW = 87e9  # bytes/s of KV transfer per instance (Mooncake's measured 4 x 200 Gbps)
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def dense_cluster(
     conductor = Conductor(
         prefill_time=prefill,
         decode_tbt=decode_tbt,
-        transfer_time=lambda blocks: blocks * BLOCK * kv / 87e9,
+        transfer_time=lambda blocks: blocks * BLOCK * kv / NIC_BW,
         ttft_slo=ttft_s,
         tbt_slo=tpot_s,
         replication_threshold=2.0,
@@ -132,6 +134,7 @@ def dense_cluster(
         dspec,
         conductor,
         kv,
+        nic_bandwidth=NIC_BW,
         num_layers=model.num_layers,
     )
 
