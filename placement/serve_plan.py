@@ -1,12 +1,16 @@
-"""From a MoE deployment plan (``placement.moe_plan``) to a Serve config's ``args``.
+"""From a deployment plan (``placement.moe_plan``, ``placement.dense_plan``) to a Serve
+config's ``args``.
 
 Pure data in, plain dicts out (the CLI in ``placement/__main__.py`` reads files and writes
-YAML). A plan maps onto one replica group of ``attention_workers = n_a`` and
+YAML). A MoE plan maps onto one replica group of ``attention_workers = n_a`` and
 ``expert_workers = n_e`` with ``micro_batches = m``, room for the plan's global batch and the
 plan's KV bytes per attention node.
 The runtime runs each attention and expert worker on one device (no tensor parallelism
 inside them), so only plans with ``tp_a = tp_e = 1`` become a config; the plan's GPU types
 are written as comments (a group has no per-worker device type).
+A dense plan maps onto one colocated group (``num_replicas`` of ``tp x spp x kvp``) or one
+disaggregated group (``num_prefill`` : ``num_decode`` with ``prefill`` / ``decode``
+layouts and a Conductor holding the SLOs).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from placement.dense_plan import DensePlan, DenseSLO
 from placement.model_specs import ModelSpec
 from placement.moe_plan import MoEPlan, Workload
 
@@ -60,9 +65,10 @@ def serve_args(
     model: str | None,
     model_name: str,
     block_size: int = 16,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """``args`` of a Serve application (``actors.serving.config.ServeConfig`` fields) that
-    runs ``plan`` as one replica group."""
+    runs ``plan`` as one replica group of ``replicas`` replicas."""
     if plan.tp_a != 1 or plan.tp_e != 1:
         raise ValueError(
             f"the plan uses tp_a={plan.tp_a}, tp_e={plan.tp_e}; the runtime's attention and "
@@ -74,7 +80,7 @@ def serve_args(
         "groups": [
             {
                 "name": "moe",
-                "num_replicas": 1,
+                "num_replicas": replicas,
                 "attention_workers": plan.n_a,
                 "expert_workers": plan.n_e,
                 "micro_batches": plan.m,
@@ -88,6 +94,42 @@ def serve_args(
             }
         ],
     }
+
+
+def dense_serve_args(
+    plan: DensePlan,
+    model: str | None,
+    model_name: str,
+    slo: DenseSLO,
+    block_size: int = 16,
+) -> dict[str, Any]:
+    """``args`` of a Serve application running a dense plan as one replica group."""
+    group: dict[str, Any] = {"name": "dense"}
+    if plan.mode == "colocated":
+        assert plan.layout is not None
+        lay = plan.layout
+        group.update(num_replicas=plan.replicas, tp=lay.tp, spp=lay.spp, kvp=lay.kvp)
+    else:
+        assert plan.prefill is not None and plan.decode is not None
+        group.update(
+            num_replicas=1,
+            num_prefill=plan.num_prefill,
+            num_decode=plan.num_decode,
+            prefill={"tp": plan.prefill.tp, "spp": plan.prefill.spp},
+            decode={"tp": plan.decode.tp, "spp": plan.decode.spp},
+            conductor={"ttft_slo": slo.ttft_s, "tbt_slo": slo.tpot_s},
+        )
+    group["engine"] = {"block_size": block_size}
+    return {"model": model, "model_name": model_name, "groups": [group]}
+
+
+def describe_dense(plan: DensePlan, slo: DenseSLO, rate: float) -> list[str]:
+    return [
+        f"model {plan.model}: TTFT SLO {slo.ttft_s:g} s, TPOT SLO {slo.tpot_s * 1e3:g} ms, "
+        f"trace rate {rate:.3g} requests/s",
+        plan.describe(),
+        f"predicted TTFT p90 {plan.ttft_p90:.2f} s, TPOT {plan.tpot * 1e3:.1f} ms",
+    ]
 
 
 def describe(plan: MoEPlan, workload: Workload) -> list[str]:

@@ -9,6 +9,8 @@
   python -m sim medha    Medha's scheduler ablation (FCFS, EDF, LRS, ILRS + prefill-prefill
                          batching) on short requests mixed with 128K-1M-token ones
   python -m sim dualpath DualPath's agentic trajectories -> docs/sim_dualpath.md
+  python -m sim moe      MegaScale-Infer's disaggregated vs colocated MoE decoding and the
+                         micro-batch ablation (performance model) -> its report section
 
 Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
 Examples:
@@ -175,6 +177,16 @@ def cmd_dualpath(a: argparse.Namespace) -> None:
         Path(a.out).write_text(text)
 
 
+def cmd_moe(a: argparse.Namespace) -> None:
+    from sim.report_moe import moe_section, replace_section
+
+    section = moe_section()
+    print("\n".join(section))
+    if a.report:
+        replace_section(Path(a.report), section)
+        print(f"updated {a.report}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m sim",
@@ -244,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     p_dp.add_argument("--seed", type=int, default=0)
     p_dp.add_argument("--out", default="docs/sim_dualpath.md", help="'' to not write")
     p_dp.set_defaults(fn=cmd_dualpath)
+    p_moe = sub.add_parser("moe", help="MegaScale-Infer's MoE section of the report")
+    p_moe.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
+    p_moe.set_defaults(fn=cmd_moe)
     a = parser.parse_args(argv)
     a.fn(a)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from sim.capacity import capacity
 from sim.experiments import RunResult
 from sim.presets import ClusterConfig
+from sim.report_moe import moe_section
 from sim.report_overload import overload_section
 from sim.report_sim2real import sim2real_section
 from sim.report_skywalker import skywalker_section
@@ -213,6 +214,7 @@ def write_report(
     lines += overload_section(base, over)
     lines += skywalker_section(path.parent / "figures" / "skywalker.json")
     lines += sim2real_section(path.parent / "figures" / "sim2real.json")
+    lines += moe_section()
     lines += _speed_section(path.parent / "figures" / "sim_scale.json", whole)
     lines += ["## Where we differ from the paper, and why", "", *notes, ""]
     path.write_text("\n".join(lines))

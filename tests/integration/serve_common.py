@@ -62,6 +62,14 @@ def serve_running(
     }
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
+    with serve_file_running(cluster, path, port, replicas) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_file_running(cluster: Any, path: Path, port: int, replicas: int) -> Iterator[str]:
+    """``serve run FILE`` of a Serve config file as it is (its app listening on ``port``);
+    yields its URL once ``/health`` reports ``replicas`` replicas; stops it and the cluster."""
     proc = cluster.popen(
         [str(cluster.BIN / "serve"), "run", f"--address={cluster.address}", str(path)], "serve.log"
     )

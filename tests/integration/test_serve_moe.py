@@ -1,54 +1,70 @@
-"""The planner's Serve config runs: ``python -m placement plan --out`` for a small MoE model,
-then ``serve run`` of that file's application args on a private local Ray cluster; the
-replica's attention and expert workers are Ray actors, and greedy completions through the
-real ``openai`` client equal the in-process engine's."""
+"""The planner's Serve config for the bundled tiny MoE model runs as written:
+``python -m placement plan --model tiny-moe --trace FILE --out plan.yaml`` (the simulated
+replay's verdict is a comment in the file), then ``serve run plan.yaml`` on a private local
+Ray cluster; the replica's attention and expert workers are Ray actors, and greedy
+completions through the real ``openai`` client equal the in-process engine's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
-from serve_common import Server, serve_running
+from serve_common import Server, serve_file_running
 
 from actors import LLM, SamplingParams
-from models import write_tiny_model
 from placement.__main__ import main as placement_main
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # 2 experts: the plan has 1 attention and 2 expert workers (few actors for 2 cores).
-    return write_tiny_model(
-        tmp_path_factory.mktemp("moe2"), kind="moe", seed=31, num_local_experts=2
-    )
+def cluster(local_ray_cluster):
+    return local_ray_cluster(dashboard=False)
 
 
 @pytest.fixture(scope="module")
-def plan_args(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    argv = ["plan", "--model", str(model_dir), "--gpus", "CPU", "--gpus-per-node", "1"]
-    argv += ["--max-gpus", "3", "--tpot-slo", "0.02", "--avg-context", "64", "--out", str(out)]
+def plan_file(cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan")
+    trace = tmp / "trace.jsonl"  # Mooncake format: a short prompt every 2 s
+    rows = [
+        {"timestamp": 2000 * i, "input_length": 16 + 3 * i, "output_length": 8, "hash_ids": [i]}
+        for i in range(12)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp / "plan.yaml"
+    argv = ["plan", "--model", "tiny-moe", "--gpus", "CPU", "--gpus-per-node", "1"]
+    argv += ["--max-gpus", "5", "--tpot-slo", "0.02", "--trace", str(trace)]
+    argv += ["--port", str(cluster.free_port()), "--out", str(out)]
     assert placement_main(argv) == 0
-    (app,) = yaml.safe_load(out.read_text())["applications"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def plan_args(plan_file):
+    (app,) = yaml.safe_load(plan_file.read_text())["applications"]
     return app["args"]
 
 
 @pytest.fixture(scope="module")
-def server(local_ray_cluster, tmp_path_factory, plan_args):
-    cluster = local_ray_cluster(dashboard=False)
-    with serve_running(cluster, plan_args, tmp_path_factory.mktemp("serve-moe"), 1) as url:
+def server(cluster, plan_file):
+    port = yaml.safe_load(plan_file.read_text())["http_options"]["port"]
+    with serve_file_running(cluster, plan_file, port, 1) as url:
         yield Server(url, cluster)
 
 
-def test_plan_is_a_moe_group(plan_args):
+def test_plan_is_the_bundled_moe_model_split_into_workers(plan_file, plan_args):
+    header = [ln for ln in plan_file.read_text().splitlines() if ln.startswith("#")]
+    assert any("simulated replay of 12 requests" in ln for ln in header)
+    assert plan_args["model"].endswith("tiny-moe-v1")  # the bundled model's folder
     (group,) = plan_args["groups"]
-    assert (group["attention_workers"], group["expert_workers"]) == (1, 2)
-    assert group["micro_batches"] in (3, 4)
+    # 5 devices: one attention worker and one expert worker per expert of the 4.
+    assert (group["attention_workers"], group["expert_workers"]) == (1, 4)
+    assert group["micro_batches"] in (3, 4) and group["num_replicas"] == 1
 
 
-def test_greedy_completions_equal_in_process_engine(server, plan_args, model_dir):
-    reference = LLM(model_dir)
+def test_greedy_completions_equal_in_process_engine(server, plan_args):
+    reference = LLM(plan_args["model"])
     client = server.client()
     for n in (5, 19):
         prompt = [(n * 7919 + i * 104729) % 500 + 3 for i in range(n)]

@@ -128,3 +128,64 @@ def test_model_spec_from_hf_and_decode_context():
     assert decode_context([(100, 10), (300, 30)]) == pytest.approx((105 + 315) / 2)
     with pytest.raises(ValueError):
         decode_context([])
+
+
+def _write_trace(path, rows):
+    """A Mooncake-format trace: (seconds, input tokens, output tokens) per request."""
+    import json
+
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": 1000 * t, "input_length": n, "output_length": o, "hash_ids": [i]}
+            )
+            + "\n"
+            for i, (t, n, o) in enumerate(rows)
+        )
+    )
+    return path
+
+
+def test_dense_plan_from_a_trace_writes_a_group_and_the_replay_verdict(tmp_path, capsys):
+    trace = _write_trace(tmp_path / "t.jsonl", [(i * 0.1, 400 + 7 * i, 64) for i in range(200)])
+    out = tmp_path / "dense.yaml"
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "A100", "--trace", str(trace)]
+    assert main([*argv, "--ttft-slo", "5", "--tpot-slo", "0.1", "--out", str(out)]) == 0
+    text = out.read_text()
+    comments = [ln for ln in text.splitlines() if ln.startswith("# ")]
+    verdict = [ln for ln in comments if "simulated replay of 200 requests" in ln]
+    assert len(verdict) == 1 and "the SLOs hold" in verdict[0]
+    assert verdict[0][2:] in capsys.readouterr().out
+    (app,) = yaml.safe_load(text)["applications"]
+    serve = ServeConfig.model_validate(app["args"])
+    (group,) = serve.groups
+    assert group.name == "dense" and group.num_replicas >= 1
+    # More GPUs than --max-gpus allows is refused with the fix.
+    with pytest.raises(SystemExit, match="--max-gpus"):
+        main([*argv, "--ttft-slo", "5", "--tpot-slo", "0.1", "--max-gpus", "0"])
+    with pytest.raises(SystemExit, match="needs --trace"):
+        main(["plan", "--model", "llama3-8b", "--gpus", "A100"])
+    with pytest.raises(SystemExit, match="--dense-modes"):
+        main([*argv, "--dense-modes", "both"])
+    # Only P/D allowed: the group is disaggregated.
+    assert main([*argv, "--ttft-slo", "5", "--dense-modes", "pd", "--out", str(out)]) == 0
+    (app,) = yaml.safe_load(out.read_text())["applications"]
+    (group,) = ServeConfig.model_validate(app["args"]).groups
+    assert group.disaggregated and group.conductor is not None
+
+
+def test_moe_plan_with_a_trace_replays_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_CACHE", str(tmp_path / "cache"))
+    trace = _write_trace(tmp_path / "t.jsonl", [(2.0 * i, 20 + i, 8) for i in range(10)])
+    out = tmp_path / "moe.yaml"
+    argv = ["plan", "--model", "tiny-moe", "--gpus", "CPU", "--gpus-per-node", "1"]
+    argv += ["--max-gpus", "5", "--tpot-slo", "0.02", "--trace", str(trace), "--out", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    assert "# simulated replay of 10 requests" in text
+    (app,) = yaml.safe_load(text)["applications"]
+    serve = ServeConfig.model_validate(app["args"])
+    assert serve.model == str((tmp_path / "cache" / "tiny-moe-v1").resolve())
+    assert serve.model_name == "meridian-tiny-moe"
+    (group,) = serve.groups
+    assert (group.attention_workers, group.expert_workers) == (1, 4)
