@@ -6,14 +6,11 @@ completions through the real ``openai`` client equal the in-process engine's."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import yaml
-from serve_common import Server, serve_file_running
+from serve_common import Server, planned_config, serve_file_running
 
 from actors import LLM, SamplingParams
-from placement.__main__ import main as placement_main
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -26,18 +23,14 @@ def cluster(local_ray_cluster):
 @pytest.fixture(scope="module")
 def plan_file(cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
-    trace = tmp / "trace.jsonl"  # Mooncake format: a short prompt every 2 s
+    # Mooncake format: a short prompt every 2 s
     rows = [
         {"timestamp": 2000 * i, "input_length": 16 + 3 * i, "output_length": 8, "hash_ids": [i]}
         for i in range(12)
     ]
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp / "plan.yaml"
     argv = ["plan", "--model", "tiny-moe", "--gpus", "CPU", "--gpus-per-node", "1"]
-    argv += ["--max-gpus", "5", "--tpot-slo", "0.02", "--trace", str(trace)]
-    argv += ["--port", str(cluster.free_port()), "--out", str(out)]
-    assert placement_main(argv) == 0
-    return out
+    argv += ["--max-gpus", "5", "--tpot-slo", "0.02"]
+    return planned_config(cluster, tmp, rows, argv)
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,11 @@ greedy completions through the real ``openai`` client equal the in-process engin
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import yaml
-from serve_common import Server, serve_file_running
+from serve_common import Server, planned_config, serve_file_running
 
 from actors import LLM, SamplingParams
-from placement.__main__ import main as placement_main
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -26,18 +23,14 @@ def cluster(local_ray_cluster):
 @pytest.fixture(scope="module")
 def plan_file(cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
-    trace = tmp / "trace.jsonl"  # Mooncake format: two short prompts a second
+    # Mooncake format: two short prompts a second
     rows = [
         {"timestamp": 500 * i, "input_length": 30 + i, "output_length": 16, "hash_ids": [i]}
         for i in range(40)
     ]
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp / "plan.yaml"
     argv = ["plan", "--model", "tiny-dense", "--gpus", "CPU", "--dense-modes", "pd"]
-    argv += ["--ttft-slo", "2", "--tpot-slo", "0.2", "--trace", str(trace)]
-    argv += ["--port", str(cluster.free_port()), "--out", str(out)]
-    assert placement_main(argv) == 0
-    return out
+    argv += ["--ttft-slo", "2", "--tpot-slo", "0.2"]
+    return planned_config(cluster, tmp, rows, argv)
 
 
 @pytest.fixture(scope="module")
