@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned, so no CUDA build is pulled in on a CPU machine
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# NIXL, the cluster KV-transfer backend, tested on CPU through UCX; --no-deps because its
+	# metadata pulls another torch and CUDA wheels
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
 
 setup: $(STAMP)
