@@ -136,7 +136,8 @@ def cmd_regions(a: argparse.Namespace) -> None:
     runs = plan(
         a.trace_dir, a.limit, a.speed, a.replicas, a.azure_limit, a.azure_speed, clients, a.duration
     )
-    bases = search_bases(a.trace_dir, a.limit, a.search_speed, a.search_clients, a.duration)
+    search_clients = tuple(int(x) for x in a.search_clients.split(",") if x)
+    bases = search_bases(a.trace_dir, a.limit, a.search_speed, search_clients, a.duration)
     rows = run_all(runs, a.jobs)
     rows += run_searches(bases, a.ttft_slo, 3, a.search_max, a.jobs)
     for r in rows:
@@ -221,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         "--clients", default="24,36", help="closed loop: mean clients per region, each a run"
     )
     p_reg.add_argument("--duration", type=float, default=300.0, help="closed loop: seconds")
-    p_reg.add_argument("--search-clients", type=int, default=24, help="closed-loop search load")
+    p_reg.add_argument(
+        "--search-clients", default="24,36", help="closed-loop search loads (clients per region)"
+    )
     p_reg.add_argument(
         "--search-speed", type=float, default=0.75, help="open-loop search speed (0: none)"
     )

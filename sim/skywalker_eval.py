@@ -187,13 +187,14 @@ def search_bases(
     trace_dir: str | None,
     limit: int,
     open_speed: float,
-    clients: int,
+    clients: tuple[int, ...],
     duration: float,
 ) -> list[RegionRun]:
-    """The replica searches: every system closed loop at ``clients`` per region; SkyWalker,
-    region-local and global least load open loop at ``open_speed`` (0: none)."""
+    """The replica searches: every system closed loop at each of ``clients`` per region;
+    SkyWalker, region-local and global least load open loop at ``open_speed`` (0: none)."""
     bases = [
-        RegionRun(s, "conversation", None, 1.0, 0, trace_dir, clients=clients, duration=duration)
+        RegionRun(s, "conversation", None, 1.0, 0, trace_dir, clients=c, duration=duration)
+        for c in clients
         for s in SYSTEMS
     ]
     if open_speed > 0:
