@@ -51,6 +51,9 @@ class ControlPlaneWorker:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def free_port(self) -> int:
         return 0
 

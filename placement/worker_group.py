@@ -34,11 +34,16 @@ from placement.resources import PlacementError, Resources, capacity, describe
 MIN_CPU = 0.001
 
 
-def worker_bundle(cpus: float = 0.0, gpus: int = 0) -> dict[str, float]:
-    """What one worker reserves: ``cpus`` CPUs (``MIN_CPU`` if it reserves nothing at all)
-    and ``gpus`` GPUs."""
+def worker_bundle(
+    cpus: float = 0.0, gpus: int = 0, extra: dict[str, float] | None = None
+) -> dict[str, float]:
+    """What one worker reserves: ``cpus`` CPUs (``MIN_CPU`` if it reserves no CPU or GPU),
+    ``gpus`` GPUs, and ``extra`` custom resources (a region's node resource: only nodes
+    carrying it can hold the worker, so the plan and Ray put it on those)."""
     bundle = {"CPU": float(cpus)} | ({"GPU": float(gpus)} if gpus else {})
-    return bundle if any(bundle.values()) else {"CPU": MIN_CPU}
+    if not any(bundle.values()):
+        bundle = {"CPU": MIN_CPU}
+    return bundle | {k: float(v) for k, v in (extra or {}).items()}
 
 
 @dataclass(frozen=True)

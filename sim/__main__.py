@@ -132,23 +132,20 @@ def cmd_sim2real(a: argparse.Namespace) -> None:
 
 def cmd_regions(a: argparse.Namespace) -> None:
     from sim.report_skywalker import replace_section, skywalker_section
-    from sim.skywalker_eval import plan, run_all, write_results
+    from sim.skywalker_eval import plan, run_all, run_searches, search_bases, write_results
 
-    sweep = tuple(int(x) for x in a.sweep.split(",") if x)
+    clients = tuple(int(x) for x in a.clients.split(",") if x)
     runs = plan(
-        a.trace_dir,
-        a.limit,
-        a.speed,
-        a.replicas,
-        sweep,
-        a.azure_limit,
-        a.azure_speed,
-        a.heavy_speed or None,
+        a.trace_dir, a.limit, a.speed, a.replicas, a.azure_limit, a.azure_speed, clients, a.duration
     )
+    search_clients = tuple(int(x) for x in a.search_clients.split(",") if x)
+    bases = search_bases(a.trace_dir, a.limit, a.search_speed, search_clients, a.duration)
     rows = run_all(runs, a.jobs)
+    rows += run_searches(bases, a.ttft_slo, 3, a.search_max, a.jobs)
     for r in rows:
         print(
-            f"{r['trace']:12s} {r['speed']:4g}x {r['system']:28s} x{r['replicas_per_region']} "
+            f"{r['trace']:12s} {r['speed']:4g}x c{r['clients']} {r['system']:28s} "
+            f"x{r['replicas_total'] or 3 * r['replicas_per_region']} "
             f"p50 {r['ttft_p50']:6.2f} p90 {r['ttft_p90']:6.2f} hit {r['hit_ratio']:.3f} "
             f"rps {r['throughput_rps']:.3f} fwd {r['forwarded']} wall {r['wall_s']:.0f}s"
         )
@@ -231,13 +228,20 @@ def main(argv: list[str] | None = None) -> None:
     p_reg.add_argument("--limit", type=int, default=1000, help="Mooncake requests per run")
     p_reg.add_argument("--speed", type=float, default=0.5)
     p_reg.add_argument("--replicas", type=int, default=4, help="replicas per region")
-    p_reg.add_argument("--sweep", default="3,4,5", help="replicas per region to sweep")
     p_reg.add_argument("--azure-limit", type=int, default=3000)
     p_reg.add_argument("--azure-speed", type=float, default=8.0)
     p_reg.add_argument(
-        "--heavy-speed", type=float, default=0.75, help="a second sweep at this speed (0: none)"
+        "--clients", default="24,36", help="closed loop: mean clients per region, each a run"
     )
-    p_reg.add_argument("--ttft-slo", type=float, default=5.0, help="P90 TTFT SLO of the sweep")
+    p_reg.add_argument("--duration", type=float, default=300.0, help="closed loop: seconds")
+    p_reg.add_argument(
+        "--search-clients", default="24,36", help="closed-loop search loads (clients per region)"
+    )
+    p_reg.add_argument(
+        "--search-speed", type=float, default=0.75, help="open-loop search speed (0: none)"
+    )
+    p_reg.add_argument("--search-max", type=int, default=36, help="most replicas searched")
+    p_reg.add_argument("--ttft-slo", type=float, default=5.0, help="P90 TTFT SLO of the search")
     p_reg.add_argument("--jobs", type=int, default=2)
     p_reg.add_argument("--out", default="docs/figures/skywalker.json")
     p_reg.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")

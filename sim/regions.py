@@ -14,14 +14,18 @@ answer arrives after another delay). A balancer learns of its own pushes' first 
 finishes at once (it proxies the stream). Global mode: the balancer sees every replica's
 state exactly and at once (an idealised global view; the real one would be a delay old).
 
+Closed loop (``follow``, e.g. ``sim.closed_loop.ClosedLoopClients.answered``): when a
+request's answer (last token, or its refusal) reaches its client, ``follow(request id, that
+time)`` returns the requests the client sends next; they arrive like the initial ones.
+
 Invariants: every arrived request is placed on exactly one instance (a forwarded request
-takes one extra hop, never two); probes stop once every request has finished, so the event
-heap empties.
+takes one extra hop, never two); probes stop once every request has finished and none is
+still to come, so the event heap empties.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from functools import partial
 
@@ -59,6 +63,7 @@ class MultiRegionCluster(ClusterBase):
         global_policy: RoutingPolicy | None = None,  # global mode
         probe_interval: float = 0.1,
         exact_local: bool = False,  # local view: the replicas' exact caches, not the trie
+        follow: Callable[[str, float], Seq[TraceRequest]] | None = None,  # closed loop
     ) -> None:
         super().__init__()
         if (balancer is None) == (global_policy is None):
@@ -82,7 +87,9 @@ class MultiRegionCluster(ClusterBase):
         self._arrivals: dict[str, Arrival] = {}
         self._back: dict[str, float] = {}  # request id -> return delay to its client
         self._pusher: dict[str, RegionBalancer] = {}  # request id -> balancer that pushed it
-        self._open = 0
+        self._open = 0  # requests arrived or scheduled to arrive, not yet finished
+        self._index = 0  # the next arrival's index (token_fn's unique id)
+        self.follow = follow
         self.forwarded = 0
         self.balancers: dict[str, RegionBalancer] = {}
         self.global_policy = global_policy
@@ -111,6 +118,7 @@ class MultiRegionCluster(ClusterBase):
 
     def run(self, requests: Seq[TraceRequest], until: float = float("inf")) -> list[RequestStats]:
         self._open = len(requests)
+        self._index = len(requests)
         if self.balancers and requests:
             start = min(r.arrival for r in requests)
             for lb in self.balancers.values():
@@ -215,20 +223,34 @@ class MultiRegionCluster(ClusterBase):
     def _pump_event(self, lb: RegionBalancer, now: float) -> list[Event]:
         return self._pump(lb, now)
 
+    def _next_turns(self, rid: str, at_client: float) -> list[Event]:
+        """Closed loop: the client's next requests, now that its answer reached it."""
+        if self.follow is None:
+            return []
+        events = []
+        for req in self.follow(rid, at_client):
+            self._open += 1
+            events.append(Event(req.arrival, partial(self._arrive, req, self._index)))
+            self._index += 1
+        return events
+
     def on_finished(self, inst: SimInstance, seq: Sequence, now: float) -> list[Event]:
         rid = seq.request_id
         st = self.stats[rid]
         st.cached_tokens = seq.num_cached_tokens
         st.on_finish(now + self._back[rid])
+        events = self._next_turns(rid, now + self._back[rid])
         self._open -= 1
         lb = self._pusher.pop(rid, None)
         if lb is None:
-            return []
+            return events
         lb.on_finished(rid, now)
-        return self._pump(lb, now)
+        return events + self._pump(lb, now)
 
     def on_unservable(self, inst: SimInstance, seq: Sequence, now: float) -> None:
         super().on_unservable(inst, seq, now)
+        for e in self._next_turns(seq.request_id, now + self._back[seq.request_id]):
+            self.loop.push(e)
         self._open -= 1
         lb = self._pusher.pop(seq.request_id, None)
         if lb is not None:

@@ -13,19 +13,28 @@ one period spans the replayed slice). Systems, all driven by the runtime's own p
 - one global balancer in us with blind pushing: round robin, least load, consistent hashing
   on the session id, and the prefix-aware policy (``policies.routing``).
 
-Each run gives throughput (completed requests per second of the run's span, first arrival
-to last finish), P50/P90 TTFT at the client, prefix-cache hit ratio, requests forwarded; the
-sweep over replicas per region gives the fewest replicas that meet a P90 TTFT SLO.
+Two workloads. Open loop: the trace's requests at its own (scaled) timestamps, each
+session's region drawn from the diurnal curve (``sim.regional_workload``). Closed loop (the
+paper's, section 5.1; ``clients > 0``): ``clients`` per region on average, their number
+following the same diurnal curve, each running one conversation at a time turn by turn
+(``sim.closed_loop``), for ``duration`` seconds, one diurnal period.
+
+Each run gives throughput (open loop: completed requests per second of the run's span,
+first arrival to last finish; closed loop: answers that reached their clients within
+``duration``, per second), P50/P90 TTFT at the client, prefix-cache hit ratio, requests
+forwarded. ``fewest_replicas`` searches, per system, the smallest total replica count
+(spread over the regions as evenly as it divides, us first) whose P90 TTFT meets an SLO.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from policies.region_balancer import BalancerConfig
+from sim.closed_loop import ClientLoad, ClosedLoopClients, conversations
 from sim.cluster import InstanceSpec
 from sim.metrics import summarize
 from sim.presets import ClusterConfig, make_cost, routing_policy
@@ -55,7 +64,7 @@ SYSTEMS = (*SKYWALKER_SYSTEMS, *GLOBAL_SYSTEMS)
 class RegionRun:
     system: str
     trace: str
-    limit: int
+    limit: int | None  # requests read from the trace (None: all)
     speed: float
     replicas_per_region: int
     trace_dir: str | None = None
@@ -64,7 +73,21 @@ class RegionRun:
     amplitude: float = 0.8
     seed: int = 0
     probe_interval: float = 0.1
-    purpose: str = "compare"  # "compare": the systems side by side; "sweep": replica counts
+    purpose: str = "compare"  # "compare": the systems side by side; "search": replica counts
+    clients: int = 0  # closed loop: mean clients per region (0: open-loop replay)
+    duration: float = 0.0  # closed loop: seconds of issuing turns (one diurnal period)
+    replicas_total: int = 0  # if set: this many replicas in all, instead of per region
+
+
+def replica_split(run: RegionRun) -> dict[str, int]:
+    """Region -> replicas: ``replicas_total`` spread as evenly as it divides (the first
+    regions get the remainder), else ``replicas_per_region`` each."""
+    if run.replicas_total <= 0:
+        return dict.fromkeys(REGIONS, run.replicas_per_region)
+    q, r = divmod(run.replicas_total, len(REGIONS))
+    if q == 0:
+        raise ValueError(f"replicas_total must be at least {len(REGIONS)}, one per region")
+    return {g: q + (1 if i < r else 0) for i, g in enumerate(REGIONS)}
 
 
 def build(run: RegionRun) -> tuple[MultiRegionCluster, list]:
@@ -72,9 +95,19 @@ def build(run: RegionRun) -> tuple[MultiRegionCluster, list]:
     cost = make_cost(cfg)
     spec = InstanceSpec(cost, cost.kv_capacity_tokens() // cfg.block_size, cfg.block_size, 2048)
     reqs = load_trace(run.trace, run.trace_dir, limit=run.limit, speed=run.speed)
-    period = max(r.arrival for r in reqs) or 1.0
-    reqs, region_of = split_regions(reqs, REGIONS, period, run.amplitude, run.seed)
-    replicas = dict.fromkeys(REGIONS, run.replicas_per_region)
+    clients: ClosedLoopClients | None = None
+    if run.clients > 0:
+        if run.duration <= 0:
+            raise ValueError("a closed-loop run needs a positive duration")
+        load = ClientLoad(run.clients, run.duration, run.duration, run.amplitude)
+        clients = ClosedLoopClients(conversations(reqs), REGIONS, load)
+        reqs = clients.initial()
+        region_of = clients.region_of
+    else:
+        period = max(r.arrival for r in reqs) or 1.0
+        reqs, region_of = split_regions(reqs, REGIONS, period, run.amplitude, run.seed)
+    replicas = replica_split(run)
+    follow = clients.answered if clients is not None else None
     if run.system in SKYWALKER_SYSTEMS:
         cluster = MultiRegionCluster(
             replicas,
@@ -84,10 +117,13 @@ def build(run: RegionRun) -> tuple[MultiRegionCluster, list]:
             balancer=SKYWALKER_SYSTEMS[run.system],
             probe_interval=run.probe_interval,
             exact_local=run.system in EXACT_LOCAL,
+            follow=follow,
         )
     elif run.system in GLOBAL_SYSTEMS:
         policy = routing_policy(GLOBAL_SYSTEMS[run.system], run.seed)
-        cluster = MultiRegionCluster(replicas, spec, DELAY, region_of, global_policy=policy)
+        cluster = MultiRegionCluster(
+            replicas, spec, DELAY, region_of, global_policy=policy, follow=follow
+        )
     else:
         raise ValueError(f"unknown system {run.system!r}; known: {', '.join(SYSTEMS)}")
     return cluster, reqs
@@ -100,13 +136,17 @@ def execute(run: RegionRun) -> dict:
     wall = time.perf_counter() - t0
     s = summarize(stats, ttft_slo=float("inf"), tbt_slos=())
     assert s.completed + s.rejected == s.arrived, "a request went missing"
-    start = min(r.arrival for r in reqs)
-    span = s.makespan - start
-    out_tokens = sum(st.output_len for st in stats if st.done)
+    if run.clients > 0:  # closed loop: answers back within the run's duration
+        span = run.duration
+        done = [st for st in stats if st.done and st.finish is not None and st.finish <= span]
+    else:
+        span = s.makespan - min(r.arrival for r in reqs)
+        done = [st for st in stats if st.done]
+    out_tokens = sum(st.output_len for st in done)
     return asdict(run) | {
         "completed": s.completed,
         "rejected": s.rejected,
-        "throughput_rps": s.completed / span if span > 0 else 0.0,
+        "throughput_rps": len(done) / span if span > 0 else 0.0,
         "output_tok_s": out_tokens / span if span > 0 else 0.0,
         "ttft_p50": s.ttft_p50,
         "ttft_p90": s.ttft_p90,
@@ -122,30 +162,79 @@ def plan(
     limit: int,
     speed: float,
     per_region: int,
-    sweep: tuple[int, ...],
     azure_limit: int,
     azure_speed: float,
-    heavy_speed: float | None = None,
+    clients: tuple[int, ...],
+    duration: float,
 ) -> list[RegionRun]:
-    """Every system on both traces at ``per_region``; the replica sweep (SkyWalker,
-    region-local, global least load) at ``speed``; SkyWalker and region-local swept again
-    at ``heavy_speed`` if given."""
+    """Every system at ``per_region``: open loop on both traces, then closed loop on Mooncake's
+    conversations at each client count."""
     runs = [RegionRun(s, "conversation", limit, speed, per_region, trace_dir) for s in SYSTEMS]
     runs += [
         RegionRun(s, "azure-conv", azure_limit, azure_speed, per_region, trace_dir) for s in SYSTEMS
     ]
-    for n in sweep:
-        if n == per_region:
-            continue
-        for s in ("SkyWalker", "region-local", "global least load"):
-            runs.append(RegionRun(s, "conversation", limit, speed, n, trace_dir, purpose="sweep"))
-    if heavy_speed:
-        for n in sweep:
-            for s in ("SkyWalker", "region-local"):
-                runs.append(
-                    RegionRun(s, "conversation", limit, heavy_speed, n, trace_dir, purpose="sweep")
-                )
+    for c in clients:
+        runs += [
+            RegionRun(
+                s, "conversation", None, 1.0, per_region, trace_dir, clients=c, duration=duration
+            )
+            for s in SYSTEMS
+        ]
     return runs
+
+
+def search_bases(
+    trace_dir: str | None,
+    limit: int,
+    open_speed: float,
+    clients: tuple[int, ...],
+    duration: float,
+) -> list[RegionRun]:
+    """The replica searches: every system closed loop at each of ``clients`` per region;
+    SkyWalker, region-local and global least load open loop at ``open_speed`` (0: none)."""
+    bases = [
+        RegionRun(s, "conversation", None, 1.0, 0, trace_dir, clients=c, duration=duration)
+        for c in clients
+        for s in SYSTEMS
+    ]
+    if open_speed > 0:
+        bases += [
+            RegionRun(s, "conversation", limit, open_speed, 0, trace_dir)
+            for s in ("SkyWalker", "region-local", "global least load")
+        ]
+    return [replace(b, purpose="search") for b in bases]
+
+
+def fewest_replicas(base: RegionRun, slo: float, lo: int, hi: int) -> list[dict]:
+    """Bisection over the total replica count in ``[lo, hi]`` for the fewest whose P90 TTFT
+    is within ``slo`` (assumes P90 does not rise with more replicas). Returns every run
+    made; the answer is the smallest count among them that meets the SLO, none if ``hi``
+    does not; the count below it was run and missed, unless the answer is ``lo``."""
+    rows: dict[int, dict] = {}
+
+    def meets(n: int) -> bool:
+        if n not in rows:
+            rows[n] = execute(replace(base, replicas_total=n))
+        return bool(rows[n]["ttft_p90"] <= slo)
+
+    if meets(hi):
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if meets(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+    return [rows[n] for n in sorted(rows)]
+
+
+def run_searches(bases: list[RegionRun], slo: float, lo: int, hi: int, jobs: int = 1) -> list[dict]:
+    if jobs <= 1:
+        return [row for b in bases for row in fewest_replicas(b, slo, lo, hi)]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(fewest_replicas, b, slo, lo, hi) for b in bases]
+        return [row for f in futures for row in f.result()]
 
 
 def run_all(runs: list[RegionRun], jobs: int = 1) -> list[dict]:

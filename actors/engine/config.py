@@ -61,6 +61,10 @@ class EngineConfig:
     kvp: int = 1
     kvp_rank_tokens: int | None = None
     use_compiled_graph: bool = True
+    # Ray custom resources each worker actor of a multi-worker layout reserves, e.g. a
+    # region's node resource (``RegionConfig.node_resource``): its workers then go only on
+    # the nodes that carry it. None: no custom resource.
+    worker_resources: dict[str, float] | None = None
     # MoE attention/expert disaggregation (actors/moe): attention_workers data-parallel
     # attention workers and expert_workers expert workers holding expert_slots whole
     # experts each (default: just enough for every expert; spare slots hold copies of hot
@@ -104,6 +108,12 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_memory", "token_budget", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for res, amount in (self.worker_resources or {}).items():
+            if not res or not amount > 0:
+                raise ValueError(
+                    f"worker_resources must map resource names to positive amounts, got "
+                    f"{res!r}: {amount!r}"
+                )
         for name in ("tp", "spp", "kvp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

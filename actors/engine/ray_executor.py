@@ -71,9 +71,12 @@ class RayExecutor:
         setup_timeout_s: float = 300.0,
         worker_cls: type = Worker,
         hooks: HooksFactory | None = None,
+        resources: dict[str, float] | None = None,
     ) -> None:
         """``worker_cls``: the worker class to make remote (anything with ``Worker``'s
-        methods; the control-plane benchmark passes one that skips the model)."""
+        methods; the control-plane benchmark passes one that skips the model).
+        ``resources``: custom Ray resources each worker reserves (a region's node
+        resource pins the workers to that region's nodes)."""
         self.spec = spec
         self.worker_cls = worker_cls
         self.hooks = hooks  # each worker builds its hooks from it, in its own process
@@ -81,9 +84,11 @@ class RayExecutor:
         self.use_compiled_graph = use_compiled_graph
         self.depth = spec.layout.spp
         self.num_cpus_per_worker = num_cpus_per_worker
+        self.resources = dict(resources or {})
         self.step_timeout_s = step_timeout_s
         self.setup_timeout_s = setup_timeout_s
         self.actors: list[Any] = []
+        self.node_ids: list[str] = []
         self._graph: Any = None
         self._pgs: list[Any] = []
         self._env = {"RAY_CGRAPH_buffer_size_bytes": str(CHANNEL_BYTES)}
@@ -96,7 +101,9 @@ class RayExecutor:
     def _start(self) -> None:
         layout = self.layout
         bundle = worker_bundle(
-            self.num_cpus_per_worker, gpus=1 if self.spec.device == "cuda" else 0
+            self.num_cpus_per_worker,
+            gpus=1 if self.spec.device == "cuda" else 0,
+            extra=self.resources,
         )
         plan = plan_worker_group(layout.tp, layout.spp, layout.kvp, bundle, alive_nodes())
         # One placement group per node the plan uses, each ready before the next is asked
@@ -120,11 +127,16 @@ class RayExecutor:
                 remote.options(
                     num_cpus=bundle.get("CPU", 0),
                     num_gpus=bundle.get("GPU", 0),
+                    resources=self.resources,
                     scheduling_strategy=strategy,
                     runtime_env={"env_vars": self._env},
                     max_restarts=0,
                 ).remote(self.spec, coords, self.hooks)
             )
+        # where each worker runs, by world rank (Ray node ids)
+        self.node_ids = ray.get(
+            [a.node_id.remote() for a in self.actors], timeout=self.setup_timeout_s
+        )
         init_method = None
         if layout.world_size > 1:
             ip = ray.get(self.actors[0].node_ip.remote(), timeout=self.setup_timeout_s)

@@ -197,6 +197,7 @@ class ReplicaController:
                     self.worker_spec,
                     use_compiled_graph=config.use_compiled_graph,
                     hooks=worker_hooks,
+                    resources=config.worker_resources,
                 )
         self.executor: Executor = executor
         self.eos_token_ids = frozenset(

@@ -82,6 +82,12 @@ class Worker:
 
         return ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (hex id)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def free_port(self) -> int:
         """A TCP port free on this node now, for the collectives' rendezvous."""
         with socket.socket() as s:

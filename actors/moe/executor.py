@@ -236,4 +236,4 @@ def build_moe_executor(
         return LocalMoEExecutor(moe_spec, balancer)
     from actors.moe.ray_executor import RayMoEExecutor
 
-    return RayMoEExecutor(moe_spec, balancer)
+    return RayMoEExecutor(moe_spec, balancer, resources=config.worker_resources)

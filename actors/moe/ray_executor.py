@@ -48,9 +48,11 @@ class RayMoEExecutor(MoEExecutorBase):
         num_cpus_per_worker: float = 0.0,
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 300.0,
+        resources: dict[str, float] | None = None,  # custom Ray resources per worker
     ) -> None:
         super().__init__(spec, balancer)
         self.num_cpus_per_worker = num_cpus_per_worker
+        self.resources = dict(resources or {})
         self.step_timeout_s = step_timeout_s
         self.setup_timeout_s = setup_timeout_s
         self.attention: list[Any] = []
@@ -67,6 +69,7 @@ class RayMoEExecutor(MoEExecutorBase):
         return dict(
             num_cpus=self.num_cpus_per_worker,
             num_gpus=1 if self.spec.device == "cuda" else 0,
+            resources=self.resources,
             runtime_env={"env_vars": self._env},
             max_restarts=0,
         )

@@ -7,6 +7,7 @@ files), as a YAML file of its own, or built in Python.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -352,10 +353,11 @@ class RegionConfig(_Strict):
     """One region: the replica groups in it. It gets its own balancer (SkyWalker).
 
     ``node_resource``: a custom Ray resource that only this region's nodes carry (e.g.
-    ``ray start --resources='{"region-us": 100}'``); the region's Serve replicas and its
-    balancer each ask ``REGION_RESOURCE_SHARE`` of it, so Ray places them on those nodes.
-    (Worker actors of a ``tp``/``spp`` > 1 replica and the actors of a disaggregated group
-    are placed by their own planners and are not pinned by it.) None: anywhere."""
+    ``ray start --resources='{"region-us": 100}'``); the region's Serve replicas, its
+    balancer and the worker actors of its ``tp``/``spp``/``kvp`` > 1 and MoE replicas
+    (``ServeConfig.group_engine_config``) each ask ``REGION_RESOURCE_SHARE`` of it, so Ray
+    places them on those nodes. (The prefill/decode actors of a disaggregated group are
+    placed by its own planner and are not pinned by it.) None: anywhere."""
 
     name: str = Field(min_length=1)
     groups: list[str] = Field(min_length=1)
@@ -416,6 +418,10 @@ class RegionsSectionConfig(_Strict):
             return {}
         return {region.node_resource: REGION_RESOURCE_SHARE}
 
+    def group_resources(self, group: str) -> dict[str, float]:
+        """Ray ``resources`` that pin the actors of ``group`` to its region's nodes."""
+        return self.actor_resources(self.region_of_group(group))
+
     def delays(self) -> dict[tuple[str, str], float]:
         """Every pair of distinct regions -> one-way delay in seconds."""
         names = [r.name for r in self.regions]
@@ -468,6 +474,17 @@ class ServeConfig(_Strict):
     @property
     def num_replicas(self) -> int:
         return sum(g.num_replicas for g in self.groups)
+
+    def group_engine_config(self, group: ReplicaGroupConfig) -> EngineConfig:
+        """``group``'s engine config; in a region pinned to nodes, its worker actors also
+        reserve the region's node resource (added to any ``engine.worker_resources``)."""
+        config = group.engine_config()
+        pin = self.regions.group_resources(group.name) if self.regions is not None else {}
+        if not pin:
+            return config
+        return dataclasses.replace(
+            config, worker_resources={**(config.worker_resources or {}), **pin}
+        )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServeConfig:

@@ -42,13 +42,17 @@ HEARTBEAT_S = 2.0  # an idle replica still reports this often (the router expire
 DRAIN_TIMEOUT_S = 30.0  # a stopping replica's wait for its engine, when the group sets none
 
 
-def _engine(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> ServingEngine:
+def _engine(
+    model: str | None, group: ReplicaGroupConfig, replica_id: str, config: EngineConfig
+) -> ServingEngine:
+    """``config``: the group's engine config as the Serve config makes it (with its
+    region's node resource for the workers)."""
     if group.disaggregated:
         from actors.disagg.engine import PDEngine
 
         return PDEngine.for_group(model, group, replica_id)
     slo = group.admission.ttft_slo if group.admission is not None else None
-    return ColocatedEngine(model, group.engine_config(), ttft_slo=slo)
+    return ColocatedEngine(model, config, ttft_slo=slo)
 
 
 class ReplicaServer:
@@ -71,7 +75,7 @@ class ReplicaServer:
         (g,) = [x for x in cfg.groups if x.name == group]
         self.group = group
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = _engine(cfg.model, g, self.replica_id)
+        self.engine = _engine(cfg.model, g, self.replica_id, cfg.group_engine_config(g))
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica)
         self.router = router
         self.interval = cfg.report_interval_s
@@ -194,6 +198,14 @@ class ReplicaActor:
     def ready(self) -> ReplicaInfo:
         e = self.engine
         return ReplicaInfo(e.block_size, e.num_blocks * len(e.pools), e.limits)
+
+    def placement(self) -> tuple[str, list[str]]:
+        """(this actor's Ray node id, its worker actors' node ids by world rank; none for
+        a single-worker replica, whose worker runs in this process)."""
+        import ray
+
+        workers = getattr(self.engine.executor, "node_ids", [])
+        return ray.get_runtime_context().get_node_id(), list(workers)
 
     async def generate(self, request: Request) -> RequestOutput:
         (out,) = await self.loop.generate([request])

@@ -71,3 +71,24 @@ def test_region_node_resources_pin_its_replicas_and_balancer():
     assert _actor_options(ServeConfig.model_validate({}), ServeConfig().groups[0]) == {
         "num_cpus": 0.0
     }
+
+
+def test_a_pinned_regions_workers_reserve_its_node_resource():
+    """tp/spp > 1 replicas start worker actors; in a region with a node resource they
+    reserve it too (``EngineConfig.worker_resources``), beside any the engine section
+    names; a region without one leaves them unpinned."""
+    raw = config()
+    raw["regions"]["regions"][0]["node_resource"] = "region-us"
+    raw["groups"][0]["tp"] = 2
+    raw["groups"][0]["engine"] = {"worker_resources": {"fast-nic": 1}}
+    cfg = ServeConfig.model_validate(raw)
+    a, b = cfg.groups
+    assert cfg.group_engine_config(a).worker_resources == {"fast-nic": 1, "region-us": 0.01}
+    assert cfg.group_engine_config(a).tp == 2
+    assert cfg.group_engine_config(b).worker_resources is None
+    assert ServeConfig.model_validate({}).group_engine_config(ServeConfig().groups[0]) == (
+        ServeConfig().groups[0].engine_config()
+    )
+    raw["groups"][0]["engine"] = {"worker_resources": {"fast-nic": 0}}
+    with pytest.raises(ValidationError, match="worker_resources"):
+        ServeConfig.model_validate(raw)

@@ -112,3 +112,24 @@ def test_cpu_reservations_bound_the_layout():
 def test_an_empty_cluster_is_refused():
     with pytest.raises(PlacementError, match="no live node"):
         plan_worker_group(1, 1, 1, GPU, [])
+
+
+def test_a_region_resource_keeps_the_workers_on_the_nodes_that_carry_it():
+    """A region's node resource in the bundle: nodes without it hold no worker, so the plan
+    uses only the region's nodes, and refuses when they are too small."""
+    pin = {"region-eu": 0.01}
+    assert worker_bundle(extra=pin) == {"CPU": MIN_CPU, "region-eu": 0.01}
+    assert worker_bundle(cpus=1, extra=pin) == {"CPU": 1.0, "region-eu": 0.01}
+    cluster = [
+        Node("us0", "10.0.0.1", {"CPU": 64}),  # the largest node, in another region
+        Node("eu0", "10.0.0.2", {"CPU": 4, "region-eu": 1}),
+        Node("eu1", "10.0.0.3", {"CPU": 4, "region-eu": 1}),
+    ]
+    plan = plan_worker_group(2, 3, 1, worker_bundle(cpus=1, extra=pin), cluster)
+    # 3 TP groups of 2 one-CPU workers: two on one eu node, the third on the other
+    assert [len(g.bundles) for g in plan.groups] == [4, 2]
+    assert all(b["region-eu"] == 0.01 for g in plan.groups for b in g.bundles)
+    unpinned = plan_worker_group(2, 3, 1, worker_bundle(cpus=1), cluster)
+    assert [len(g.bundles) for g in unpinned.groups] == [6]  # all on the large us node
+    with pytest.raises(PlacementError, match="do not fit"):
+        plan_worker_group(2, 5, 1, worker_bundle(cpus=1, extra=pin), cluster)
