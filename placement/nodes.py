@@ -6,6 +6,7 @@
     plan.place_shards(1)                 # ["s0", "s1", ...]: one shard set per node
     plan.node_id("d0"); plan.apart("d0", ["p0"]); plan.tcp_host("d0")
     plan.replace("d0", alive)            # where a replacement goes; moves it if its node is gone
+    nodes_carrying(nodes, {"region-us": 0.001})   # only a region's nodes
 
 Rule: replicas go round robin over the nodes that can hold one of them, prefill replicas
 first, then decode, then colocated: the k-th on eligible node ``k mod m``, or the next one
@@ -51,6 +52,19 @@ class ReplicaSpec:
     @property
     def needs(self) -> dict[str, float]:
         return {r: v * self.num_workers for r, v in self.worker.items() if v > 0}
+
+
+def nodes_carrying(nodes: Sequence[Node], resources: Mapping[str, float]) -> list[Node]:
+    """The nodes whose totals hold every one of ``resources`` (a region's node resource:
+    the only nodes its actors may run on). Raises ``PlacementError`` naming the resource
+    when no node carries it."""
+    chosen = [n for n in nodes if fits(n.resources, resources)]
+    if not chosen and nodes:
+        raise PlacementError(
+            f"no live node carries {describe(dict(resources))}; start the region's nodes "
+            "with that resource (ray start --resources=...) or drop node_resource"
+        )
+    return chosen
 
 
 class NodePlacement:

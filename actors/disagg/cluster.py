@@ -84,7 +84,7 @@ from actors.ray_nodes import alive_nodes, pinned
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import read_model_config
-from placement.nodes import NodePlacement, ReplicaSpec
+from placement.nodes import Node, NodePlacement, ReplicaSpec, nodes_carrying
 from policies.conductor import (
     Conductor,
     DecodeInstance,
@@ -118,6 +118,7 @@ class PDCluster:
         dualpath_thresholds: tuple[int, int] | None = None,
         prefill_replica_options: dict[str, Any] | None = None,
         decode_replica_options: dict[str, Any] | None = None,
+        node_resources: dict[str, float] | None = None,
         **controller_options: Any,
     ) -> None:
         """``pin_cores``: on a one-node cluster, bind prefill and decode replicas to
@@ -134,6 +135,12 @@ class PDCluster:
         (alpha, beta) in tokens, fixed (default: from the fitted cost model).
         ``prefill_replica_options`` / ``decode_replica_options``: more keyword arguments of
         the replica classes (``link_budget``, ``record_loads``)."""
+        # a region's node resource: every actor of this cluster (replicas, their workers,
+        # store shards) runs only on nodes that carry it, and its replicas reserve it
+        self.node_resources = dict(node_resources or {})
+        if self.node_resources:
+            pinned_workers = controller_options.get("worker_resources") or {}
+            controller_options["worker_resources"] = {**pinned_workers, **self.node_resources}
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("need at least one prefill and one decode replica")
         self.read_paths = ReadPaths(read_path)
@@ -188,11 +195,17 @@ class PDCluster:
         def actor_class(cls: type, options: dict[str, Any]) -> Any:
             gpus = worker.get("GPU", 0) if workers(options) == 1 else 0
             remote: Any = ray.remote  # its overloads do not name max_concurrency
-            return remote(num_cpus=0, num_gpus=gpus, max_restarts=0, max_concurrency=4)(cls)
+            return remote(
+                num_cpus=0,
+                num_gpus=gpus,
+                resources=self.node_resources,
+                max_restarts=0,
+                max_concurrency=4,
+            )(cls)
 
         # Replicas and shards spread over the cluster's nodes (``placement.nodes``): with
         # several nodes prefill and decode run apart and stream KV over TCP.
-        self.placement_plan = NodePlacement(alive_nodes())
+        self.placement_plan = NodePlacement(self._nodes())
         self._prefill_ids = [f"p{i}" for i in range(num_prefill)]
         pw, dw = workers(self._prefill_options), workers(self._decode_options)
         self.placement_plan.place(
@@ -283,11 +296,15 @@ class PDCluster:
             return None
         return self.store.live()
 
+    def _nodes(self) -> list[Node]:
+        """The live nodes this cluster's actors may use (a region's, when pinned)."""
+        return nodes_carrying(alive_nodes(), self.node_resources)
+
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
         moves off a node that is gone)."""
         if restart:
-            return pinned(cls, self.placement_plan.replace(rid, alive_nodes()), soft=True)
+            return pinned(cls, self.placement_plan.replace(rid, self._nodes()), soft=True)
         return pinned(cls, self.placement_plan.node_id(rid))
 
     def _watch(self, rid: str, handle: Any) -> None:

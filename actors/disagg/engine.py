@@ -46,9 +46,15 @@ class PDEngine:
         self._store_refreshed = time.monotonic()
 
     @classmethod
-    def for_group(cls, model: str | None, group: ReplicaGroupConfig, replica_id: str) -> PDEngine:
+    def for_group(
+        cls,
+        model: str | None,
+        group: ReplicaGroupConfig,
+        replica_id: str,
+        node_resources: dict[str, float] | None = None,
+    ) -> PDEngine:
         """The cluster of one Serve replica of a disaggregated group (``cluster_args``)."""
-        return cls(PDCluster(**cluster_args(model, group, replica_id)))
+        return cls(PDCluster(**cluster_args(model, group, replica_id, node_resources)))
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
@@ -138,11 +144,17 @@ class PDEngine:
         return self.cluster.check_blocks()
 
 
-def cluster_args(model: str | None, group: ReplicaGroupConfig, replica_id: str) -> dict[str, Any]:
+def cluster_args(
+    model: str | None,
+    group: ReplicaGroupConfig,
+    replica_id: str,
+    node_resources: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """``PDCluster``'s arguments for one Serve replica of a disaggregated group; its store's
     SSD files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a
     folder. The store section's ``read_path`` and ``write_back`` and the conductor
-    section's ``scheduler`` (DualPath) pass through."""
+    section's ``scheduler`` (DualPath) pass through; ``node_resources`` (a region's node
+    resource) pins every actor of the cluster to the nodes that carry it."""
     assert group.num_prefill is not None and group.num_decode is not None
     store = None
     read_path = "prefill"
@@ -163,5 +175,6 @@ def cluster_args(model: str | None, group: ReplicaGroupConfig, replica_id: str) 
         scheduler=conductor.scheduler,
         prefill_layout=group.prefill.options() if group.prefill else None,
         decode_layout=group.decode.options() if group.decode else None,
+        node_resources=node_resources,
         **group.engine_options(),
     )

@@ -43,14 +43,19 @@ DRAIN_TIMEOUT_S = 30.0  # a stopping replica's wait for its engine, when the gro
 
 
 def _engine(
-    model: str | None, group: ReplicaGroupConfig, replica_id: str, config: EngineConfig
+    model: str | None,
+    group: ReplicaGroupConfig,
+    replica_id: str,
+    config: EngineConfig,
+    pin: dict[str, float],
 ) -> ServingEngine:
     """``config``: the group's engine config as the Serve config makes it (with its
-    region's node resource for the workers)."""
+    region's node resource for the workers); ``pin``: that resource alone, which every
+    actor of a disaggregated group's cluster reserves."""
     if group.disaggregated:
         from actors.disagg.engine import PDEngine
 
-        return PDEngine.for_group(model, group, replica_id)
+        return PDEngine.for_group(model, group, replica_id, pin)
     slo = group.admission.ttft_slo if group.admission is not None else None
     return ColocatedEngine(model, config, ttft_slo=slo)
 
@@ -75,7 +80,8 @@ class ReplicaServer:
         (g,) = [x for x in cfg.groups if x.name == group]
         self.group = group
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = _engine(cfg.model, g, self.replica_id, cfg.group_engine_config(g))
+        pin = cfg.regions.group_resources(group) if cfg.regions is not None else {}
+        self.engine = _engine(cfg.model, g, self.replica_id, cfg.group_engine_config(g), pin)
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica)
         self.router = router
         self.interval = cfg.report_interval_s

@@ -3,7 +3,9 @@ each with its own node id; no Serve): a region's replica actor, started with the
 options the Serve app gives its group (``serve_app._actor_options``) and the engine config
 the Serve config gives it (``ServeConfig.group_engine_config``), runs on the node carrying
 the region's resource, and so do the worker actors of its tp = 2 replica; the pinned
-workers form a working group (the greedy tokens of a single-process replica)."""
+workers form a working group (the greedy tokens of a single-process replica). A
+disaggregated group's cluster (prefill and decode replicas, store shard) runs on its
+region's node too, with the same tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from actors.disagg.cluster import PDCluster
+from actors.disagg.engine import cluster_args
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from actors.serving.config import ServeConfig
@@ -83,3 +87,47 @@ def test_each_regions_replica_and_its_workers_run_on_the_regions_node(region_nod
     assert list(out.token_ids) == list(expected)
     for actor in actors.values():
         ray.get(actor.shutdown.remote(), timeout=60)
+
+
+def node_of(handle) -> str:
+    return ray.get(handle.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+
+
+def test_a_disaggregated_groups_actors_run_on_the_regions_node(region_nodes):
+    cfg = ServeConfig.model_validate(
+        {
+            "groups": [
+                {"name": "a", "engine": ENGINE},
+                {
+                    "name": "pd",
+                    "num_prefill": 1,
+                    "num_decode": 1,
+                    "engine": ENGINE,
+                    "store": {"dram_bytes": 1 << 22},
+                },
+            ],
+            "regions": {
+                "regions": [
+                    {"name": "us", "groups": ["a"], "node_resource": "region-us"},
+                    {"name": "eu", "groups": ["pd"], "node_resource": "region-eu"},
+                ]
+            },
+        }
+    )
+    assert cfg.regions is not None
+    (g,) = [x for x in cfg.groups if x.name == "pd"]
+    pd = PDCluster(**cluster_args(None, g, "r0", cfg.regions.group_resources("pd")))
+    try:
+        actors = [*pd.prefills.values(), *pd.decodes.values(), *pd.shards.values()]
+        assert len(actors) == 3
+        assert {node_of(a) for a in actors} == {region_nodes["eu"]}
+        prompt = [5, 9, 17, 33, 2, 71, 8, 13, 21]
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        ref = ReplicaController(None, **ENGINE)
+        rid = ref.add_request(ref.request_builder().build(prompt, PARAMS))
+        while ref.has_unfinished():
+            ref.step()
+        assert list(out.token_ids) == list(ref.release(rid).token_ids)
+        ref.shutdown()
+    finally:
+        pd.shutdown()

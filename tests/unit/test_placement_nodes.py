@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from placement.nodes import Node, NodePlacement, ReplicaSpec
+from placement.nodes import Node, NodePlacement, ReplicaSpec, nodes_carrying
 from placement.resources import PlacementError
 
 GPU = {"GPU": 1}
@@ -166,3 +166,20 @@ def test_a_replacement_may_land_on_a_node_that_joined_since():
     fresh = Node("n9", "10.0.0.99", {})
     assert plan.replace("d0", [cluster[0], fresh]) == "n9"  # n0 holds p0 already
     assert plan.tcp_host("d0") == "10.0.0.99" and plan.node("d0") == fresh
+
+
+def test_a_regions_actors_use_only_the_nodes_carrying_its_resource():
+    nodes = [
+        Node("n0", "10.0.0.1", {"CPU": 8}),
+        Node("n1", "10.0.0.2", {"CPU": 8, "region-us": 100}),
+        Node("n2", "10.0.0.3", {"CPU": 8, "region-eu": 100}),
+        Node("n3", "10.0.0.4", {"CPU": 8, "region-us": 100}),
+    ]
+    us = nodes_carrying(nodes, {"region-us": 0.001})
+    assert [n.node_id for n in us] == ["n1", "n3"]
+    assert nodes_carrying(nodes, {}) == nodes  # unpinned: every node
+    plan = NodePlacement(us)
+    plan.place([ReplicaSpec("p0", "prefill"), ReplicaSpec("d0", "decode")])
+    assert {plan.node_id("p0"), plan.node_id("d0")} == {"n1", "n3"}
+    with pytest.raises(PlacementError, match="region-asia"):
+        nodes_carrying(nodes, {"region-asia": 0.001})
