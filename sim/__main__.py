@@ -2,8 +2,9 @@
 
   python -m sim run      one configuration over a trace; prints the summary
   python -m sim report   the Mooncake experiments -> docs/sim_report.md + docs/figures/
-  python -m sim sim2real replay a trace slice on the live CPU engine with the tiny model,
-                         fit the cost model, compare predicted and measured TTFT / TPOT
+  python -m sim sim2real replay each trace's first requests on the live CPU engine with the
+                         tiny model, fit the runtime predictor from a grid of timed steps,
+                         compare predicted and measured TTFT / TPOT (--trace all: every trace)
   python -m sim regions  three regions: SkyWalker vs one global balancer vs region-local
                          -> docs/figures/skywalker.json and its section of the report
   python -m sim medha    Medha's scheduler ablation (FCFS, EDF, LRS, ILRS + prefill-prefill
@@ -117,9 +118,15 @@ def cmd_report(a: argparse.Namespace) -> None:
 
 def cmd_sim2real(a: argparse.Namespace) -> None:
     from sim.sim_to_real import run_sim_to_real
+    from sim.traces import TRACES
+
+    traces = list(TRACES) if a.trace == "all" else a.trace.split(",")
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     result = run_sim_to_real(
-        a.trace, a.trace_dir, a.requests, a.seed, repeats=a.repeats, clock=a.clock
+        traces, a.trace_dir, a.requests, repeats=a.repeats, clock=a.clock, log=log
     )
     text = json.dumps(result, indent=1)
     print(text)
@@ -204,10 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p_rep.set_defaults(fn=cmd_report)
     p_s2r = sub.add_parser("sim2real", help="live CPU engine vs. the simulator")
-    p_s2r.add_argument("--trace", default="conversation")
+    p_s2r.add_argument(
+        "--trace", default="all", help="all (every trace), or names / files, comma-separated"
+    )
     p_s2r.add_argument("--trace-dir", default=None)
-    p_s2r.add_argument("--requests", type=int, default=40)
-    p_s2r.add_argument("--seed", type=int, default=0)
+    p_s2r.add_argument("--requests", type=int, default=40, help="first N requests of each")
+    p_s2r.add_argument("--seed", type=int, default=0, help="unused: the replay is deterministic")
     p_s2r.add_argument("--repeats", type=int, default=3, help="independent live repeats")
     p_s2r.add_argument(
         "--clock", default="cpu", choices=["cpu", "wall"], help="the live replay's timeline"
