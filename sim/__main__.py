@@ -107,7 +107,12 @@ def cmd_report(a: argparse.Namespace) -> None:
     whole_spec = RunSpec("P/D + Conductor", replace(base, mode="pd", policy="conductor"), 1.0)
     whole_spec.trace, whole_spec.trace_dir = a.trace, a.trace_dir
     whole = execute(whole_spec) if a.limit is None else None
-    write_report(Path(a.out), base, r_sched, r_cap, r_over, notes, whole)
+    medha: list[str] = []
+    if a.medha_requests:  # Medha's scheduling and 3D-vs-2D runs (sim/report_medha.py)
+        from sim.report_medha import medha_section, run_medha
+
+        medha = medha_section(run_medha(a.medha_requests))
+    write_report(Path(a.out), base, r_sched, r_cap, r_over, notes, whole, medha)
     for r in results:
         print(
             f"{r.spec.label:45s} {r.spec.speed:4g}x  wall {r.wall_s:6.1f}s  "
@@ -126,7 +131,7 @@ def cmd_sim2real(a: argparse.Namespace) -> None:
         print(line, file=sys.stderr, flush=True)
 
     result = run_sim_to_real(
-        traces, a.trace_dir, a.requests, repeats=a.repeats, clock=a.clock, log=log
+        traces, a.trace_dir, a.requests, repeats=a.repeats, clock=a.clock, log=log, passes=a.passes
     )
     text = json.dumps(result, indent=1)
     print(text)
@@ -203,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
         help="TBT SLOs (s) of the overload runs: the paper's, and one that loads our decode pool",
     )
     p_rep.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    p_rep.add_argument(
+        "--medha-requests", type=int, default=200, help="requests per Medha run (0: skip)"
+    )
     p_rep.add_argument("--out", default="docs/sim_report.md")
     p_rep.add_argument(
         "--notes",
@@ -217,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     p_s2r.add_argument("--trace-dir", default=None)
     p_s2r.add_argument("--requests", type=int, default=40, help="first N requests of each")
     p_s2r.add_argument("--seed", type=int, default=0, help="unused: the replay is deterministic")
-    p_s2r.add_argument("--repeats", type=int, default=3, help="independent live repeats")
+    p_s2r.add_argument("--repeats", type=int, default=3, help="fresh engines per trace")
+    p_s2r.add_argument("--passes", type=int, default=5, help="replays per engine (medians)")
     p_s2r.add_argument(
         "--clock", default="cpu", choices=["cpu", "wall"], help="the live replay's timeline"
     )

@@ -1,43 +1,44 @@
 """Sim-to-real: replay a trace slice on the live CPU engine (the tiny model on
 ``actors.engine.replica_controller.ReplicaController``) and in the simulator, and compare
-per-request TTFT and TPOT.
+per-request TTFT and TPOT, for every trace.
 
-One repeat:
+One repeat of one trace, on a fresh engine:
 
-1. Calibrate on one slice of the trace (plus a timed shape sweep, below): replay it live,
-   record each iteration's batch ``(new tokens, cached context)`` (read from the engine's
-   own scheduler step) and its *period* (the replay clock's advance from the previous
-   iteration's end, so the serving loop's own work counts), and fit
-   ``placement.fitted.PaddedFittedCostModel`` (the torch backend pads a step to
-   ``[B, max_q, L]``; see there). ``SplitFittedCostModel`` (pairs, no padding) is fitted
-   on the same steps for comparison.
-2. Evaluate on a different slice (held out: no request of it was in the fit): replay it
-   live; each ``Sequence`` records ``first_token_time`` and ``finish_time``.
-3. Simulate the evaluation slice (same token ids, same scheduler settings, one colocated
-   instance timed by the fitted model) and take median relative errors over requests.
-
-Before timing, every engine runs each step shape the replay can produce once
-(``shape_sweep``: every token count 1..budget, every decode batch 1..max_num_seqs): oneDNN
-builds a kernel per new row count (~1 ms per linear shape here), a one-off cost no cost
-model should carry. The sweep's prompts are then dropped from the prefix cache, so the live
-pool starts as the simulated one. The calibration engine then runs the sweep once more,
-timed, and those steps join the calibration slice's in the fit: they cover every token
-count and batch size evenly, which the trace alone does not (its prompt steps nearly all
-fill the budget), so the fit can tell the per-step constant from the per-token cost.
-``repeats`` independent repeats (fresh engines each) give the spread.
+1. Warm-up (untimed): every step shape the replay can produce runs once (``shape_sweep``:
+   every token count 1..budget, every decode batch 1..max_num_seqs), so oneDNN's kernels
+   for every row count exist before anything is timed.
+2. Calibration, independent of every trace: a timed pass of the same sweep and of the step
+   grid (``sim.step_grid``: prefill chunks at cached offsets, decode batches at several
+   contexts, chunks riding with decodes) just before the replay, and the grid again just
+   after it, so the fit brackets the replay in time (the shared machine's speed drifts
+   over minutes). Each iteration's batch ``(new tokens, context)`` is read from the
+   engine's own scheduler step, its time is its *period* (the clock's advance since the
+   previous iteration ended, so admitting requests and the loop count, as in the replay).
+   The replica's runtime predictor (``placement.runtime_predictor.RuntimePredictor``) is
+   fitted from those steps by the fitter it refits with online
+   (``policies.pd_costs.fit_prefill_time``: base + new tokens + context + attention pairs
+   + requests, non-negative least squares on relative residuals, the worst 10% of steps
+   trimmed). ``SplitFittedCostModel`` is fitted on the same steps for comparison.
+3. Evaluation (held out: no step of any trace is in the fit): the trace's first ``n``
+   requests replayed live ``passes`` times on that engine (per request, the median over
+   passes: a light trace's replay lasts a fraction of a second, so one burst of load on
+   the shared cores would otherwise decide it); its first and last token's times.
+4. The same requests simulated (same token ids, same scheduler settings, one colocated
+   instance timed by the fitted predictor); median relative errors over requests.
 
 Both replays shrink lengths to the tiny model's 2k context (hash-id blocks become 32-token
 blocks, so prefix sharing survives) and keep the trace's arrival gaps stretched by
 ``arrival_scale`` (1.5: a moderately loaded engine, so the comparison is not dominated by
 queueing). Torch runs with one intra-op thread (``torch.set_num_threads(1)``): on this
 2-core machine that makes step times stable, and the fit is of that configuration.
+``repeats`` repeats per trace (the traces interleaved) give medians and the spread.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from placement.cost_model import CostModel
@@ -221,11 +222,16 @@ class Replay:
     cal_periods: list[float]
 
 
-def replay_live(reqs: list[TraceRequest], clock: str = "cpu", calibrate: bool = False) -> Replay:
-    """Replay ``reqs`` on a fresh, warmed-up engine. Returns per request (TTFT, TPOT), and
-    per iteration its batch and its period: the clock's advance from the previous
-    iteration's end (or from the engine waking up) to this one's end, so the serving loop's
-    own work (admitting arrivals, bookkeeping) counts like the step it precedes.
+def replay_live(
+    reqs: list[TraceRequest], clock: str = "cpu", calibrate: bool = False, passes: int = 1
+) -> Replay:
+    """Replay ``reqs`` on a fresh, warmed-up engine, ``passes`` times (the requests released
+    and the prefix cache emptied between passes). Returns per request its median (TTFT,
+    TPOT) over the passes (a short replay lasts a fraction of a second, so one burst of a
+    co-tenant on the shared cores can slow all of one pass), and per iteration of every
+    pass its batch and its period: the clock's advance from the previous iteration's end
+    (or from the engine waking up) to this one's end, so the serving loop's own work
+    (admitting arrivals, bookkeeping) counts like the step it precedes.
 
     ``clock="wall"``: arrivals are admitted in real time and every time is wall time
     (``perf_counter``). ``clock="cpu"``: the replay's timeline advances by this thread's CPU
@@ -235,10 +241,12 @@ def replay_live(reqs: list[TraceRequest], clock: str = "cpu", calibrate: bool = 
     torch thread, an uncontended engine's wall time equals its CPU time). Tokens are stamped
     at the end of the iteration that produced them, in both modes. ``calibrate``: also time
     a pass of ``shape_sweep`` and of the step grid (``sim.step_grid``) just before the
-    trace, and the grid again just after it (its requests released and the prefix cache
-    emptied first), on the same engine: ``cal_batches`` / ``cal_periods``, for the fit."""
+    replays, and the grid again just after them, on the same engine: ``cal_batches`` /
+    ``cal_periods``, for the fit."""
     if clock not in ("cpu", "wall"):
         raise ValueError("clock must be 'cpu' or 'wall'")
+    if passes < 1:
+        raise ValueError("passes must be >= 1")
     _pin_threads()
     engine = _engine()
     shape_sweep(engine, "warmup")  # one-off kernel builds; not timed
@@ -252,6 +260,38 @@ def replay_live(reqs: list[TraceRequest], clock: str = "cpu", calibrate: bool = 
         cal_batches, cal_periods = shape_sweep(engine, "sweep", rec, tick)
         grid_batches, grid_periods = timed_grid(engine, "grid", rec, tick)
         cal_batches, cal_periods = cal_batches + grid_batches, cal_periods + grid_periods
+    per_pass: list[dict[str, tuple[float, float]]] = []
+    for k in range(passes):
+        tagged = [replace(r, request_id=f"{r.request_id}@{k}") for r in reqs]
+        times = _replay_pass(engine, rec, tagged, clock, tick, batches, periods)
+        per_pass.append(
+            {r.request_id: times[t.request_id] for r, t in zip(reqs, tagged, strict=True)}
+        )
+        _forget(engine, [t.request_id for t in tagged], rec)
+    out = {
+        r.request_id: (
+            statistics.median(p[r.request_id][0] for p in per_pass),
+            statistics.median(p[r.request_id][1] for p in per_pass),
+        )
+        for r in reqs
+    }
+    if calibrate:  # the grid again, so the fit brackets the replays in time
+        grid_batches, grid_periods = timed_grid(engine, "grid-after", rec, tick)
+        cal_batches, cal_periods = cal_batches + grid_batches, cal_periods + grid_periods
+    return Replay(out, batches, periods, cal_batches, cal_periods)
+
+
+def _replay_pass(
+    engine: Any,
+    rec: _Recorder,
+    reqs: list[TraceRequest],
+    clock: str,
+    tick: Any,
+    batches: list[list[tuple[int, int]]],
+    periods: list[float],
+) -> dict[str, tuple[float, float]]:
+    """One replay of ``reqs`` (see ``replay_live``); appends each iteration's batch and
+    period to ``batches`` / ``periods``; returns per request (TTFT, TPOT)."""
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -290,11 +330,7 @@ def replay_live(reqs: list[TraceRequest], clock: str = "cpu", calibrate: bool = 
         f = first[r.request_id]
         tpot = (finish[r.request_id] - f) / (n - 1) if n > 1 else 0.0
         out[r.request_id] = (f - r.arrival, tpot)
-    if calibrate:  # the grid again, so the fit brackets the replay in time
-        _forget(engine, [r.request_id for r in reqs], rec)
-        grid_batches, grid_periods = timed_grid(engine, "grid-after", rec, tick)
-        cal_batches, cal_periods = cal_batches + grid_batches, cal_periods + grid_periods
-    return Replay(out, batches, periods, cal_batches, cal_periods)
+    return out
 
 
 def replay_sim(reqs: list[TraceRequest], cost: CostModel) -> dict[str, tuple[float, float]]:
@@ -341,10 +377,10 @@ def fit_runtime_predictor(batches: list[list[tuple[int, int]]], seconds: list[fl
     return pred
 
 
-def one_repeat(reqs: list[TraceRequest], clock: str) -> dict[str, Any]:
+def one_repeat(reqs: list[TraceRequest], clock: str, passes: int = 5) -> dict[str, Any]:
     """One fresh engine: calibrate on the step grid around the replay of ``reqs`` (already
     shrunk), fit, simulate ``reqs``; no step of the trace is in the fit."""
-    r = replay_live(reqs, clock, calibrate=True)
+    r = replay_live(reqs, clock, calibrate=True, passes=passes)
     fit = fit_runtime_predictor(r.cal_batches, r.cal_periods)
     split = SplitFittedCostModel.fit(r.cal_batches, r.cal_periods)
     steps = zip(r.batches, r.periods, strict=True)
@@ -378,6 +414,7 @@ def run_sim_to_real(
     repeats: int = 3,
     clock: str = "cpu",
     log: Any = None,
+    passes: int = 5,
 ) -> dict[str, Any]:
     """Evaluate the first ``n`` requests of each trace, ``repeats`` times, the traces
     interleaved (repeat 1 of every trace, then repeat 2 ...) so the machine's load drifts
@@ -389,7 +426,7 @@ def run_sim_to_real(
     for k in range(repeats):
         for name in traces:
             t0 = time.perf_counter()
-            runs[name].append(one_repeat(slices[name], clock))
+            runs[name].append(one_repeat(slices[name], clock, passes))
             if log is not None:
                 last = runs[name][-1]
                 log(
@@ -412,5 +449,6 @@ def run_sim_to_real(
         "torch_threads": 1,
         "clock": clock,
         "repeats": repeats,
+        "passes": passes,
         "traces": out,
     }
