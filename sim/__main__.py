@@ -138,6 +138,10 @@ def cmd_sim2real(a: argparse.Namespace) -> None:
     if a.out:  # the report reads it from here
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text + "\n")
+        if a.report:
+            from sim.report_sim2real import replace_section, sim2real_section
+
+            replace_section(Path(a.report), sim2real_section(Path(a.out)))
 
 
 def cmd_regions(a: argparse.Namespace) -> None:
@@ -231,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         "--clock", default="cpu", choices=["cpu", "wall"], help="the live replay's timeline"
     )
     p_s2r.add_argument("--out", default="docs/figures/sim2real.json", help="'' to not write")
+    p_s2r.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
     p_s2r.set_defaults(fn=cmd_sim2real)
     p_reg = sub.add_parser("regions", help="multi-region SkyWalker comparison")
     p_reg.add_argument("--trace-dir", default=None)

@@ -111,6 +111,7 @@ class ConfigResult:
     tpot_p50: float
     finished: int
     tpot_p90: float = float("nan")
+    long_tpot_p50: float = float("nan")  # the long requests' own decode steps
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -148,6 +149,7 @@ def run_config(
     long = [t for rid, t in ttft.items() if lengths[rid] > 8192]
     norm = [t / prefill_time(cost, lengths[rid], 0, chunk) for rid, t in ttft.items()]
     tpots = [s.tpot for s in stats if s.tpot is not None]
+    long_tpots = [s.tpot for s in stats if s.tpot is not None and s.input_len > 8192]
     return ConfigResult(
         name,
         quantile(list(ttft.values()), 0.5),
@@ -159,6 +161,7 @@ def run_config(
         statistics.median(tpots) if tpots else float("nan"),
         sum(1 for s in stats if s.finish is not None),
         quantile(tpots, 0.9),
+        quantile(long_tpots, 0.5),
     )
 
 
