@@ -11,7 +11,17 @@ are kept in both layouts.
 
 from __future__ import annotations
 
-import torch
+import os
+
+# oneDNN builds one kernel (primitive) per linear shape, i.e. per row count, and caches the
+# last 1024. A step's row count is its token count (1..token budget), and each row count
+# needs ~4 linear shapes per model, so a budget of 256 already cycles more shapes than the
+# default cache holds and a server seeing varied batches rebuilds kernels (1-2 ms a step
+# here) all the time. Read by oneDNN when it builds its first primitive, so it is set at
+# import, before any packed layer runs; a capacity the operator chose is kept.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 from torch import nn
 

@@ -5,7 +5,8 @@ prefill chunk at its context offset or a decode ``(1, context)``. Until it has m
 enough steps the predictor answers from its ``prior`` (the simulator's roofline, or a
 coarse cold-start guess); after that from the step model the Conductor's fitter fits
 (``policies.pd_costs.CostFitter``, one implementation for both): ``base + a * new + b *
-context + c * attention pairs`` per step, refitted over a sliding window as steps arrive.
+context + c * attention pairs + r * requests`` per step, refitted over a sliding window as
+steps arrive (or once, from a calibration's steps, by ``fit_steps``).
 
 On top of ``batch_time`` it answers what a scheduler asks: a request's remaining prefill
 time (its uncomputed tokens in chunks, each reading the context before it), the smallest
@@ -16,9 +17,11 @@ their small protocols; policies never import this module).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from placement.cost_model import Batch, CostModel
 from policies.dualpath import attention_time_fn
-from policies.pd_costs import CostFitter, LinearPrefillTime
+from policies.pd_costs import CostFitter, LinearPrefillTime, fit_prefill_time
 
 # Before the first fit and without a prior: 1 ms per step and 0.1 ms per new token (the
 # order of the tiny model on one CPU core); replaced after ``min_samples`` measured steps.
@@ -58,6 +61,17 @@ class RuntimePredictor:
             return False
         self.fitter.add_prefill_step(list(batch), seconds)
         return "prefill" in self.fitter.refit(self)
+
+    def fit_steps(
+        self, batches: Sequence[Batch], seconds: Sequence[float], trim: float = 0.0
+    ) -> None:
+        """Fit the step model once from measured steps (an offline calibration, e.g. a grid of
+        step shapes), by the fitter ``observe`` refits with; ``trim``: refit without that
+        share of worst-fitting steps (timing outliers)."""
+        if len(batches) != len(seconds):
+            raise ValueError("need one measured time per batch")
+        samples = [(list(b), t) for b, t in zip(batches, seconds, strict=True) if b and t > 0]
+        self.prefill_time = fit_prefill_time(samples, self.chunk_size, trim)
 
     @property
     def fitted(self) -> bool:
@@ -153,5 +167,6 @@ class RuntimePredictor:
             return "prior" if self.prior is not None else "cold start"
         return (
             f"base={m.base:.3g}s new={m.per_new_token:.3g}s/token "
-            f"context={m.per_cached_token:.3g}s/token pairs={m.per_attention_pair:.3g}s/pair"
+            f"context={m.per_cached_token:.3g}s/token pairs={m.per_attention_pair:.3g}s/pair "
+            f"request={m.per_request:.3g}s"
         )

@@ -2,19 +2,24 @@
 
     prefill_time(new, cached) = sum over the prompt's chunks k (n_k new tokens after c_k
                                 of context, c_0 = cached) of
-                                base + a * n_k + b * c_k + c * n_k * (n_k + c_k)
+                                base + a * n_k + b * c_k + c * n_k * (n_k + c_k) + r
     decode_tbt(batch_size, context_blocks)  = base + a * batch_size + b * context_blocks
     transfer_time(blocks)                   = blocks * block_bytes / bytes_per_second
 
 The quadratic prefill term is attention over the prompt (each new token attends to every
 earlier one), the cached term the cost of reading a reused prefix; a prompt longer than
 the chunk size runs as several steps, each paying ``base`` and reading the context before
-it. ``fit_prefill_time`` and ``fit_decode_tbt`` are ordinary least squares over measured
-steps (``(chunks, seconds)`` and ``(batch, blocks, seconds)``), ``fit_transfer_time`` the
-mean bandwidth of measured copies, so the live runtime and the simulator fit the same
-model the same way. Coefficients are clamped at zero (a cost never falls as the work
-grows). ``CostFitter`` keeps a sliding window of each and refits a Conductor's estimates
-as measurements arrive. Stdlib only.
+it, and ``r`` is paid once per request of a step (sampling, its row of the LM head, its
+metadata), so a step of many decodes costs more than one of a single decode.
+``fit_prefill_time`` fits measured steps (``(chunks, seconds)``) by non-negative least
+squares on *relative* residuals (each step weighted by ``1 / seconds``: a 1 ms decode step
+counts as much as a 10 ms chunk, so the model is right for both, not only for the
+biggest steps), optionally refitted without the worst-fitting share of steps (timing
+outliers). ``fit_decode_tbt`` is ordinary least squares over ``(batch, blocks, seconds)``,
+``fit_transfer_time`` the mean bandwidth of measured copies, so the live runtime and the
+simulator fit the same model the same way. Coefficients are never negative (a cost never
+falls as the work grows). ``CostFitter`` keeps a sliding window of each and refits a
+Conductor's estimates as measurements arrive. Stdlib only.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class LinearPrefillTime:
     per_cached_token: float = 0.0  # per token of context read before the chunk
     per_attention_pair: float = 0.0
     chunk_size: int = 0  # prompts run in chunks of this many tokens (0: one pass)
+    per_request: float = 0.0  # per request of a step (a prompt's chunk is one per step)
 
     def __call__(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
@@ -43,7 +49,7 @@ class LinearPrefillTime:
         ]
         steps, new, context, pairs = prefill_features(chunks)
         return (
-            self.base * steps
+            (self.base + self.per_request) * steps
             + self.per_new_token * new
             + self.per_cached_token * context
             + self.per_attention_pair * pairs
@@ -55,9 +61,10 @@ class LinearPrefillTime:
         the fixed cost counted once."""
         if not chunks:
             return 0.0
-        _, new, context, pairs = prefill_features(chunks)
+        steps, new, context, pairs = prefill_features(chunks)
         return (
             self.base
+            + self.per_request * steps
             + self.per_new_token * new
             + self.per_cached_token * context
             + self.per_attention_pair * pairs
@@ -124,15 +131,54 @@ def least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> 
     return [m[i][k] / m[i][i] / norms[i] if m[i][i] else 0.0 for i in range(k)]
 
 
+def nonnegative_least_squares(
+    rows: Sequence[Sequence[float]], targets: Sequence[float]
+) -> list[float]:
+    """``least_squares`` with every coefficient >= 0: drop the most negative coefficient's
+    column and refit until none is negative (active set; a handful of columns here)."""
+    active = list(range(len(rows[0]))) if rows else []
+    x = [0.0] * len(active)
+    while active:
+        sol = least_squares([[r[i] for i in active] for r in rows], targets)
+        if min(sol) >= 0:
+            for i, v in zip(active, sol, strict=True):
+                x[i] = v
+            return x
+        active.pop(min(range(len(sol)), key=sol.__getitem__))
+    return x
+
+
 def fit_prefill_time(
-    samples: Sequence[tuple[Sequence[tuple[int, int]], float]], chunk_size: int = 0
+    samples: Sequence[tuple[Sequence[tuple[int, int]], float]],
+    chunk_size: int = 0,
+    trim: float = 0.0,
+    passes: int = 2,
 ) -> LinearPrefillTime:
-    """Fit to measured prefill steps: ``(chunks, seconds)`` with ``chunks`` the ``(new
-    tokens, context tokens)`` of each request the step ran (their features add up; the
-    step's fixed cost counts once). Predictions split prompts by ``chunk_size``."""
-    rows = [(1.0, *prefill_features(chunks)[1:]) for chunks, _ in samples]
-    base, new, context, pairs = [max(0.0, v) for v in least_squares(rows, [t for _, t in samples])]
-    return LinearPrefillTime(base, new, context, pairs, chunk_size)
+    """Fit to measured steps: ``(chunks, seconds)`` with ``chunks`` the ``(new tokens,
+    context tokens)`` of each request the step ran (a decode is ``(1, context)``; their
+    features add up, the step's fixed cost counts once). Non-negative least squares on
+    relative residuals (rows scaled by ``1 / seconds``); then ``passes`` refits without the
+    ``trim`` share of steps whose relative residual is largest. Predictions split prompts
+    by ``chunk_size``."""
+    if not samples or any(t <= 0 for _, t in samples):
+        raise ValueError("need at least one measured step, each of a positive duration")
+    feats = [(1.0, *prefill_features(chunks)[1:], float(len(chunks))) for chunks, _ in samples]
+    seconds = [t for _, t in samples]
+
+    def solve(keep: Sequence[int]) -> list[float]:
+        rows = [[f / seconds[i] for f in feats[i]] for i in keep]
+        return nonnegative_least_squares(rows, [1.0] * len(rows))
+
+    keep = list(range(len(samples)))
+    w = solve(keep)
+    for _ in range(passes if trim > 0 else 0):
+        resid = [abs(sum(a * f for a, f in zip(w, x, strict=True)) - t) / t
+                 for x, t in zip(feats, seconds, strict=True)]  # fmt: skip
+        cut = sorted(resid)[min(len(resid) - 1, int((1.0 - trim) * len(resid)))]
+        keep = [i for i, r in enumerate(resid) if r <= cut]
+        w = solve(keep)
+    base, new, context, pairs, per_request = w
+    return LinearPrefillTime(base, new, context, pairs, chunk_size, per_request)
 
 
 def fit_decode_tbt(samples: Sequence[tuple[int, int, float]]) -> LinearDecodeTBT:
@@ -181,7 +227,7 @@ class CostFitter:
         self.num_fits = {"prefill": 0, "decode": 0, "transfer": 0}
 
     def add_prefill_step(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
-        if chunks:
+        if chunks and seconds > 0:  # the fit weighs steps by 1 / seconds
             self.prefill.append((tuple((int(n), int(c)) for n, c in chunks), float(seconds)))
             self._new["prefill"] += 1
 

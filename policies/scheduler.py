@@ -46,6 +46,15 @@ class KVManager(Protocol):
         """Blocks of every pool."""
         ...
 
+    def free_blocks_per_rank(self) -> list[int]:
+        """Blocks that can be handed out now, per KV rank (one entry: a single pool)."""
+        ...
+
+    def blocks_per_rank(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Blocks ``seq``'s first ``num_tokens`` tokens occupy on each KV rank: its blocks
+        live on the ranks its shards are placed on, so space is checked rank by rank."""
+        ...
+
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks of ``seq``'s prefix; returns how many tokens they cover."""
         ...
@@ -61,6 +70,11 @@ class KVManager(Protocol):
     def free(self, seq: Sequence) -> None:
         """Release every block ``seq`` holds."""
         ...
+
+
+def _plus(a: list[int], b: list[int]) -> list[int]:
+    """Per-rank block counts added."""
+    return [x + y for x, y in zip(a, b, strict=True)]
 
 
 @dataclass
@@ -241,7 +255,7 @@ class Scheduler:
                 reserve = self._reserved_growth()
             if n <= 0 or not self._admit(seq, n, reserve):
                 break
-            reserve += self._growth(seq, n)
+            reserve = _plus(reserve, self._growth(seq, n))
             waiting.pop(0)
             self._start_running(seq, n, step, scheduled, now)
             budget -= n
@@ -249,31 +263,43 @@ class Scheduler:
 
     # -- admission and KV reservation --------------------------------------------------------
     # A request admitted reserves the KV blocks its whole life needs (prompt + max_tokens,
-    # capped at the pools' size): a new request joins only when the free blocks cover what
-    # every running request may still grow by. So a decode always finds its next block (the
-    # free blocks only run short for prefills, which yield or wait): decodes are never
-    # preempted.
-    def _growth(self, seq: Sequence, extra: int = 0) -> int:
-        """Blocks ``seq`` may still need beyond what it holds after ``extra`` more tokens."""
-        bs = self.kv.block_size
-        final = min(seq.num_prompt_tokens + seq.max_tokens - 1, self.kv.num_total_blocks * bs)
-        held = -(-(seq.num_computed_tokens + seq.num_inflight_tokens + extra) // bs)
-        return max(0, -(-final // bs) - held)
+    # capped at what the pools hold): a new request joins only when the free blocks cover
+    # what every running request may still grow by. So a decode always finds its next block
+    # (the free blocks only run short for prefills, which yield or wait): decodes are never
+    # preempted. Counted per KV rank (a vector, one entry per rank): a request's blocks live
+    # on the ranks its shards are placed on, so free blocks on another rank do not cover it.
+    def _growth(self, seq: Sequence, extra: int = 0) -> list[int]:
+        """Blocks per rank ``seq`` may still need beyond what it holds after ``extra`` more
+        tokens."""
+        final = self.kv.blocks_per_rank(seq, seq.num_prompt_tokens + seq.max_tokens - 1)
+        held = self.kv.blocks_per_rank(
+            seq, seq.num_computed_tokens + seq.num_inflight_tokens + extra
+        )
+        return [max(0, f - h) for f, h in zip(final, held, strict=True)]
 
-    def _reserved_growth(self) -> int:
-        return sum(self._growth(s) for s in self.running)
+    def _reserved_growth(self) -> list[int]:
+        total = [0] * len(self.kv.free_blocks_per_rank())
+        for s in self.running:
+            total = _plus(total, self._growth(s))
+        return total
+
+    def _fits(self, reserve: list[int], need: list[int]) -> bool:
+        """Every rank's free blocks cover what is reserved there plus ``need``."""
+        free = self.kv.free_blocks_per_rank()
+        return all(f >= r + n for f, r, n in zip(free, reserve, need, strict=True))
 
     def _match_prefix(self, seq: Sequence) -> None:
         if seq.num_computed_tokens == 0:
             seq.num_cached_tokens = self.kv.match_prefix(seq)
             seq.num_computed_tokens = seq.num_cached_tokens
 
-    def _admit(self, seq: Sequence, n: int, reserve: int) -> bool:
+    def _admit(self, seq: Sequence, n: int, reserve: list[int] | None) -> bool:
         """Allocate a waiting request's first ``n`` tokens if the blocks left still cover
         ``reserve`` and its own growth; else let go of what it holds (a matched prefix),
         so a waiting request pins no blocks."""
         if self.kv.allocate(seq, seq.num_computed_tokens + n):
-            if self.kv.num_free_blocks >= reserve + self._growth(seq, n):
+            need = self._growth(seq, n)
+            if self._fits(reserve if reserve is not None else [0] * len(need), need):
                 return True
         self.kv.free(seq)
         seq.num_computed_tokens = 0
@@ -331,11 +357,12 @@ class Scheduler:
                 if blocked:
                     continue
                 self._match_prefix(seq)
-                if self.kv.num_free_blocks < reserve + self._growth(seq):
+                growth = self._growth(seq)
+                if not self._fits(reserve, growth):
                     self._unmatch(seq)
                     blocked = True
                     continue
-                reserve += self._growth(seq)
+                reserve = _plus(reserve, growth)
             chosen.append(seq)
         if packer is not None:
             candidates = [
@@ -356,7 +383,7 @@ class Scheduler:
                 budget -= n
         for seq, n in zip(chosen, chunks, strict=True):
             if seq.status is SeqStatus.WAITING:
-                if n <= 0 or not self._admit(seq, n, 0):
+                if n <= 0 or not self._admit(seq, n, None):
                     self._unmatch(seq)  # not this time
                     continue
                 self.waiting.remove(seq)

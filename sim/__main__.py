@@ -2,8 +2,9 @@
 
   python -m sim run      one configuration over a trace; prints the summary
   python -m sim report   the Mooncake experiments -> docs/sim_report.md + docs/figures/
-  python -m sim sim2real replay a trace slice on the live CPU engine with the tiny model,
-                         fit the cost model, compare predicted and measured TTFT / TPOT
+  python -m sim sim2real replay each trace's first requests on the live CPU engine with the
+                         tiny model, fit the runtime predictor from a grid of timed steps,
+                         compare predicted and measured TTFT / TPOT (--trace all: every trace)
   python -m sim regions  three regions: SkyWalker vs one global balancer vs region-local
                          -> docs/figures/skywalker.json and its section of the report
   python -m sim medha    Medha's scheduler ablation (FCFS, EDF, LRS, ILRS + prefill-prefill
@@ -108,7 +109,12 @@ def cmd_report(a: argparse.Namespace) -> None:
     whole_spec = RunSpec("P/D + Conductor", replace(base, mode="pd", policy="conductor"), 1.0)
     whole_spec.trace, whole_spec.trace_dir = a.trace, a.trace_dir
     whole = execute(whole_spec) if a.limit is None else None
-    write_report(Path(a.out), base, r_sched, r_cap, r_over, notes, whole)
+    medha: list[str] = []
+    if a.medha_requests:  # Medha's scheduling and 3D-vs-2D runs (sim/report_medha.py)
+        from sim.report_medha import medha_section, run_medha
+
+        medha = medha_section(run_medha(a.medha_requests))
+    write_report(Path(a.out), base, r_sched, r_cap, r_over, notes, whole, medha)
     for r in results:
         print(
             f"{r.spec.label:45s} {r.spec.speed:4g}x  wall {r.wall_s:6.1f}s  "
@@ -119,15 +125,25 @@ def cmd_report(a: argparse.Namespace) -> None:
 
 def cmd_sim2real(a: argparse.Namespace) -> None:
     from sim.sim_to_real import run_sim_to_real
+    from sim.traces import TRACES
+
+    traces = list(TRACES) if a.trace == "all" else a.trace.split(",")
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     result = run_sim_to_real(
-        a.trace, a.trace_dir, a.requests, a.seed, repeats=a.repeats, clock=a.clock
+        traces, a.trace_dir, a.requests, repeats=a.repeats, clock=a.clock, log=log, passes=a.passes
     )
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:  # the report reads it from here
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text + "\n")
+        if a.report:
+            from sim.report_sim2real import replace_section, sim2real_section
+
+            replace_section(Path(a.report), sim2real_section(Path(a.out)))
 
 
 def cmd_regions(a: argparse.Namespace) -> None:
@@ -205,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         help="TBT SLOs (s) of the overload runs: the paper's, and one that loads our decode pool",
     )
     p_rep.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    p_rep.add_argument(
+        "--medha-requests", type=int, default=200, help="requests per Medha run (0: skip)"
+    )
     p_rep.add_argument("--out", default="docs/sim_report.md")
     p_rep.add_argument(
         "--notes",
@@ -213,15 +232,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     p_rep.set_defaults(fn=cmd_report)
     p_s2r = sub.add_parser("sim2real", help="live CPU engine vs. the simulator")
-    p_s2r.add_argument("--trace", default="conversation")
+    p_s2r.add_argument(
+        "--trace", default="all", help="all (every trace), or names / files, comma-separated"
+    )
     p_s2r.add_argument("--trace-dir", default=None)
-    p_s2r.add_argument("--requests", type=int, default=40)
-    p_s2r.add_argument("--seed", type=int, default=0)
-    p_s2r.add_argument("--repeats", type=int, default=3, help="independent live repeats")
+    p_s2r.add_argument("--requests", type=int, default=40, help="first N requests of each")
+    p_s2r.add_argument("--seed", type=int, default=0, help="unused: the replay is deterministic")
+    p_s2r.add_argument("--repeats", type=int, default=3, help="fresh engines per trace")
+    p_s2r.add_argument("--passes", type=int, default=5, help="replays per engine (medians)")
     p_s2r.add_argument(
         "--clock", default="cpu", choices=["cpu", "wall"], help="the live replay's timeline"
     )
     p_s2r.add_argument("--out", default="docs/figures/sim2real.json", help="'' to not write")
+    p_s2r.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
     p_s2r.set_defaults(fn=cmd_sim2real)
     p_reg = sub.add_parser("regions", help="multi-region SkyWalker comparison")
     p_reg.add_argument("--trace-dir", default=None)

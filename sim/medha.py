@@ -2,9 +2,11 @@
 with prefill-prefill batching on one colocated instance, over short requests mixed with a
 few very long ones.
 
-The instance is the real scheduler and block pool timed by the roofline (Llama-3 8B on
-8 A100s, tensor parallel; the paper runs TP8 x SPP2, which the cost model does not have:
-sequence pipelining is not simulated). The workload: Poisson arrivals at ``qps``; short
+The instance is the real scheduler and block pool timed by the roofline of a ``Layout``
+(by default the paper's: Llama-3 8B on A100s, TP8 x SPP2; with ``spp > 1`` a step of prompt
+chunks only holds the instance for its first stage, so a long prompt's chunks pipeline;
+``kvp > 1`` splits a request's attention over the KV-parallel groups holding it). The
+workload: Poisson arrivals at ``qps``; short
 requests with log-normal lengths (ShareGPT-like: input median 600, output median 250,
 inputs capped at 8K), and a share ``long_fraction`` of long ones with inputs uniform in
 [128K, 1M] and outputs of median 500. Deadlines are 3x each request's predicted prefill
@@ -68,6 +70,35 @@ def workload(w: MedhaWorkload) -> list[TraceRequest]:
     return out
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A replica's hardware and parallelism: ``tp`` GPUs per stage, ``spp`` pipeline stages,
+    ``kvp`` KV-parallel groups, a request spilling to the next group past
+    ``kvp_rank_tokens`` tokens (0: a group's capacity)."""
+
+    model: str = "llama3-8b"
+    gpu: str = "A100"
+    tp: int = 8
+    spp: int = 2
+    kvp: int = 1
+    kvp_rank_tokens: int = 0
+
+    @property
+    def label(self) -> str:
+        parts = [f"TP{self.tp}"] + [f"SPP{self.spp}"] * (self.spp > 1)
+        return " x ".join(parts + [f"KVP{self.kvp}"] * (self.kvp > 1))
+
+    def cost(self) -> RooflineCostModel:
+        return RooflineCostModel(
+            get_model(self.model),
+            get_gpu(self.gpu),
+            tp=self.tp,
+            spp=self.spp,
+            kvp=self.kvp,
+            kvp_rank_tokens=self.kvp_rank_tokens,
+        )
+
+
 @dataclass
 class ConfigResult:
     name: str
@@ -79,6 +110,8 @@ class ConfigResult:
     long_ttft_p50: float
     tpot_p50: float
     finished: int
+    tpot_p90: float = float("nan")
+    long_tpot_p50: float = float("nan")  # the long requests' own decode steps
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -93,8 +126,9 @@ def run_config(
     target: float = 0.1,
     min_slo: float = 0.0,
     until: float = float("inf"),
+    layout: Layout = Layout(),
 ) -> ConfigResult:
-    cost = RooflineCostModel(get_model("llama3-8b"), get_gpu("A100"), tp=8)
+    cost = layout.cost()
     block = 512
     blocks = cost.kv_capacity_tokens() // block
     if name == "ilrs+ppb":
@@ -115,6 +149,7 @@ def run_config(
     long = [t for rid, t in ttft.items() if lengths[rid] > 8192]
     norm = [t / prefill_time(cost, lengths[rid], 0, chunk) for rid, t in ttft.items()]
     tpots = [s.tpot for s in stats if s.tpot is not None]
+    long_tpots = [s.tpot for s in stats if s.tpot is not None and s.input_len > 8192]
     return ConfigResult(
         name,
         quantile(list(ttft.values()), 0.5),
@@ -125,6 +160,8 @@ def run_config(
         quantile(long, 0.5),
         statistics.median(tpots) if tpots else float("nan"),
         sum(1 for s in stats if s.finish is not None),
+        quantile(tpots, 0.9),
+        quantile(long_tpots, 0.5),
     )
 
 
@@ -133,9 +170,10 @@ def compare(w: MedhaWorkload, configs: tuple[str, ...] = CONFIGS) -> list[Config
     return [run_config(name, requests) for name in configs]
 
 
-def format_table(w: MedhaWorkload, results: list[ConfigResult]) -> str:
+def format_table(w: MedhaWorkload, results: list[ConfigResult], layout: Layout = Layout()) -> str:
     lines = [
-        f"Medha scheduler ablation, simulated: llama3-8b on 8 x A100 (TP8), qps {w.qps}, "
+        f"Medha scheduler ablation, simulated: {layout.model} on {layout.gpu} "
+        f"({layout.label}), qps {w.qps}, "
         f"{w.num_requests} requests, {w.long_fraction:.0%} long ({w.long_min}-{w.long_max})",
         "",
         "| config | TTFT p50 | TTFT p90 | short TTFT p50 | short TTFT p90 | "

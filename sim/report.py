@@ -130,6 +130,7 @@ def write_report(
     over: list[RunResult],
     notes: Sequence[str] = (),
     whole: RunResult | None = None,
+    medha: Sequence[str] = (),
 ) -> None:
     figdir = path.parent / "figures"
     _plots(figdir, sched, cap)
@@ -213,6 +214,7 @@ def write_report(
     ]
     lines += overload_section(base, over)
     lines += skywalker_section(path.parent / "figures" / "skywalker.json")
+    lines += list(medha)  # sim.report_medha.medha_section
     lines += sim2real_section(path.parent / "figures" / "sim2real.json")
     lines += moe_section()
     lines += _speed_section(path.parent / "figures" / "sim_scale.json", whole)

@@ -1,5 +1,6 @@
 """The sim-to-real section of ``docs/sim_report.md``, from ``python -m sim sim2real``'s JSON
-(``sim.sim_to_real.run_sim_to_real``: a spread over repeats, and one record per repeat)."""
+(``sim.sim_to_real.run_sim_to_real``: per trace, a spread over repeats and one record per
+repeat)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,25 @@ def _spread(d: dict[str, float]) -> str:
     return f"{_pct(d['median'])} ({_pct(d['min'])} to {_pct(d['max'])})"
 
 
-def _repeat_row(k: int, r: dict[str, Any]) -> str:
+def _median_of(runs: list[dict[str, Any]], key: str) -> float:
+    xs = sorted(r[key] for r in runs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _trace_row(name: str, t: dict[str, Any]) -> str:
+    runs = t["runs"]
+    ok = max(t["ttft_median_rel_err"]["median"], t["tpot_median_rel_err"]["median"]) <= TARGET
     return (
-        f"| {k} | {1000 * r['measured_ttft_median_s']:.0f} / "
-        f"{1000 * r['predicted_ttft_median_s']:.0f} ms | {_pct(r['ttft_median_rel_err'])} | "
-        f"{100 * r['ttft_p90_rel_err']:.0f}% | {1000 * r['measured_tpot_median_s']:.1f} / "
-        f"{1000 * r['predicted_tpot_median_s']:.1f} ms | {_pct(r['tpot_median_rel_err'])} | "
-        f"{100 * r['tpot_p90_rel_err']:.0f}% | {100 * r['step_median_rel_err_heldout']:.0f}% | "
-        f"{_pct(r['split_ttft_median_rel_err'])} / {_pct(r['split_tpot_median_rel_err'])} |"
+        f"| {name} | {t['requests']} | {1000 * _median_of(runs, 'measured_ttft_median_s'):.1f} / "
+        f"{1000 * _median_of(runs, 'predicted_ttft_median_s'):.1f} ms "
+        f"| {_spread(t['ttft_median_rel_err'])} "
+        f"| {1000 * _median_of(runs, 'measured_tpot_median_s'):.2f} / "
+        f"{1000 * _median_of(runs, 'predicted_tpot_median_s'):.2f} ms "
+        f"| {_spread(t['tpot_median_rel_err'])} "
+        f"| {_pct(t['step_median_rel_err_heldout']['median'])} "
+        f"| {_pct(t['split_ttft_median_rel_err']['median'])} / "
+        f"{_pct(t['split_tpot_median_rel_err']['median'])} | {'yes' if ok else '**no**'} |"
     )
 
 
@@ -34,89 +46,105 @@ def sim2real_section(path: Path) -> list[str]:
     if not path.exists():
         return lines + [f"No `{path}`: run `python -m sim sim2real` first.", ""]
     d = json.loads(path.read_text())
-    if "runs" not in d:
+    if d.get("format") != 2:
         return lines + [f"`{path.name}` is from an older format: rerun `python -m sim sim2real`."]
-    lo, hi = d["calibration_slice"]
-    runs = d["runs"]
-    clock = d.get("clock", "cpu")
+    traces: dict[str, Any] = d["traces"]
+    first = next(iter(traces.values()))["runs"][0]
     lines += [
-        f"From `python -m sim sim2real --requests {d['requests']} --repeats {d['repeats']}` "
-        f"(`{path.name}`). Each repeat uses fresh engines of",
+        f"From `python -m sim sim2real --requests {d['requests']} --repeats {d['repeats']} "
+        f"--passes {d['passes']}` (`{path.name}`): every trace, the first {d['requests']} "
+        "requests each, lengths / 16",
+        f"(hash-id blocks of 32 tokens), arrival gaps x {d['arrival_scale']:g}. Each repeat of "
+        "each trace runs on a fresh",
         "`actors.engine.replica_controller.ReplicaController` (the tiny model, torch with "
         f"{d['torch_threads']} thread):",
         "",
-        "1. **Warm-up.** Every step shape the replay can produce runs once first (each token count",
-        "   1..256, each decode batch 1..32): oneDNN builds a kernel per new row count (~1 ms per",
-        "   linear shape here), a one-off cost that used to land inside the measured steps.",
-        f"2. **Calibration.** Trace requests {lo}-{hi - 1} replayed live, plus one timed pass of "
-        "the same shape",
-        f"   sweep ({runs[0]['calibration_steps']} iterations in all). Each iteration's batch is "
-        "read from the",
-        "   engine's own scheduler step, its time is the replay clock's advance since the previous",
-        "   iteration ended (so the serving loop's own work counts). Fitted by",
-        "   `placement.fitted.PaddedFittedCostModel`: the torch backend pads a step to",
-        "   `[B, max_q, L]`, so a one-token decode riding with a 256-token chunk pays for 256",
-        "   query rows over the longest context; the earlier `SplitFittedCostModel` (causal",
-        "   pairs, no padding) missed that batch-composition cost.",
-        f"3. **Evaluation (held out).** The first {d['requests']} trace requests, replayed "
-        "live on a fresh",
-        "   engine and in the simulator (one colocated instance timed by the fit). Lengths / 16,",
-        f"   hash-id blocks of 32 tokens, arrival gaps x {d['arrival_scale']:g}.",
+        "1. **Warm-up** (untimed): every step shape once (each token count 1..256, each decode",
+        "   batch 1..32), so oneDNN's kernel for every row count exists before timing. The",
+        "   packed linears now keep 8192 kernels (`kernels/cpu_linear.py`); with oneDNN's",
+        "   default 1024 a 256-token budget cycled more shapes than it holds, so a step of a",
+        "   row count not seen lately rebuilt its kernels (1-2 ms), live and in calibration.",
+        "2. **Calibration, on no trace**: a timed pass of that sweep and of a grid of step shapes",
+        "   (`sim/step_grid.py`: prefill chunks of 1-256 tokens at cached offsets 128-768,",
+        "   decode batches of 1-32 at contexts 16-640, chunks riding with 1-32 decodes) right",
+        "   before the replay, and the grid again right after it "
+        f"({first['calibration_steps']} steps): the shared",
+        "   machine's speed drifts over minutes, so the fit brackets the replay. The replica's",
+        "   own runtime predictor is fitted from them by the fitter it refits with online",
+        "   (`policies.pd_costs.fit_prefill_time`: base + new tokens + context + attention",
+        "   pairs + requests, non-negative least squares on *relative* residuals, worst 10% of",
+        "   steps trimmed). Fitted on absolute seconds (as before), the few 5-8 ms chunks",
+        "   outweighed the many 1 ms decodes: on the same measurements TPOT errors reached",
+        "   76-87% on a light trace (nearly all one-decode steps), against at most 20% fitted",
+        "   on relative residuals.",
+        f"3. **Evaluation**: the trace replayed live {d['passes']} times on the same engine "
+        "(per request, the",
+        "   median over passes: a light trace's replay lasts a fraction of a second, so one "
+        "burst of",
+        "   load would decide it) and once in the simulator (one colocated instance timed by the",
+        "   fitted predictor). No step of any trace is in the fit.",
         "",
     ]
-    if clock == "cpu":
+    if d.get("clock", "cpu") == "cpu":
         lines += [
-            "**Clock.** The replay's timeline advances by the engine thread's CPU time while "
-            "it works and jumps",
-            "to the next arrival while it idles; arrivals are admitted when that timeline "
-            "reaches them, and",
-            "tokens are stamped at the end of the iteration that produced them. Every step "
-            "is computed for",
-            "real; what is left out is time stolen by the other processes sharing this "
-            "machine's 2 cores",
-            "(load averages of 5-11 while we measured). A wall-clock replay (`--clock wall`) "
-            "is still there:",
-            "uncontended, wall and CPU time of a one-thread engine agree to 0.1% per step "
-            "here, but under",
-            "that load it measured TTFTs 3x longer than the same replay minutes before, "
-            "which no cost model",
-            "of the engine can (or should) predict.",
+            "**Clock.** The replay's timeline advances by the engine thread's CPU time while it "
+            "works and jumps",
+            "to the next arrival while it idles; tokens are stamped at the end of the iteration "
+            "that produced",
+            "them. Every step is computed for real; what is left out is time stolen by the "
+            "other processes",
+            "sharing this machine's 2 cores (`--clock wall` replays in wall time).",
             "",
         ]
     lines += [
-        "| repeat | TTFT measured / predicted (median) | TTFT median err | TTFT p90 err "
-        "| TPOT measured / predicted | TPOT median err | TPOT p90 err | step median err "
-        "| split model: TTFT / TPOT median err |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *[_repeat_row(k + 1, r) for k, r in enumerate(runs)],
+        "Per trace, the median over repeats (min to max) of the per-request median relative "
+        "error, and the",
+        "medians themselves (measured / predicted, median over repeats):",
         "",
-        f"Over {d['repeats']} repeats, median (min to max) of the per-request median "
-        "relative error:",
-        f"TTFT **{_spread(d['ttft_median_rel_err'])}**, TPOT "
-        f"**{_spread(d['tpot_median_rel_err'])}**; the split model on the same",
-        f"steps: TTFT {_spread(d['split_ttft_median_rel_err'])}, TPOT "
-        f"{_spread(d['split_tpot_median_rel_err'])}.",
-        f"Fitted weights of the first repeat (s): {runs[0]['fit']}.",
+        "| trace | requests | TTFT measured / predicted | TTFT median err "
+        "| TPOT measured / predicted | TPOT median err | step median err "
+        "| split model: TTFT / TPOT err | within 15% |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[_trace_row(name, t) for name, t in traces.items()],
+        "",
+        f"Fitted step model of the first repeat of the first trace: {first['fit']}.",
         "",
     ]
-    med_ok = (
-        d["ttft_median_rel_err"]["median"] <= TARGET
-        and d["tpot_median_rel_err"]["median"] <= TARGET
+    met = [
+        name
+        for name, t in traces.items()
+        if max(t["ttft_median_rel_err"]["median"], t["tpot_median_rel_err"]["median"]) <= TARGET
+    ]
+    each = sum(
+        1
+        for t in traces.values()
+        for r in t["runs"]
+        if max(r["ttft_median_rel_err"], r["tpot_median_rel_err"]) <= TARGET
     )
-    each_ok = sum(
-        1 for r in runs if max(r["ttft_median_rel_err"], r["tpot_median_rel_err"]) <= TARGET
-    )
+    total = sum(len(t["runs"]) for t in traces.values())
     lines += [
-        f"Target (median error within 15% for both): **{'met' if med_ok else 'not met'}** "
-        f"by the median over repeats; {each_ok} of {len(runs)} repeats meet it on their own.",
-        "What remains is per-step noise (the held-out per-iteration median error, above): a "
-        "co-tenant on",
-        "the other hyperthread slows our thread's CPU time too, and calibration and evaluation run",
-        "minutes apart under different load. Per-request errors average many steps, so "
-        "they are smaller",
-        "than per-step ones, but a repeat whose calibration ran under heavier load than its "
-        "evaluation",
-        "predicts every step slower.",
+        f"Target (median TTFT and TPOT error within 15%, every trace): "
+        f"**{'met' if len(met) == len(traces) else 'not met'}** "
+        f"({len(met)} of {len(traces)} traces by the median over repeats; {each} of {total} "
+        "single repeats).",
+        "The step median error is per iteration of the trace (held out): single steps are "
+        "noisier than",
+        "per-request times, which average many steps; a repeat measured while a co-tenant "
+        "loads the other",
+        "hyperthread runs slower than its calibration, which no model of the engine predicts.",
         "",
     ]
     return lines
+
+
+def replace_section(report: Path, section: list[str]) -> None:
+    """Put ``section`` into ``report`` in place of the old sim-to-real section (up to the
+    next ``## `` heading), else at the end."""
+    text = report.read_text().splitlines() if report.exists() else []
+    head = next((k for k, t in enumerate(text) if t.startswith(section[0])), None)
+    if head is None:
+        text += section
+    else:
+        end = next((k for k in range(head + 1, len(text)) if text[k].startswith("## ")), len(text))
+        text[head:end] = section
+    report.write_text("\n".join(text) + "\n")

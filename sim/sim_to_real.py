@@ -1,50 +1,52 @@
 """Sim-to-real: replay a trace slice on the live CPU engine (the tiny model on
 ``actors.engine.replica_controller.ReplicaController``) and in the simulator, and compare
-per-request TTFT and TPOT.
+per-request TTFT and TPOT, for every trace.
 
-One repeat:
+One repeat of one trace, on a fresh engine:
 
-1. Calibrate on one slice of the trace (plus a timed shape sweep, below): replay it live,
-   record each iteration's batch ``(new tokens, cached context)`` (read from the engine's
-   own scheduler step) and its *period* (the replay clock's advance from the previous
-   iteration's end, so the serving loop's own work counts), and fit
-   ``placement.fitted.PaddedFittedCostModel`` (the torch backend pads a step to
-   ``[B, max_q, L]``; see there). ``SplitFittedCostModel`` (pairs, no padding) is fitted
-   on the same steps for comparison.
-2. Evaluate on a different slice (held out: no request of it was in the fit): replay it
-   live; each ``Sequence`` records ``first_token_time`` and ``finish_time``.
-3. Simulate the evaluation slice (same token ids, same scheduler settings, one colocated
-   instance timed by the fitted model) and take median relative errors over requests.
-
-Before timing, every engine runs each step shape the replay can produce once
-(``shape_sweep``: every token count 1..budget, every decode batch 1..max_num_seqs): oneDNN
-builds a kernel per new row count (~1 ms per linear shape here), a one-off cost no cost
-model should carry. The sweep's prompts are then dropped from the prefix cache, so the live
-pool starts as the simulated one. The calibration engine then runs the sweep once more,
-timed, and those steps join the calibration slice's in the fit: they cover every token
-count and batch size evenly, which the trace alone does not (its prompt steps nearly all
-fill the budget), so the fit can tell the per-step constant from the per-token cost.
-``repeats`` independent repeats (fresh engines each) give the spread.
+1. Warm-up (untimed): every step shape the replay can produce runs once (``shape_sweep``:
+   every token count 1..budget, every decode batch 1..max_num_seqs), so oneDNN's kernels
+   for every row count exist before anything is timed.
+2. Calibration, independent of every trace: a timed pass of the same sweep and of the step
+   grid (``sim.step_grid``: prefill chunks at cached offsets, decode batches at several
+   contexts, chunks riding with decodes) just before the replay, and the grid again just
+   after it, so the fit brackets the replay in time (the shared machine's speed drifts
+   over minutes). Each iteration's batch ``(new tokens, context)`` is read from the
+   engine's own scheduler step, its time is its *period* (the clock's advance since the
+   previous iteration ended, so admitting requests and the loop count, as in the replay).
+   The replica's runtime predictor (``placement.runtime_predictor.RuntimePredictor``) is
+   fitted from those steps by the fitter it refits with online
+   (``policies.pd_costs.fit_prefill_time``: base + new tokens + context + attention pairs
+   + requests, non-negative least squares on relative residuals, the worst 10% of steps
+   trimmed). ``SplitFittedCostModel`` is fitted on the same steps for comparison.
+3. Evaluation (held out: no step of any trace is in the fit): the trace's first ``n``
+   requests replayed live ``passes`` times on that engine (per request, the median over
+   passes: a light trace's replay lasts a fraction of a second, so one burst of load on
+   the shared cores would otherwise decide it); its first and last token's times.
+4. The same requests simulated (same token ids, same scheduler settings, one colocated
+   instance timed by the fitted predictor); median relative errors over requests.
 
 Both replays shrink lengths to the tiny model's 2k context (hash-id blocks become 32-token
 blocks, so prefix sharing survives) and keep the trace's arrival gaps stretched by
 ``arrival_scale`` (1.5: a moderately loaded engine, so the comparison is not dominated by
 queueing). Torch runs with one intra-op thread (``torch.set_num_threads(1)``): on this
 2-core machine that makes step times stable, and the fit is of that configuration.
+``repeats`` repeats per trace (the traces interleaved) give medians and the spread.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from placement.cost_model import CostModel
-from placement.fitted import PaddedFittedCostModel, SplitFittedCostModel
+from placement.fitted import SplitFittedCostModel
 from policies.routing import RoundRobin
 from sim.cluster import InstanceSpec
 from sim.colocated import ColocatedCluster
+from sim.step_grid import run_step_grid
 from sim.traces import load_trace
 from sim.workload import TraceRequest
 
@@ -128,24 +130,45 @@ def _pin_threads() -> None:
     torch.set_num_threads(1)
 
 
+class _Periods:
+    """Each step's batch and *period*: the clock's advance from the previous step's end to
+    this one's, so the work between steps (admitting requests, the loop) counts like the
+    step it precedes, as it does in ``replay_live``."""
+
+    def __init__(self, engine: Any, rec: _Recorder | None, tick: Any) -> None:
+        self.engine, self.rec, self.tick = engine, rec, tick
+        self.batches: list[list[tuple[int, int]]] = []
+        self.secs: list[float] = []
+        self.mark = tick()
+
+    def step(self) -> list[tuple[int, int]]:
+        """One engine step; its batch (empty when the engine had nothing to run)."""
+        if not self.engine.has_unfinished():
+            return []
+        self.engine.step()
+        now = self.tick()
+        dt, self.mark = now - self.mark, now
+        if self.rec is None:
+            return [(0, 0)]  # untimed: only "not idle" matters
+        batch, self.rec.last = self.rec.last, []
+        if batch:
+            self.batches.append(batch)
+            self.secs.append(dt)
+        return batch
+
+
 def shape_sweep(
     engine: Any, tag: str, rec: _Recorder | None = None, tick: Any = time.thread_time
 ) -> tuple[list[list[tuple[int, int]]], list[float]]:
     """Run every step shape once: a prompt of each length 1..BUDGET alone (token counts),
     then b three-token prompts together for b in 1..MAX_SEQS (decode batches of b); then
-    empty the prefix cache. With ``rec``, returns each step's batch and ``tick`` time."""
-    batches: list[list[tuple[int, int]]] = []
-    secs: list[float] = []
+    empty the prefix cache. With ``rec``, returns each step's batch and ``tick`` period."""
+    timer = _Periods(engine, rec, tick)
     k = 0
 
     def drain() -> None:
-        while engine.has_unfinished():
-            t = tick()
-            engine.step()
-            dt = tick() - t
-            if rec is not None and rec.last:
-                batches.append(rec.last)
-                secs.append(dt)
+        while timer.step():
+            pass
 
     for t in range(1, BUDGET + 1):
         # Distinct first tokens: no sweep prompt hits another's cached prefix.
@@ -159,23 +182,56 @@ def shape_sweep(
             _add(engine, prompt, _params(3), f"{tag}-{k}")
             k += 1
         drain()
-    for i in range(k):
-        engine.release(f"{tag}-{i}")
+    _forget(engine, [f"{tag}-{i}" for i in range(k)], rec)
+    return timer.batches, timer.secs
+
+
+def _forget(engine: Any, ids: list[str], rec: _Recorder | None) -> None:
+    """Release ``ids`` and empty the prefix cache, so the pool starts as the simulated one."""
+    for rid in ids:
+        engine.release(rid)
     pools = engine.scheduler.kv.pools  # a property now, a method in older trees
     for pool in pools() if callable(pools) else pools:
         pool.evict_all_cached()
     if rec is not None:
         rec.seqs.clear()
-    return batches, secs
+
+
+def timed_grid(
+    engine: Any, tag: str, rec: _Recorder, tick: Any = time.thread_time
+) -> tuple[list[list[tuple[int, int]]], list[float]]:
+    """``sim.step_grid.run_step_grid`` on ``engine``: each step's batch and ``tick`` period."""
+    timer = _Periods(engine, rec, tick)
+
+    def submit(prompt: list[int], max_tokens: int, rid: str) -> None:
+        _add(engine, prompt, _params(max_tokens), rid)
+
+    _forget(engine, run_step_grid(submit, timer.step, tag, VOCAB), rec)
+    return timer.batches, timer.secs
+
+
+@dataclass
+class Replay:
+    """One live replay: per request (TTFT, TPOT) and per iteration its batch and period;
+    with ``calibrate``, the calibration steps timed on the same engine around it."""
+
+    live: dict[str, tuple[float, float]]
+    batches: list[list[tuple[int, int]]]
+    periods: list[float]
+    cal_batches: list[list[tuple[int, int]]]
+    cal_periods: list[float]
 
 
 def replay_live(
-    reqs: list[TraceRequest], clock: str = "cpu", sweep: bool = False
-) -> tuple[dict[str, tuple[float, float]], list[list[tuple[int, int]]], list[float]]:
-    """Replay ``reqs`` on a fresh, warmed-up engine. Returns per request (TTFT, TPOT), and
-    per iteration its batch and its period: the clock's advance from the previous
-    iteration's end (or from the engine waking up) to this one's end, so the serving loop's
-    own work (admitting arrivals, bookkeeping) counts like the step it precedes.
+    reqs: list[TraceRequest], clock: str = "cpu", calibrate: bool = False, passes: int = 1
+) -> Replay:
+    """Replay ``reqs`` on a fresh, warmed-up engine, ``passes`` times (the requests released
+    and the prefix cache emptied between passes). Returns per request its median (TTFT,
+    TPOT) over the passes (a short replay lasts a fraction of a second, so one burst of a
+    co-tenant on the shared cores can slow all of one pass), and per iteration of every
+    pass its batch and its period: the clock's advance from the previous iteration's end
+    (or from the engine waking up) to this one's end, so the serving loop's own work
+    (admitting arrivals, bookkeeping) counts like the step it precedes.
 
     ``clock="wall"``: arrivals are admitted in real time and every time is wall time
     (``perf_counter``). ``clock="cpu"``: the replay's timeline advances by this thread's CPU
@@ -183,11 +239,14 @@ def replay_live(
     admitted when that timeline reaches them. The engine computes every step exactly as in
     real time; only time stolen by other processes on the shared cores is left out (with one
     torch thread, an uncontended engine's wall time equals its CPU time). Tokens are stamped
-    at the end of the iteration that produced them, in both modes. ``sweep``: the returned
-    iterations start with a timed pass of ``shape_sweep`` (steps of every shape on an
-    otherwise idle engine), before the trace."""
+    at the end of the iteration that produced them, in both modes. ``calibrate``: also time
+    a pass of ``shape_sweep`` and of the step grid (``sim.step_grid``) just before the
+    replays, and the grid again just after them, on the same engine: ``cal_batches`` /
+    ``cal_periods``, for the fit."""
     if clock not in ("cpu", "wall"):
         raise ValueError("clock must be 'cpu' or 'wall'")
+    if passes < 1:
+        raise ValueError("passes must be >= 1")
     _pin_threads()
     engine = _engine()
     shape_sweep(engine, "warmup")  # one-off kernel builds; not timed
@@ -195,8 +254,44 @@ def replay_live(
     tick = time.thread_time if clock == "cpu" else time.perf_counter
     batches: list[list[tuple[int, int]]] = []
     periods: list[float] = []
-    if sweep:  # a second, warm pass over every shape, timed, for the fit
-        batches, periods = shape_sweep(engine, "sweep", rec, tick)
+    cal_batches: list[list[tuple[int, int]]] = []
+    cal_periods: list[float] = []
+    if calibrate:  # a second, warm pass over every shape, then the step grid, timed
+        cal_batches, cal_periods = shape_sweep(engine, "sweep", rec, tick)
+        grid_batches, grid_periods = timed_grid(engine, "grid", rec, tick)
+        cal_batches, cal_periods = cal_batches + grid_batches, cal_periods + grid_periods
+    per_pass: list[dict[str, tuple[float, float]]] = []
+    for k in range(passes):
+        tagged = [replace(r, request_id=f"{r.request_id}@{k}") for r in reqs]
+        times = _replay_pass(engine, rec, tagged, clock, tick, batches, periods)
+        per_pass.append(
+            {r.request_id: times[t.request_id] for r, t in zip(reqs, tagged, strict=True)}
+        )
+        _forget(engine, [t.request_id for t in tagged], rec)
+    out = {
+        r.request_id: (
+            statistics.median(p[r.request_id][0] for p in per_pass),
+            statistics.median(p[r.request_id][1] for p in per_pass),
+        )
+        for r in reqs
+    }
+    if calibrate:  # the grid again, so the fit brackets the replays in time
+        grid_batches, grid_periods = timed_grid(engine, "grid-after", rec, tick)
+        cal_batches, cal_periods = cal_batches + grid_batches, cal_periods + grid_periods
+    return Replay(out, batches, periods, cal_batches, cal_periods)
+
+
+def _replay_pass(
+    engine: Any,
+    rec: _Recorder,
+    reqs: list[TraceRequest],
+    clock: str,
+    tick: Any,
+    batches: list[list[tuple[int, int]]],
+    periods: list[float],
+) -> dict[str, tuple[float, float]]:
+    """One replay of ``reqs`` (see ``replay_live``); appends each iteration's batch and
+    period to ``batches`` / ``periods``; returns per request (TTFT, TPOT)."""
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -235,7 +330,7 @@ def replay_live(
         f = first[r.request_id]
         tpot = (finish[r.request_id] - f) / (n - 1) if n > 1 else 0.0
         out[r.request_id] = (f - r.arrival, tpot)
-    return out, batches, periods
+    return out
 
 
 def replay_sim(reqs: list[TraceRequest], cost: CostModel) -> dict[str, tuple[float, float]]:
@@ -271,65 +366,89 @@ def _errors(
     }
 
 
-def one_repeat(cal: list[TraceRequest], reqs: list[TraceRequest], clock: str) -> dict[str, Any]:
-    """Calibrate on ``cal``, evaluate on ``reqs`` (both already shrunk), fresh engines."""
-    _, cal_batches, cal_periods = replay_live(cal, clock, sweep=True)
-    fit = PaddedFittedCostModel.fit(BLOCK, cal_batches, cal_periods)
-    split = SplitFittedCostModel.fit(cal_batches, cal_periods)
-    live, ev_batches, ev_periods = replay_live(reqs, clock)
-    step_err = [abs(fit.batch_time(b) - t) / t for b, t in zip(ev_batches, ev_periods, strict=True)]
-    split_err = _errors(live, replay_sim(reqs, split))
+def fit_runtime_predictor(batches: list[list[tuple[int, int]]], seconds: list[float]) -> Any:
+    """The replica's own predictor (``placement.runtime_predictor.RuntimePredictor``), its
+    step model fitted once from ``batches`` by the fitter it refits with online
+    (``policies.pd_costs.fit_prefill_time``), trimming the worst-fitting 10% of steps."""
+    from placement.runtime_predictor import RuntimePredictor
+
+    pred = RuntimePredictor()
+    pred.fit_steps(batches, seconds, trim=0.1)
+    return pred
+
+
+def one_repeat(reqs: list[TraceRequest], clock: str, passes: int = 5) -> dict[str, Any]:
+    """One fresh engine: calibrate on the step grid around the replay of ``reqs`` (already
+    shrunk), fit, simulate ``reqs``; no step of the trace is in the fit."""
+    r = replay_live(reqs, clock, calibrate=True, passes=passes)
+    fit = fit_runtime_predictor(r.cal_batches, r.cal_periods)
+    split = SplitFittedCostModel.fit(r.cal_batches, r.cal_periods)
+    steps = zip(r.batches, r.periods, strict=True)
+    step_err = [abs(fit.batch_time(b) - t) / t for b, t in steps]
+    split_err = _errors(r.live, replay_sim(reqs, split))
     return {
         "fit": fit.describe(),
-        "calibration_steps": len(cal_batches),
-        "heldout_steps": len(ev_batches),
+        "calibration_steps": len(r.cal_batches),
+        "heldout_steps": len(r.batches),
         "step_median_rel_err_heldout": statistics.median(step_err),
-        **_errors(live, replay_sim(reqs, fit)),
+        **_errors(r.live, replay_sim(reqs, fit)),
         "split_ttft_median_rel_err": split_err["ttft_median_rel_err"],
         "split_tpot_median_rel_err": split_err["tpot_median_rel_err"],
     }
 
 
+SUMMARY_KEYS = (
+    "ttft_median_rel_err",
+    "tpot_median_rel_err",
+    "split_ttft_median_rel_err",
+    "split_tpot_median_rel_err",
+    "step_median_rel_err_heldout",
+)
+
+
 def run_sim_to_real(
-    trace: str = "conversation",
+    traces: list[str],
     trace_dir: str | None = None,
     n: int = 40,
-    seed: int = 0,
-    calibration_offset: int = 100,
-    calibration_requests: int = 60,
     arrival_scale: float = 1.5,
     repeats: int = 3,
     clock: str = "cpu",
+    log: Any = None,
+    passes: int = 5,
 ) -> dict[str, Any]:
-    """Fit on trace requests ``[offset, offset + calibration_requests)``, evaluate on the
-    first ``n``; ``repeats`` times. ``seed`` is kept for the CLI; the input is deterministic,
-    only the machine's timing varies between repeats."""
-    del seed
-    if calibration_offset < n:
-        raise ValueError("the calibration slice must not overlap the evaluation slice")
-    trace_reqs = load_trace(trace, trace_dir, limit=calibration_offset + calibration_requests)
-    cal = trace_reqs[calibration_offset:]
-    t_first = cal[0].arrival
-    cal = shrink([replace(r, arrival=r.arrival - t_first) for r in cal], arrival_scale)
-    reqs = shrink(trace_reqs[:n], arrival_scale)
-    runs = [one_repeat(cal, reqs, clock) for _ in range(repeats)]
+    """Evaluate the first ``n`` requests of each trace, ``repeats`` times, the traces
+    interleaved (repeat 1 of every trace, then repeat 2 ...) so the machine's load drifts
+    over all of them alike. Per trace: the median (min, max) over repeats of each error."""
+    if repeats < 1 or n < 2:
+        raise ValueError("need repeats >= 1 and at least 2 requests")
+    slices = {name: shrink(load_trace(name, trace_dir, limit=n), arrival_scale) for name in traces}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in traces}
+    for k in range(repeats):
+        for name in traces:
+            t0 = time.perf_counter()
+            runs[name].append(one_repeat(slices[name], clock, passes))
+            if log is not None:
+                last = runs[name][-1]
+                log(
+                    f"{name} repeat {k + 1}: TTFT err {last['ttft_median_rel_err']:.3f} "
+                    f"TPOT err {last['tpot_median_rel_err']:.3f} "
+                    f"({time.perf_counter() - t0:.0f} s)"
+                )
 
-    def spread(key: str) -> dict[str, float]:
-        xs = [r[key] for r in runs]
+    def spread(xs: list[float]) -> dict[str, float]:
         return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
+    out: dict[str, Any] = {}
+    for name in traces:
+        out[name] = {"requests": len(slices[name]), "runs": runs[name]}
+        out[name] |= {key: spread([r[key] for r in runs[name]]) for key in SUMMARY_KEYS}
     return {
-        "requests": len(reqs),
-        "calibration_requests": len(cal),
-        "calibration_slice": [calibration_offset, calibration_offset + calibration_requests],
+        "format": 2,
+        "requests": n,
         "arrival_scale": arrival_scale,
         "torch_threads": 1,
         "clock": clock,
         "repeats": repeats,
-        "ttft_median_rel_err": spread("ttft_median_rel_err"),
-        "tpot_median_rel_err": spread("tpot_median_rel_err"),
-        "split_ttft_median_rel_err": spread("split_ttft_median_rel_err"),
-        "split_tpot_median_rel_err": spread("split_tpot_median_rel_err"),
-        "step_median_rel_err_heldout": spread("step_median_rel_err_heldout"),
-        "runs": runs,
+        "passes": passes,
+        "traces": out,
     }

@@ -113,6 +113,13 @@ class KVCacheManager:
     def num_total_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def free_blocks_per_rank(self) -> list[int]:
+        return [self.pool.num_free]
+
+    def blocks_per_rank(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """One rank: the blocks of ``num_tokens`` tokens, at most the pool's."""
+        return [min(-(-max(num_tokens, 0) // self.block_size), self.pool.num_blocks)]
+
     @property
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

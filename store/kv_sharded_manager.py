@@ -206,6 +206,24 @@ class ShardedKVManager:
     def num_free_blocks(self) -> int:
         return sum(p.num_free for p in self.pools)
 
+    def free_blocks_per_rank(self) -> list[int]:
+        return [p.num_free for p in self.pools]
+
+    def blocks_per_rank(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Blocks ``seq``'s first ``num_tokens`` tokens occupy per rank: shard ``i`` (tokens
+        ``[i * limit, (i + 1) * limit)``) on rank ``(start + i) % kvp``, ``start`` the rank
+        it holds blocks from (or the one the balancer would pick now). Tokens past what
+        the ranks hold together are not counted (``allocate`` refuses them)."""
+        start = self._start.get(seq.request_id)
+        if start is None:
+            start = self._choose_start(seq)
+        out = [0] * self.kvp
+        tokens = min(max(num_tokens, 0), self.max_tokens)
+        for i in range(-(-tokens // self.limit)):
+            shard = min(tokens, (i + 1) * self.limit) - i * self.limit
+            out[(start + i) % self.kvp] += -(-shard // self.block_size)
+        return out
+
     @property
     def num_total_blocks(self) -> int:
         return sum(p.num_blocks for p in self.pools)

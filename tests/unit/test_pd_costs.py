@@ -116,3 +116,36 @@ def test_cost_fitter_replaces_estimates_once_enough_is_measured():
     assert len(fitter.decode) == 5
     with pytest.raises(ValueError):
         CostFitter(1024, window=2, min_samples=4)
+
+
+def test_the_fit_prices_requests_and_keeps_small_steps_right_beside_big_ones():
+    # Truth: 1 ms a step, 20 us a token, 30 us a request, and an extra 30% on steps of
+    # more than 128 tokens that no feature models (a kernel switch, say). Many one-decode
+    # steps and decode batches, a few big chunks: the decodes' price holds within 2%.
+    def truth(chunks):
+        tokens = sum(n for n, _ in chunks)
+        t = 1e-3 + 2e-5 * tokens + 3e-5 * len(chunks)
+        return t * (1.3 if tokens > 128 else 1.0)
+
+    steps = [[(1, 100 + i)] for i in range(40)]
+    steps += [[(1, 50)] * b for b in (2, 4, 8, 16, 32)]
+    steps += [[(n, 0)] for n in (192, 256)] * 3
+    fitted = fit_prefill_time([(s, truth(s)) for s in steps])
+    assert fitted.per_request > 0
+    for s in ([(1, 120)], [(1, 50)] * 8, [(1, 50)] * 32):
+        assert fitted.step_time(s) == pytest.approx(truth(s), rel=0.02)
+
+
+def test_trimming_drops_timing_outliers():
+    truth = LinearPrefillTime(1e-3, 2e-5, 1e-7, 1e-9, per_request=4e-5)
+    steps = [[(n, c)] for n in (1, 8, 64, 256) for c in (0, 128, 512)]
+    steps += [[(1, c)] * b for b in (2, 8, 32) for c in (16, 256)]
+    samples = [(s, truth.step_time(s)) for s in steps]
+    samples[3] = (samples[3][0], 10 * samples[3][1])  # one step stalled (a GC pause)
+    clean = fit_prefill_time(samples, trim=0.1)
+    for s in steps:
+        assert clean.step_time(s) == pytest.approx(truth.step_time(s), rel=1e-3)
+    noisy = fit_prefill_time(samples)
+    assert max(abs(noisy.step_time(s) / truth.step_time(s) - 1) for s in steps) > 0.005
+    with pytest.raises(ValueError):
+        fit_prefill_time([([(1, 0)], 0.0)])
