@@ -332,11 +332,8 @@ class DecodeReplica(LoopedReplica):
             shard = self._store_shard()
             if shard is None:
                 return
-            parents: list[int | None] = [hashes[done - 1] if done else None, *hashes[done:-1]]
             try:
-                stored = client.store_from_cache(
-                    shard, hashes[done:], caches, blocks[done:], parents
-                )
+                stored = client.store_chain_from(shard, hashes, caches, blocks, done)
             except KVStoreError:
                 client.mark_dead(shard)
                 continue

@@ -516,12 +516,8 @@ class PrefillReplica(LoopedReplica):
                 shard = self._store_shard(task.store_shard)
                 if shard is None:
                     return
-                i0 = todo[0]
-                parents: list[int | None] = [hashes[i0 - 1] if i0 else None, *hashes[i0:-1]]
                 try:
-                    stored = client.store_from_cache(
-                        shard, hashes[i0:], kv_caches, blocks[i0:], parents
-                    )
+                    stored = client.store_chain_from(shard, hashes, kv_caches, blocks, todo[0])
                 except KVStoreError:
                     client.mark_dead(shard)
                     continue

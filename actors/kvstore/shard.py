@@ -26,6 +26,7 @@ of the directory and its blocks read as misses, so the caller recomputes:
     client.put_blocks(shard_id, hashes, blocks, parents=None) -> list[int]
     client.get_blocks(request_id, hashes, outs) -> int           # leading blocks loaded
     client.store_from_cache(shard_id, hashes, kv_caches, block_ids, parents=None)
+    client.store_chain_from(shard_id, hashes, kv_caches, block_ids, start)  # a prefix's tail
     client.load_into_cache(request_id, hashes, kv_caches, block_ids) -> int
     client.change_replica(hashes, src_shard, dst_shard, move=False) -> list[int]
     client.refresh() (apply shard events) ; client.mark_dead(shard_id)
@@ -285,6 +286,21 @@ class KVStoreClient:
         local = self._register_cache(kv_caches)
         per_block = [self._cache_ranges(pieces, num_blocks, piece, b, 0) for b in block_ids]
         return self._put(shard_id, hashes, local, per_block, parents)
+
+    def store_chain_from(
+        self,
+        shard_id: str,
+        hashes: list[int],
+        kv_caches: KVCaches,
+        block_ids: list[int],
+        start: int,
+    ) -> list[int]:
+        """``store_from_cache`` of blocks ``start..`` of one chained prefix (``hashes`` and
+        ``block_ids`` cover the whole prefix): each block's parent is the block before it."""
+        parents: list[int | None] = [hashes[start - 1] if start else None, *hashes[start:-1]]
+        return self.store_from_cache(
+            shard_id, hashes[start:], kv_caches, block_ids[start:], parents
+        )
 
     @staticmethod
     def _cache_geometry(kv_caches: KVCaches) -> tuple[int, int, int]:

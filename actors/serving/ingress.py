@@ -411,8 +411,10 @@ class Ingress:
                         ids = d.token_ids if want_ids else None
                         lps = self._logprobs(prep, d.logprobs, chat, offsets, idx)
                         choice = oai.chunk_choice(idx, d.text, reason, chat, ids, first, lps)
-                        prompt_len = prep.prompts[pi][0].num_prompt_tokens
-                        use = oai.usage(prompt_len, generated[idx], None) if per_chunk else None
+                        use = None
+                        if per_chunk:
+                            prompt_len = prep.prompts[pi][0].num_prompt_tokens
+                            use = oai.usage(prompt_len, generated[idx], None)
                         out.append(chunk([choice], use))
                     elif isinstance(item, Done):
                         completion += len(item.output.token_ids)
