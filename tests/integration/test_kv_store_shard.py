@@ -62,6 +62,11 @@ class Worker:
     def backends(self) -> list[str]:
         return sorted({self.client.engine.backend_for(ep) for ep in self.client.endpoints.values()})
 
+    def shard_stats(self, shard_id: str) -> dict:
+        """The shard's counts, read after this worker's own (fire-and-forget) releases:
+        one caller's calls to an actor run in the order they were sent."""
+        return ray.get(self.client.handles[shard_id].stats.remote())
+
     def load(self, request_id: str, hashes: list[int]) -> tuple[int, str]:
         self.client.refresh()
         block_ids = list(range(len(hashes)))
@@ -111,7 +116,7 @@ def test_put_in_one_process_get_in_another_identical(cluster, tmp_path_factory, 
     assert got == digest(blocks[:4])
     n, got = ray.get(worker.load.remote("req-2", hashes[4:8]))
     assert n == 4 and got == digest(blocks[4:8])  # these came back from SSD files
-    stats = ray.get(shards["s0"].stats.remote())
+    stats = ray.get(worker.shard_stats.remote("s0"))
     assert stats["pinned_blocks"] == 0 and stats["pending_writes"] == 0
     writer.close()
     for h in shards.values():
