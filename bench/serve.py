@@ -25,7 +25,10 @@ table also shows the engine's own mean inter-token gap (the replica's
 ``inter_token_latency`` metric, from ``/metrics``, and the same metric in process): the
 HTTP path's loss split into a slower engine step (CPU and GIL contention from the per-token
 relay work) and relay latency. ``--torch-threads`` (default 1, as the vLLM peer ran) holds
-for both engines.
+for both engines. ``--engine-cores`` (default: the machine's last core) pins both engines'
+threads there (the engine option ``cpu_cores``) and this process, with the Ray cluster it
+starts, to the other cores, so no other process preempts an engine on either side; give
+the flag no value to leave scheduling to the kernel.
 
     python bench/serve.py [--concurrency 1 8 32] [--repeats 3] [--per-stream 3]
     python bench/serve.py --base-url http://host:8000 --model NAME   # any OpenAI server
@@ -223,9 +226,9 @@ class InProcess:
         from actors.serving.engine_loop import ColocatedEngine, EngineLoop
         from policies.request import SamplingParams
 
-        group = cfg.groups[0]
-        self.engine = ColocatedEngine(model_dir, group.engine_config())
-        self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica)
+        config = cfg.groups[0].engine_config()
+        self.engine = ColocatedEngine(model_dir, config)
+        self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, config.cpu_cores)
         self.builder = self.engine.request_builder()
         self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
@@ -515,6 +518,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument(
+        "--engine-cores",
+        type=int,
+        nargs="*",
+        default=[(os.cpu_count() or 1) - 1] if (os.cpu_count() or 1) > 1 else [],
+        help="cores for the engine threads (the rest for everything else); none: unpinned",
+    )
     ap.add_argument("--base-url", help="only the HTTP side, against this OpenAI-style server")
     ap.add_argument("--model", default=None, help="the model name to send (with --base-url)")
     ap.add_argument("--api-key", default=None, help="a Bearer key (with --base-url)")
@@ -546,6 +556,13 @@ def main() -> None:
 
     threads = str(args.torch_threads)
     torch.set_num_threads(args.torch_threads)
+    engine_cores = sorted(set(args.engine_cores))
+    if engine_cores:
+        # before Ray starts: its processes inherit this mask; the engines move themselves
+        others = set(range(os.cpu_count() or 1)) - set(engine_cores)
+        if not others:
+            ap.error("--engine-cores must leave at least one core for everything else")
+        os.sched_setaffinity(0, others)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env["RAY_CGRAPH_buffer_size_bytes"] = str(1 << 24)
     with tempfile.TemporaryDirectory() as tmp:
@@ -559,13 +576,18 @@ def main() -> None:
             "model": str(model_dir),
             "model_name": MODEL_NAME,
             "groups": [
-                {"name": "default", "num_replicas": 1, "engine": {"kv_cache_memory": 256 << 20}}
+                {
+                    "name": "default",
+                    "num_replicas": 1,
+                    "engine": {"kv_cache_memory": 256 << 20, "cpu_cores": engine_cores or None},
+                }
             ],
         }
         cfg = ServeConfig.model_validate(app_args)
         print(
             f"model: {MODEL}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-            f"greedy, ignore_eos; torch threads {args.torch_threads}; {load()}",
+            f"greedy, ignore_eos; torch threads {args.torch_threads}; engine cores "
+            f"{engine_cores or 'unpinned'}; {load()}",
             flush=True,
         )
         with serve_app(app_args, env) as url:

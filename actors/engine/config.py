@@ -9,6 +9,7 @@ the ingress and the replica agree on them. No torch at import: the ingress reads
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,11 @@ class EngineConfig:
     # region's node resource (``RegionConfig.node_resource``): its workers then go only on
     # the nodes that carry it. None: no custom resource.
     worker_resources: dict[str, float] | None = None
+    # CPU cores the serving engine thread runs on (Linux; the serving loop pins it, and
+    # torch's threads it starts inherit the set). The model runs on that thread only with
+    # tp = spp = kvp = 1 and no MoE workers. Keep other processes off these cores (start
+    # Ray under ``taskset -c <the other cores>``) so the engine is never preempted.
+    cpu_cores: tuple[int, ...] | list[int] | None = None
     # MoE attention/expert disaggregation (actors/moe): attention_workers data-parallel
     # attention workers and expert_workers expert workers holding expert_slots whole
     # experts each (default: just enough for every expert; spare slots hold copies of hot
@@ -114,6 +120,8 @@ class EngineConfig:
                     f"worker_resources must map resource names to positive amounts, got "
                     f"{res!r}: {amount!r}"
                 )
+        if self.cpu_cores is not None:
+            self._check_cpu_cores(self.cpu_cores)
         for name in ("tp", "spp", "kvp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -138,6 +146,20 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive or None, got {value}")
+
+    def _check_cpu_cores(self, cores: tuple[int, ...] | list[int]) -> None:
+        count = os.cpu_count() or 1
+        if not cores or any(type(c) is not int or not 0 <= c < count for c in cores):
+            raise ValueError(
+                f"cpu_cores must be a non-empty list of core ids in 0..{count - 1}, got {cores!r}"
+            )
+        if not hasattr(os, "sched_setaffinity"):
+            raise ValueError("cpu_cores needs sched_setaffinity (Linux); leave it unset here")
+        if (self.tp, self.spp, self.kvp) != (1, 1, 1) or self.attention_workers:
+            raise ValueError(
+                "cpu_cores pins the engine thread, where the model runs only with "
+                "tp = spp = kvp = 1 and no MoE workers; leave it unset for this layout"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -239,9 +240,16 @@ class _Call:
 
 
 class EngineLoop:
-    def __init__(self, engine: ServingEngine, max_waiting: int = 256) -> None:
+    def __init__(
+        self,
+        engine: ServingEngine,
+        max_waiting: int = 256,
+        cpu_cores: Sequence[int] | None = None,
+    ) -> None:
+        """``cpu_cores``: the engine thread runs only on these cores (``EngineConfig``)."""
         self.engine = engine
         self.max_waiting = max_waiting
+        self.cpu_cores = set(cpu_cores) if cpu_cores else None
         # a disaggregated engine (PDEngine) also reports its transfer and store counters
         self.metrics = ReplicaMetrics(getattr(engine, "pd_counters", None), min_interval_s=0.2)
         self._cmds: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
@@ -407,6 +415,8 @@ class EngineLoop:
     # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.cpu_cores:
+                os.sched_setaffinity(0, self.cpu_cores)  # 0: this thread (Linux)
             self._serve_until_stopped()
         except Exception:  # a bug: fail what runs (retriable) rather than leave it hanging
             log.exception("the engine thread failed")

@@ -81,8 +81,11 @@ class ReplicaServer:
         self.group = group
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         pin = cfg.regions.group_resources(group) if cfg.regions is not None else {}
-        self.engine = _engine(cfg.model, g, self.replica_id, cfg.group_engine_config(g), pin)
-        self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica)
+        engine_config = cfg.group_engine_config(g)
+        self.engine = _engine(cfg.model, g, self.replica_id, engine_config, pin)
+        self.loop = EngineLoop(
+            self.engine, cfg.limits.max_waiting_per_replica, engine_config.cpu_cores
+        )
         self.router = router
         self.interval = cfg.report_interval_s
         scaling = g.autoscaling
@@ -199,7 +202,7 @@ class ReplicaActor:
 
     def __init__(self, model: str | None, config: EngineConfig, max_waiting: int = 1 << 20) -> None:
         self.engine = ColocatedEngine(model, config)
-        self.loop = EngineLoop(self.engine, max_waiting)
+        self.loop = EngineLoop(self.engine, max_waiting, config.cpu_cores)
 
     def ready(self) -> ReplicaInfo:
         e = self.engine
