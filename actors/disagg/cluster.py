@@ -154,9 +154,14 @@ class PDCluster:
         self._decode_extra = dict(decode_replica_options or {})
         self.path_counts = self.read_paths.counts  # requests read on each side
         self.model_dir = str(model_dir) if model_dir is not None else str(tiny_model_dir("dense"))
+        config = EngineConfig.from_options(**controller_options)  # names a bad option
+        if config.cpu_cores is not None:
+            raise ValueError(
+                "cpu_cores pins a colocated replica's engine thread; prefill and decode "
+                "replicas do not take it yet: leave it unset for a disaggregated deployment"
+            )
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
-        config = EngineConfig.from_options(**controller_options)  # names a bad option
         self.block_size = config.block_size
         self.dualpath: DualPathPlacer | None = None
         if scheduler == "dualpath":

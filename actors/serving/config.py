@@ -274,6 +274,11 @@ class ReplicaGroupConfig(_Strict):
                 f"{where}: a disaggregated group admits through its conductor section "
                 "(ttft_slo, tbt_slo, admission); remove admission"
             )
+        if self.engine.get("cpu_cores") is not None:
+            raise ValueError(
+                f"{where}: engine.cpu_cores pins a colocated replica's engine thread; "
+                "prefill and decode replicas do not take it yet: remove cpu_cores"
+            )
         for name in ("tp", "spp", "kvp"):
             degree = self.engine.get(name, getattr(self, name))
             if degree != 1:

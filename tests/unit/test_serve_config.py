@@ -28,6 +28,12 @@ def test_colocated_group_defaults_are_unchanged():
     assert g.engine_options() == {"block_size": 8, "tp": 2}
 
 
+def test_colocated_group_takes_engine_cores():
+    g = ReplicaGroupConfig(name="main", engine={"cpu_cores": [0]})
+    assert g.engine_config().cpu_cores == [0]
+    assert "tp = spp = kvp = 1" in error(name="g", tp=2, engine={"cpu_cores": [0]})
+
+
 def test_disaggregated_group_defaults_to_one_cluster_per_serve_replica():
     g = ReplicaGroupConfig(name="pd", num_prefill=2, num_decode=1)
     assert g.disaggregated
@@ -85,6 +91,7 @@ def test_store_section_mirrors_store_config():
         ({"conductor": {"ttft_slo": 1.0}}, "conductor needs num_prefill and num_decode"),
         ({"num_prefill": 1, "num_decode": 1, "conductor": {"admission": "late"}}, "admission"),
         ({"num_prefill": 1, "num_decode": 1, "conductor": {"tbt_slo": 0}}, "tbt_slo"),
+        ({"num_prefill": 1, "num_decode": 1, "engine": {"cpu_cores": [0]}}, "remove cpu_cores"),
     ],
 )
 def test_bad_disaggregated_groups_say_what_to_fix(group, needle):
