@@ -12,6 +12,7 @@ import torch
 
 from actors import LLM, SamplingParams
 from models import write_tiny_model
+from models.hf_reference import hf_greedy, hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 transformers = pytest.importorskip("transformers")
@@ -26,37 +27,12 @@ def prompts_for(seed: int = 1234) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def hf_model(model_dir):
-    # eager experts: the grouped-matmul MoE path of transformers has no fp64 kernel
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, experts_implementation="eager"
-    ).to(torch.float64)
-    return model.eval()
-
-
-def hf_greedy(model_dir, prompts) -> list[list[int]]:
-    model = hf_model(model_dir)
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
-
-
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("chunk", [1, 16, None])
 def test_cuda_engine_equals_transformers(tmp_path, kind, chunk):
     model_dir = write_tiny_model(tmp_path / kind, kind=kind)
     prompts = prompts_for()
-    want = hf_greedy(model_dir, prompts)
+    want = hf_greedy(model_dir, prompts, NEW_TOKENS)
     llm = LLM(
         model_dir,
         device="cuda",

@@ -9,6 +9,7 @@ import torch
 
 from actors import LLM, SamplingParams
 from models import write_tiny_model
+from models.hf_reference import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,24 +30,7 @@ def prompts(model_dir):
 
 @pytest.fixture(scope="module")
 def hf_tokens(model_dir, prompts):
-    # eager experts: the grouped-matmul MoE path of transformers has no fp64 kernel
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, experts_implementation="eager"
-    ).to(torch.float64)
-    model.eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
+    return hf_greedy(model_dir, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16, None])
