@@ -14,10 +14,10 @@ def hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float64) -> Any:
     MoE path of transformers has no float64 kernel."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, experts_implementation="eager"
-    ).to(dtype)
-    return model.eval()
+    )
+    return model.to(dtype).eval()
 
 
 def hf_greedy(model_dir: str | Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
