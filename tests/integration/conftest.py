@@ -28,10 +28,20 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # private 127.0.0.1 clusters only
 BIN = Path(sys.executable).parent  # the venv's bin: ray, serve, python
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and never returned before in this process: the OS may hand the same
+    ephemeral port to two binds in a row, and ``ray start`` refuses one port given to two
+    of its components."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def kill_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 20) -> None:
