@@ -58,7 +58,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,69 +66,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import MODEL, write_bench_model  # noqa: E402
+from serve_records import Run, Sample, print_table  # noqa: E402
 
 APP = "bench-serve"
 MODEL_NAME = "bench"
-
-
-@dataclass
-class Sample:
-    """One request: seconds from send to first token and to the end, gaps between chunks."""
-
-    ttft: float
-    e2e: float
-    itls: list[float]
-    output_tokens: int
-
-
-@dataclass
-class Run:
-    side: str
-    concurrency: int
-    duration: float = 0.0
-    samples: list[Sample] = field(default_factory=list)
-    input_tokens: int = 0
-    engine_itl: float = float("nan")  # the engine's own mean gap between tokens (its metric)
-
-    @property
-    def throughput(self) -> float:
-        return len(self.samples) / self.duration
-
-    def metrics(self) -> dict[str, float]:
-        ttft = [s.ttft * 1e3 for s in self.samples]
-        e2e = [s.e2e * 1e3 for s in self.samples]
-        tpot = [
-            (s.e2e - s.ttft) * 1e3 / (s.output_tokens - 1)
-            for s in self.samples
-            if s.output_tokens > 1
-        ]
-        itl = [x * 1e3 for s in self.samples for x in s.itls]
-        out_tokens = sum(s.output_tokens for s in self.samples)
-        m = {
-            "requests": len(self.samples),
-            "duration": self.duration,
-            "input_tokens": self.input_tokens,
-            "output_tokens": out_tokens,
-            "req_s": self.throughput,
-            "out_tok_s": out_tokens / self.duration,
-            "tot_tok_s": (out_tokens + self.input_tokens) / self.duration,
-            "engine_itl": self.engine_itl * 1e3,
-        }
-        for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-            m[f"mean_{name}"] = statistics.fmean(xs) if xs else float("nan")
-            m[f"median_{name}"] = statistics.median(xs) if xs else float("nan")
-            m[f"p99_{name}"] = percentile(xs, 0.99)
-        return m
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)  # linear interpolation, as numpy's default
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
@@ -316,34 +256,6 @@ def serve_app(app_args: dict[str, Any], env: dict[str, str]) -> Iterator[str]:
         ray.shutdown()
 
 
-# -- output -----------------------------------------------------------------------------------
-ROWS = [
-    ("Successful requests:", "requests", "{:.0f}"),
-    ("Benchmark duration (s):", "duration", "{:.2f}"),
-    ("Total input tokens:", "input_tokens", "{:.0f}"),
-    ("Total generated tokens:", "output_tokens", "{:.0f}"),
-    ("Request throughput (req/s):", "req_s", "{:.2f}"),
-    ("Output token throughput (tok/s):", "out_tok_s", "{:.2f}"),
-    ("Total Token throughput (tok/s):", "tot_tok_s", "{:.2f}"),
-    ("Time to First Token", None, None),
-    ("Mean TTFT (ms):", "mean_ttft", "{:.2f}"),
-    ("Median TTFT (ms):", "median_ttft", "{:.2f}"),
-    ("P99 TTFT (ms):", "p99_ttft", "{:.2f}"),
-    ("Time per Output Token (excl. 1st token)", None, None),
-    ("Mean TPOT (ms):", "mean_tpot", "{:.2f}"),
-    ("Median TPOT (ms):", "median_tpot", "{:.2f}"),
-    ("P99 TPOT (ms):", "p99_tpot", "{:.2f}"),
-    ("Inter-token Latency", None, None),
-    ("Mean ITL (ms):", "mean_itl", "{:.2f}"),
-    ("Median ITL (ms):", "median_itl", "{:.2f}"),
-    ("P99 ITL (ms):", "p99_itl", "{:.2f}"),
-    ("End-to-end Latency", None, None),
-    ("Mean E2EL (ms):", "mean_e2el", "{:.2f}"),
-    ("Median E2EL (ms):", "median_e2el", "{:.2f}"),
-    ("P99 E2EL (ms):", "p99_e2el", "{:.2f}"),
-    ("Engine side (the replica's metrics)", None, None),
-    ("Mean engine ITL (ms):", "engine_itl", "{:.2f}"),
-]
 ITL_METRIC = "meridian:inter_token_latency_seconds"
 
 
@@ -370,36 +282,6 @@ async def http_itl(client: httpx.AsyncClient) -> tuple[float, float]:
 
 def mean_between(a: tuple[float, float], b: tuple[float, float]) -> float:
     return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else float("nan")
-
-
-WIDTH = 64
-
-
-def median_metrics(runs: list[Run]) -> dict[str, float]:
-    per_run = [r.metrics() for r in runs]
-    return {k: statistics.median(m[k] for m in per_run) for k in per_run[0]}
-
-
-def print_table(title: str, columns: dict[str, list[Run]]) -> None:
-    """One ``vllm bench serve`` result block with a column per side (medians of runs)."""
-    names = list(columns)
-    meds = {name: median_metrics(runs) for name, runs in columns.items()}
-    col = 14
-    label_w = WIDTH - col * len(names)
-    print(f" {title} ".center(WIDTH, "="))
-    print(" " * label_w + "".join(f"{n:>{col}}" for n in names))
-    for label, key, fmt in ROWS:
-        if key is None:
-            print(f"{label}".center(WIDTH, "-"))
-            continue
-        assert fmt is not None
-        cells = "".join(f"{fmt.format(meds[n][key]):>{col}}" for n in names)
-        print(f"{label:<{label_w}}{cells}")
-    for n in names:
-        tps = sorted(r.throughput for r in columns[n])
-        runs = ", ".join(f"{t:.2f}" for t in tps)
-        print(f"{n} req/s over {len(tps)} run(s): {runs}")
-    print("=" * WIDTH)
 
 
 def load() -> str:
