@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# NIXL, the cluster KV-transfer backend, tested on CPU through UCX; --no-deps because its
 	# metadata pulls another torch and CUDA wheels
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
+	# the CPU decode-attention kernel, compiled once here rather than in the first process
+	# that attends (without a C++ compiler the torch path serves, and this says why)
+	$(PY) -c "from kernels import paged_decode_cpu as k; k.load(); print(k.error() or 'CPU decode kernel built')"
 	touch $(STAMP)
 
 setup: $(STAMP)

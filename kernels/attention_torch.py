@@ -16,6 +16,10 @@ and returns the log-sum-exp; elsewhere a plain batched matmul). GQA never repeat
 head ``h`` is served by KV head ``h // group`` (the Hugging Face ``repeat_kv`` convention), so
 queries are regrouped as ``[n, max_q, Hkv, group, D]``.
 
+On CPU, a group of decode rows (one query each) in fp32 goes to a compiled kernel that reads
+each sequence's blocks where they lie (``kernels/paged_decode_cpu.py``), not gathered;
+where it cannot be built, such groups take the gathered path above.
+
 ``split=False`` keeps the former single padded group (``[B, max_q, L]`` over the whole step),
 for comparison (``bench/mixed_step.py --compare-padded``).
 """
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import paged_decode_cpu
 from kernels.attention_metadata import AttentionMetadata
 
 # Grouping cost model, in units of one (query row, key) pair over all heads. A group costs a
@@ -45,6 +50,8 @@ class AttentionGroup:
     max_q: int
     num_blocks: int  # nb, so L = nb * block_size
     flat_block_ids: torch.Tensor  # [n * nb] int64, the blocks of each sequence in order
+    # [n] int64 keys each sequence's one query sees (its first ones); None unless max_q == 1
+    visible: torch.Tensor | None
     first_block: int | None  # n == 1 and consecutive blocks: read the cache in place
     blocked: torch.Tensor  # [n, max_q, 1, L] bool: query row i of a sequence must NOT see key j
     # [Tg] int64 rows of the step's tokens this group computes; None: all T rows, in order
@@ -173,6 +180,9 @@ def _plan_group(
     if not (in_order and group_tokens == num_tokens):
         seq_starts = torch.tensor([starts[b] for b in seqs], dtype=torch.int64, device=device)
         token_rows = seq_starts.repeat_interleave(q_lens, output_size=group_tokens) + within
+    visible = None
+    if max_q == 1 and group_tokens == n:  # decode rows: query i = 0 sees keys 0..offset
+        visible = torch.minimum(offsets + 1, ctx).clamp_(min=0)
     pad_index = None
     if max_q > 1 or group_tokens != n:
         pad_starts = torch.arange(n, device=device) * max_q
@@ -182,6 +192,7 @@ def _plan_group(
         max_q=max_q,
         num_blocks=nb,
         flat_block_ids=tables.reshape(-1),
+        visible=visible,
         first_block=first_block,
         blocked=blocked.view(n, max_q, 1, length),
         token_rows=token_rows,
@@ -215,8 +226,10 @@ def paged_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q: [T, Hq, D]`` -> ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``.
 
-    ``impl``: "flash_cpu" (torch's fused CPU flash-attention kernel, reads the gathered KV in
-    place), "batched" (plain matmul-softmax-matmul, any device) or "auto" (the first on CPU).
+    ``impl``: "native_cpu" (decode groups through the compiled kernel, fp32 CPU only, the rest
+    as "flash_cpu"), "flash_cpu" (torch's fused CPU flash-attention kernel over the gathered
+    KV), "batched" (plain matmul-softmax-matmul, any device) or "auto" (on CPU the first that
+    runs here, elsewhere "batched").
     ``split``: compute groups of similar sequences apart (default) or pad the whole step to
     one ``[B, max_q, L]`` group (the former path); ignored when ``plan`` is given.
     """
@@ -229,9 +242,9 @@ def paged_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if impl == "auto":
-        impl = "flash_cpu" if q.device.type == "cpu" and _FLASH_CPU is not None else "batched"
-    if impl not in ("flash_cpu", "batched"):
-        raise ValueError(f"unknown attention impl {impl!r}; use 'auto', 'flash_cpu' or 'batched'")
+        impl = _auto_impl(q, k_cache)
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; use 'auto' or one of {_IMPLS}")
     if len(plan.groups) == 1 and plan.groups[0].token_rows is None:
         return _attend_group(q, k_cache, v_cache, plan.groups[0], scale, workspace, impl)
     out = q.new_empty(num_tokens, num_heads, head_dim)
@@ -260,6 +273,11 @@ def _attend_group(
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     n, max_q, nb = group.num_seqs, group.max_q, group.num_blocks
+    if impl == "native_cpu" and group.visible is not None:
+        tables = group.flat_block_ids.view(n, nb)
+        return paged_decode_cpu.paged_decode_attention(
+            q, k_cache, v_cache, tables, group.visible, scale
+        )
     gqa = num_heads // num_kv_heads
     kv_shape = (n, nb * block_size, num_kv_heads, head_dim)  # [n, L, Hkv, D]
     if group.first_block is not None:  # one sequence, consecutive blocks: no copy
@@ -278,7 +296,7 @@ def _attend_group(
         queries.index_copy_(0, group.pad_index, q)
         queries = queries.view(n, max_q, num_kv_heads, gqa, head_dim)
 
-    if impl == "flash_cpu":
+    if impl in ("flash_cpu", "native_cpu"):
         out, lse = _attend_flash_cpu(
             queries, keys, values, group.additive_mask(q.dtype, gqa), scale
         )
@@ -296,6 +314,16 @@ def _attend_group(
 
 # torch's fused CPU kernel; returns (out, natural-log lse). Private, so looked up defensively.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_IMPLS = ("native_cpu", "flash_cpu", "batched")
+
+
+def _auto_impl(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    if q.device.type != "cpu" or _FLASH_CPU is None:
+        return "batched"
+    fp32 = q.dtype == k_cache.dtype == torch.float32
+    if fp32 and k_cache.is_contiguous() and paged_decode_cpu.load() is not None:
+        return "native_cpu"
+    return "flash_cpu"
 
 
 def _attend_flash_cpu(

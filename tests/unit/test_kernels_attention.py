@@ -87,7 +87,7 @@ DECODE = [(5, 1), (0, 1), (30, 1), (8, 1)]
 
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODE, [(0, 13)]], ids=["mixed", "decode", "prefill"])
-@pytest.mark.parametrize("impl", ["auto", "batched", "flash_cpu"])
+@pytest.mark.parametrize("impl", ["auto", "native_cpu", "batched", "flash_cpu"])
 def test_paged_attention_matches_naive(seqs, impl):
     scale = D**-0.5
     k_cache, v_cache, meta, q, full_k, full_v = build_batch(seqs)
