@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 serve: $(STAMP)
-	RAY_worker_niceness=0 $(VENV)/bin/serve run serve_app:app
+	RAY_worker_niceness=0 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(VENV)/bin/serve run serve_app:app
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -28,7 +28,10 @@ relay work) and relay latency. ``--torch-threads`` (default 1, as the vLLM peer 
 for both engines. ``--engine-cores`` (default: the machine's last core) pins both engines'
 threads there (the engine option ``cpu_cores``) and this process, with the Ray cluster it
 starts, to the other cores, so no other process preempts an engine on either side; give
-the flag no value to leave scheduling to the kernel.
+the flag no value to leave scheduling to the kernel. By default the HTTP side talks to the
+ingress replica's own HTTP server (Ray Serve's direct ingress,
+``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``, as ``make serve`` runs it): one process hop fewer
+than through Serve's proxy; ``--via-proxy`` drives the proxy's port instead.
 
     python bench/serve.py [--concurrency 1 8 32] [--repeats 3] [--per-stream 3]
     python bench/serve.py --base-url http://host:8000 --model NAME   # any OpenAI server
@@ -221,11 +224,19 @@ def health_ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def serve_app(app_args: dict[str, Any], env: dict[str, str]) -> Iterator[str]:
-    """Ray in this process and the Serve app on a free port; yields its URL once healthy."""
+def serve_app(app_args: dict[str, Any], env: dict[str, str], direct: bool) -> Iterator[str]:
+    """Ray in this process and the Serve app on a free port; yields its URL once healthy:
+    the ingress replica's own port with ``direct`` (direct ingress), else the proxy's."""
     import ray
     from ray import serve
 
+    direct_port = free_port()
+    if direct:  # the one ingress replica takes the first port of its range
+        env = env | {
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(direct_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(direct_port + 50),
+        }
     os.environ.update(env)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
@@ -243,7 +254,7 @@ def serve_app(app_args: dict[str, Any], env: dict[str, str]) -> Iterator[str]:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args), name=APP, route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{direct_port if direct else port}"
         deadline = time.monotonic() + 600
         while not health_ok(url):
             if time.monotonic() > deadline:
@@ -407,6 +418,11 @@ def main() -> None:
         default=[(os.cpu_count() or 1) - 1] if (os.cpu_count() or 1) > 1 else [],
         help="cores for the engine threads (the rest for everything else); none: unpinned",
     )
+    ap.add_argument(
+        "--via-proxy",
+        action="store_true",
+        help="drive Serve's proxy, not the ingress replica's own port (direct ingress)",
+    )
     ap.add_argument("--base-url", help="only the HTTP side, against this OpenAI-style server")
     ap.add_argument("--model", default=None, help="the model name to send (with --base-url)")
     ap.add_argument("--api-key", default=None, help="a Bearer key (with --base-url)")
@@ -469,10 +485,11 @@ def main() -> None:
         print(
             f"model: {MODEL}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
             f"greedy, ignore_eos; torch threads {args.torch_threads}; engine cores "
-            f"{engine_cores or 'unpinned'}; {load()}",
+            f"{engine_cores or 'unpinned'}; HTTP via "
+            f"{'the Serve proxy' if args.via_proxy else 'direct ingress'}; {load()}",
             flush=True,
         )
-        with serve_app(app_args, env) as url:
+        with serve_app(app_args, env, direct=not args.via_proxy) as url:
             inproc = InProcess(model_dir, cfg, args.new_tokens)
             try:
                 asyncio.run(run_both(args, url, inproc))

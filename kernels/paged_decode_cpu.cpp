@@ -171,6 +171,9 @@ std::vector<torch::Tensor> paged_decode_attention(const torch::Tensor& q,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Without the GIL, as torch's own operators run: the replica's event loop and Ray's
+  // threads keep working while a step attends.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over the paged KV cache, read in place (fp32, CPU)");
+        "Decode attention over the paged KV cache, read in place (fp32, CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

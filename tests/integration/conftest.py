@@ -67,7 +67,9 @@ class LocalRayCluster:
     free_port = staticmethod(free_port)
     kill_group = staticmethod(kill_group)
 
-    def __init__(self, dashboard: bool = False, num_cpus: int = 4) -> None:
+    def __init__(
+        self, dashboard: bool = False, num_cpus: int = 4, env: dict[str, str] | None = None
+    ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="mer-ray-"))
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
@@ -78,6 +80,7 @@ class LocalRayCluster:
         self.env["RAY_ADDRESS"] = self.address
         self.env["PYTHONPATH"] = str(REPO)
         self.env["RAY_AUTH_MODE"] = "disabled"  # a private 127.0.0.1 cluster: no tokens
+        self.env.update(env or {})  # what the cluster's processes see, e.g. Serve options
         cmd = [
             str(BIN / "ray"),
             "start",
