@@ -52,6 +52,8 @@ class AttentionGroup:
     flat_block_ids: torch.Tensor  # [n * nb] int64, the blocks of each sequence in order
     # [n] int64 keys each sequence's one query sees (its first ones); None unless max_q == 1
     visible: torch.Tensor | None
+    # one sequence whose queries are its whole context (a fresh prompt): row i sees keys 0..i
+    whole_prompt: bool
     first_block: int | None  # n == 1 and consecutive blocks: read the cache in place
     blocked: torch.Tensor  # [n, max_q, 1, L] bool: query row i of a sequence must NOT see key j
     # [Tg] int64 rows of the step's tokens this group computes; None: all T rows, in order
@@ -180,6 +182,9 @@ def _plan_group(
     if not (in_order and group_tokens == num_tokens):
         seq_starts = torch.tensor([starts[b] for b in seqs], dtype=torch.int64, device=device)
         token_rows = seq_starts.repeat_interleave(q_lens, output_size=group_tokens) + within
+    whole_prompt = (
+        n == 1 and max_q > 1 and meta.query_offsets is None and query_lens[seqs[0]] == max_ctx
+    )
     visible = None
     if max_q == 1 and group_tokens == n:  # decode rows: query i = 0 sees keys 0..offset
         visible = torch.minimum(offsets + 1, ctx).clamp_(min=0)
@@ -193,6 +198,7 @@ def _plan_group(
         num_blocks=nb,
         flat_block_ids=tables.reshape(-1),
         visible=visible,
+        whole_prompt=whole_prompt,
         first_block=first_block,
         blocked=blocked.view(n, max_q, 1, length),
         token_rows=token_rows,
@@ -287,6 +293,8 @@ def _attend_group(
     else:
         keys = workspace.gather(0, k_cache, group.flat_block_ids).view(kv_shape)
         values = workspace.gather(1, v_cache, group.flat_block_ids).view(kv_shape)
+    if group.whole_prompt and impl in ("flash_cpu", "native_cpu"):
+        return _attend_prompt_flash_cpu(q, keys[0], values[0], scale)
 
     # Queries: [Tg, Hq, D] -> [n, max_q, Hkv, G, D]
     if group.pad_index is None:
@@ -354,6 +362,33 @@ def _attend_flash_cpu(
     out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
     lse = lse.float().view(num_seqs, num_kv_heads, max_q, group).permute(0, 2, 1, 3)
     return out.contiguous(), lse.contiguous()
+
+
+def _attend_prompt_flash_cpu(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fresh prompt, causal without a mask, so the kernel skips the blocks above the
+    diagonal (about half the work of the masked path): ``q [T, Hq, D]``, ``keys, values
+    [L, Hkv, D]`` with ``L >= T`` -> ``(out [T, Hq, D], lse [T, Hq])``. The kernel's causal
+    mask is top-left aligned, so query i sees keys 0..i and keys past T are never read. KV
+    heads are repeated to the query heads (``[Hq, L, D]``, query head h reads KV head
+    ``h // group``): a causal mask needs one query position per row, not GQA-folded rows."""
+    assert _FLASH_CPU is not None
+    group = q.shape[1] // keys.shape[1]
+    k_heads = keys.transpose(0, 1)  # [Hkv, L, D]
+    v_heads = values.transpose(0, 1)
+    if group > 1:
+        k_heads = k_heads.repeat_interleave(group, dim=0)  # [Hq, L, D]
+        v_heads = v_heads.repeat_interleave(group, dim=0)
+    out, lse = _FLASH_CPU(
+        q.transpose(0, 1).unsqueeze(0),
+        k_heads.unsqueeze(0),
+        v_heads.unsqueeze(0),
+        0.0,
+        True,
+        scale=scale,
+    )
+    return out[0].transpose(0, 1).contiguous(), lse[0].float().t().contiguous()
 
 
 def _attend_batched(

@@ -288,3 +288,23 @@ def test_merge_handles_empty_partial_states():
     empty, empty_lse = merge_attention_states(outs[2:] * 2, lses[2:] * 2)
     assert torch.equal(empty, torch.zeros_like(empty))
     assert torch.isneginf(empty_lse).all()
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4", "mha"])
+@pytest.mark.parametrize("shuffle", [True, False], ids=["gathered", "in-place"])
+def test_a_fresh_prompt_runs_causal_without_a_mask(heads, shuffle):
+    """A lone prompt with no cached prefix takes the unmasked causal kernel (its keys padded
+    to whole blocks past the prompt); a chunk after a cached prefix does not."""
+    hq, hkv = heads
+    seqs = [(0, 13)]  # 13 tokens in blocks of 4: 16 keys, the last 3 never seen
+    k_cache, v_cache, meta, q, full_k, full_v = build_batch(
+        seqs, seed=8, dtype=torch.float64, hq=hq, hkv=hkv, shuffle=shuffle
+    )
+    plan = plan_attention(meta)
+    assert plan.groups[0].whole_prompt
+    out, lse = paged_attention(q, k_cache, v_cache, meta, 0.3, plan, impl="flash_cpu")
+    ref_out, ref_lse = reference(seqs, q, full_k, full_v, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    _, _, prefixed, _, _, _ = build_batch([(5, 8)], seed=8)
+    assert not plan_attention(prefixed).groups[0].whole_prompt
