@@ -11,8 +11,11 @@ source changes). Where it cannot be built, :func:`load` says why and the torch p
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +29,19 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
+
+
+def _build_name() -> str:
+    """The extension's name, one per CPU feature set: the build is ``-march=native``, so a
+    node with other CPU features (a shared home folder) must not load it."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    digest = hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    return f"meridian_paged_decode_cpu_{digest}"
 
 
 def enabled() -> bool:
@@ -46,7 +62,7 @@ def load() -> ModuleType | None:
                 from torch.utils.cpp_extension import load as build
 
                 _module = build(
-                    name="meridian_paged_decode_cpu",
+                    name=_build_name(),
                     sources=[str(_SOURCE)],
                     extra_cflags=_FLAGS,
                     verbose=False,
