@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from errors import ModelLoadError
+from kernels import paged_decode_cpu
 from models.config import ModelConfig, read_model_config
 from models.decoder import CausalLM
 
@@ -61,6 +62,12 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, model_dir)
+    if (
+        attention_backend == "torch"
+        and torch.device(device).type == "cpu"
+        and dtype == torch.float32
+    ):
+        paged_decode_cpu.load()  # now, not inside the first request (a build takes ~20 s)
     return model.eval()
 
 
