@@ -3,9 +3,9 @@
 Decode rows (one query each) are most of a serving step's attention. The torch path gathers
 each sequence's K and V blocks into a padded copy before its kernel reads them, so every
 cached byte is copied once and read twice; this kernel reads each block where it lies. It is
-compiled with the machine's C++ compiler through ``torch.utils.cpp_extension`` (about a
-minute the first time; later processes load the cached build, which torch rebuilds when the
-source changes). Where it cannot be built, :func:`load` says why and the torch path is used.
+compiled with the machine's C++ compiler through ``torch.utils.cpp_extension`` (about 20 s
+here the first time; later processes load the cached build, about 1 s). Where it cannot be
+built, :func:`load` says why and the torch path is used.
 ``MERIDIAN_CPU_DECODE_KERNEL=0`` turns it off.
 """
 
@@ -32,15 +32,17 @@ _error: str | None = None
 
 
 def _build_name() -> str:
-    """The extension's name, one per CPU feature set: the build is ``-march=native``, so a
-    node with other CPU features (a shared home folder) must not load it."""
+    """The extension's name, one per CPU feature set and source: the build is
+    ``-march=native``, so a node with other CPU features (a shared home folder) must not load
+    it, and two checkouts with different sources must not rebuild over each other's build."""
     flags = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 flags = line
                 break
-    digest = hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    identity = f"{platform.machine()} {flags} {' '.join(_FLAGS)}".encode() + _SOURCE.read_bytes()
+    digest = hashlib.sha1(identity).hexdigest()[:10]
     return f"meridian_paged_decode_cpu_{digest}"
 
 
