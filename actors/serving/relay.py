@@ -1,7 +1,8 @@
 """From the ingress to a replica and back: route one prompt (through the client's region
 balancer when the config has regions, else the router's ranking), start its choices on the
-chosen replica and relay the replica's event stream, replaying the prompt on another
-replica when its replica dies mid-request (``StreamLedger``: every token at most once).
+chosen replica and relay its events (from the replica's event channel for this ingress,
+``ingress_channels.py``), replaying the prompt on another replica when its replica dies
+mid-request (``StreamLedger``: every token at most once).
 
     relay = ReplicaRelay(cfg, router, replicas, balancers)
     stream = relay.start(choices, session, region)  # first item: Accepted, then events
@@ -21,15 +22,15 @@ from actors.engine.events import Accepted, Delta, Event, Failed, Refused
 from actors.regions.entry import RegionEntry
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ServeConfig
+from actors.serving.ingress_channels import IngressChannels, ReplicaGone
 from actors.serving.replay import ReplayDiverged, StreamLedger
-from actors.serving.router import own_request_id
 from policies.region_balancer import BalancedRequest
 from policies.request import Request
 from policies.routing import RouteRequest
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # per prompt: the first run and two replays on another replica
-REPLICA_GONE = (RayActorError, ActorUnavailableError)  # the replica died mid-request
+REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaGone)  # died mid-request
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class ReplicaRelay:
         self.router = router
         self.replicas = replicas
         self.balancers = balancers or {}
+        self.channels = IngressChannels(replicas)
         self.entry = (
             RegionEntry(self.balancers, cfg.regions.delays())
             if self.balancers and cfg.regions
@@ -151,12 +153,9 @@ class ReplicaRelay:
             group, ranking = placed.group, [placed.replica_id]
             await asyncio.sleep(placed.delay)  # the injected way to the serving region
         payload = {"requests": choices, "ranking": ranking}
-        with own_request_id():  # concurrent prompts of one request must not share one id
-            gen = self.replicas[group].options(stream=True).generate.remote(payload)
         try:
-            first = await anext(gen)
+            gen, first = await self.channels.open(group, payload)
         except BaseException:
-            gen.cancel()
             if placed is not None:
                 await self._report(placed, "finished")
             raise

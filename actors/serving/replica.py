@@ -32,6 +32,7 @@ from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
+from actors.serving.replica_channel import ReplicaChannels
 from errors import MeridianError
 from policies.autoscaling import ReplicaLoad
 from policies.replica_stats import ReplicaStats
@@ -63,14 +64,17 @@ def _engine(
 class ReplicaServer:
     """The Serve replica deployment (one per replica group).
 
-    ``generate(payload)`` is a streaming method; the payload is a dict with ``requests``
-    (the ``Request`` of each choice, built by the ingress) and ``ranking`` (read by
-    ``RankedRequestRouter``). It yields ``Accepted(replica id)`` once the engine took the
-    request, then the ``EngineLoop`` events in lists (every event ready when the relay
-    asks: one hop per batch, not per token, when the relay lags the engine); a request
-    the replica refuses yields one ``Refused`` instead (400 bad input, 429 overloaded or
-    rejected by the Conductor, 503 failed). ``limits()``: what a request must fit here,
-    for the ingress's builder.
+    The ingress's relay starts prompts with ``start`` and reads their events from one
+    ``events`` stream per ingress (``replica_channel.py``): one stream item per engine
+    step for all of an ingress's requests, not one per request.
+
+    ``generate(payload)`` is the same per request, as a streaming method; the payload is a
+    dict with ``requests`` (the ``Request`` of each choice, built by the ingress) and
+    ``ranking`` (read by ``RankedRequestRouter``). It yields ``Accepted(replica id)`` once
+    the engine took the request, then the ``EngineLoop`` events in lists (every event
+    ready when the caller asks); a request the replica refuses yields one ``Refused``
+    instead (400 bad input, 429 overloaded or rejected by the Conductor, 503 failed).
+    ``limits()``: what a request must fit here, for the ingress's builder.
     """
 
     def __init__(self, config: dict[str, Any], group: str, router: Any) -> None:
@@ -86,6 +90,7 @@ class ReplicaServer:
         self.loop = EngineLoop(
             self.engine, cfg.limits.max_waiting_per_replica, engine_config.cpu_cores
         )
+        self.channels = ReplicaChannels(self.loop, self.replica_id)
         self.router = router
         self.interval = cfg.report_interval_s
         scaling = g.autoscaling
@@ -97,6 +102,17 @@ class ReplicaServer:
 
     async def limits(self) -> RequestLimits:
         return self.engine.limits
+
+    # -- event channels (``replica_channel.py``): what the ingress's relay uses ----------
+    async def start(self, payload: dict[str, Any]) -> Verdict:
+        return await self.channels.start(payload)
+
+    async def abort_prompt(self, payload: dict[str, Any]) -> None:
+        self.channels.abort(payload)
+
+    async def events(self, payload: dict[str, Any]) -> AsyncIterator[list[Any]]:
+        async for items in self.channels.events(payload):
+            yield items
 
     async def generate(
         self, payload: dict[str, Any]
