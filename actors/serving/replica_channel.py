@@ -68,15 +68,25 @@ class ReplicaChannels:
             else:
                 box.post(channel.queue, (key, item))
 
+        # Live before the engine can answer: its first events may reach ``events`` before
+        # this coroutine resumes with the verdict (a mailbox flush scheduled earlier).
+        channel.live[key] = [r.request_id for r in requests]
+        channel.remaining[key] = len(requests)
         try:
             self.loop.submit(requests, sink)
         except MeridianError as e:
+            channel.live.pop(key, None)
+            channel.remaining.pop(key, None)
             return Refused.of(e)
-        answer = await verdict
-        if isinstance(answer, Refused):
+        try:
+            answer = await verdict
+        except BaseException:  # the caller gave up waiting: take it back
+            self.abort({"ingress": payload["ingress"], "key": key})
+            raise
+        if isinstance(answer, Refused):  # nothing of it was queued, so no event follows
+            channel.live.pop(key, None)
+            channel.remaining.pop(key, None)
             return answer
-        channel.live[key] = [r.request_id for r in requests]
-        channel.remaining[key] = len(requests)
         return Accepted(self.replica_id)
 
     def abort(self, payload: dict[str, Any]) -> None:
