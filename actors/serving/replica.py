@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.engine.config import EngineConfig
-from actors.engine.events import Accepted, Event, Refused, Verdict
+from actors.engine.events import Verdict
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
 from actors.serving.replica_channel import ReplicaChannels
-from errors import MeridianError
 from policies.autoscaling import ReplicaLoad
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -64,16 +63,13 @@ def _engine(
 class ReplicaServer:
     """The Serve replica deployment (one per replica group).
 
-    The ingress's relay starts prompts with ``start`` and reads their events from one
-    ``events`` stream per ingress (``replica_channel.py``): one stream item per engine
-    step for all of an ingress's requests, not one per request.
-
-    ``generate(payload)`` is the same per request, as a streaming method; the payload is a
-    dict with ``requests`` (the ``Request`` of each choice, built by the ingress) and
-    ``ranking`` (read by ``RankedRequestRouter``). It yields ``Accepted(replica id)`` once
-    the engine took the request, then the ``EngineLoop`` events in lists (every event
-    ready when the caller asks); a request the replica refuses yields one ``Refused``
-    instead (400 bad input, 429 overloaded or rejected by the Conductor, 503 failed).
+    The ingress's relay starts a prompt with ``start(payload)``: a dict with ``requests``
+    (the ``Request`` of each choice, built by the ingress), ``ranking`` (read by
+    ``RankedRequestRouter``) and ``ingress``. It answers ``Accepted(replica id)`` once the
+    engine took the prompt, or ``Refused`` (400 bad input, 429 overloaded or rejected by
+    the Conductor, 503 failed). The prompt's events then come on that ingress's one
+    ``events`` stream (``replica_channel.py``): one stream item per engine step for all of
+    an ingress's requests, not one per request; ``abort_prompt`` drops one.
     ``limits()``: what a request must fit here, for the ingress's builder.
     """
 
@@ -113,22 +109,6 @@ class ReplicaServer:
     async def events(self, payload: dict[str, Any]) -> AsyncIterator[list[Any]]:
         async for items in self.channels.events(payload):
             yield items
-
-    async def generate(
-        self, payload: dict[str, Any]
-    ) -> AsyncIterator[Verdict | list[Accepted | Event]]:
-        stream = self.loop.stream_batches(payload["requests"])
-        try:
-            await anext(stream)  # [Accepted]: queued, or raises the refusal
-        except MeridianError as e:  # bad input (400), overloaded (429), failed (503)
-            yield Refused.of(e)
-            return
-        yield Accepted(self.replica_id)
-        try:
-            async for batch in stream:  # one Ray item per batch of events, not per token
-                yield batch
-        finally:
-            await stream.aclose()  # aborts whatever still runs (client gone, cancelled)
 
     async def check_blocks(self, timeout_s: float = 60.0) -> dict[str, int]:
         """Blocks in use per pool (0 everywhere when idle), read on the engine thread."""
