@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -64,6 +65,13 @@ def test_burst_spills_over_and_failover_loses_nothing(model_dir):
     async def main():
         regions.start()
         try:
+            # the burst can spill only once us has heard from a peer (its first probes)
+            us = regions.balancer_for("us").policy
+            for _ in range(500):
+                now = time.monotonic()
+                if any(us.remotes.available(b, now) for b in us.remotes.balancers):
+                    break
+                await asyncio.sleep(0.01)
             reqs = [builder.build(t, GREEDY, request_id=f"q{i}") for i, t in enumerate(toks)]
             # a burst at us: one replica per region, one request per batch
             burst = await asyncio.gather(*(regions.handle("us", r) for r in reqs[:6]))
