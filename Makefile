@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	# the CPU decode-attention kernel, compiled once here rather than in the first process
 	# that attends (without a C++ compiler the torch path serves, and this says why)
-	$(PY) -c "from kernels import paged_decode_cpu as k; k.load(); print(k.error() or 'CPU decode kernel built')"
+	$(PY) -c "from kernels import paged_attention_cpu as k; k.load(); print(k.error() or 'CPU attention kernels built')"
 	touch $(STAMP)
 
 setup: $(STAMP)

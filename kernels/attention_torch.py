@@ -16,9 +16,11 @@ and returns the log-sum-exp; elsewhere a plain batched matmul). GQA never repeat
 head ``h`` is served by KV head ``h // group`` (the Hugging Face ``repeat_kv`` convention), so
 queries are regrouped as ``[n, max_q, Hkv, group, D]``.
 
-On CPU, a group of decode rows (one query each) in fp32 goes to a compiled kernel that reads
-each sequence's blocks where they lie (``kernels/paged_decode_cpu.py``), not gathered;
-where it cannot be built, such groups take the gathered path above.
+On CPU in fp32 every group goes to a compiled kernel instead (``kernels/paged_attention_cpu.py``):
+decode rows to one that reads each sequence's blocks where they lie, not gathered; prefill
+chunks to one that copies each sequence's visible keys out of their blocks once and skips
+the keys above the causal diagonal. Where they cannot be built, the gathered path above
+serves.
 
 ``split=False`` keeps the former single padded group (``[B, max_q, L]`` over the whole step),
 for comparison (``bench/mixed_step.py --compare-padded``).
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import paged_decode_cpu
+from kernels import paged_attention_cpu
 from kernels.attention_metadata import AttentionMetadata
 
 # Grouping cost model, in units of one (query row, key) pair over all heads. A group costs a
@@ -52,6 +54,9 @@ class AttentionGroup:
     flat_block_ids: torch.Tensor  # [n * nb] int64, the blocks of each sequence in order
     # [n] int64 keys each sequence's one query sees (its first ones); None unless max_q == 1
     visible: torch.Tensor | None
+    q_lens: torch.Tensor  # [n] int64 query rows of each sequence
+    offsets: torch.Tensor  # [n] int64 position of each sequence's first query row
+    context_lens: torch.Tensor  # [n] int64 keys cached for each sequence
     # one sequence whose queries are its whole context (a fresh prompt): row i sees keys 0..i
     whole_prompt: bool
     first_block: int | None  # n == 1 and consecutive blocks: read the cache in place
@@ -198,6 +203,9 @@ def _plan_group(
         num_blocks=nb,
         flat_block_ids=tables.reshape(-1),
         visible=visible,
+        q_lens=q_lens,
+        offsets=offsets,
+        context_lens=ctx,
         whole_prompt=whole_prompt,
         first_block=first_block,
         blocked=blocked.view(n, max_q, 1, length),
@@ -232,10 +240,10 @@ def paged_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q: [T, Hq, D]`` -> ``(out [T, Hq, D], lse [T, Hq] float32, natural log)``.
 
-    ``impl``: "native_cpu" (decode groups through the compiled kernel, fp32 CPU only, the rest
-    as "flash_cpu"), "flash_cpu" (torch's fused CPU flash-attention kernel over the gathered
-    KV), "batched" (plain matmul-softmax-matmul, any device) or "auto" (on CPU the first that
-    runs here, elsewhere "batched").
+    ``impl``: "native_cpu" (the compiled decode and prefill kernels, fp32 CPU only),
+    "flash_cpu" (torch's fused CPU flash-attention kernel over the gathered KV), "batched"
+    (plain matmul-softmax-matmul, any device) or "auto" (on CPU the first that runs here,
+    elsewhere "batched").
     ``split``: compute groups of similar sequences apart (default) or pad the whole step to
     one ``[B, max_q, L]`` group (the former path); ignored when ``plan`` is given.
     """
@@ -279,10 +287,14 @@ def _attend_group(
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     n, max_q, nb = group.num_seqs, group.max_q, group.num_blocks
-    if impl == "native_cpu" and group.visible is not None:
+    if impl == "native_cpu":
         tables = group.flat_block_ids.view(n, nb)
-        return paged_decode_cpu.paged_decode_attention(
-            q, k_cache, v_cache, tables, group.visible, scale
+        if group.visible is not None:
+            return paged_attention_cpu.paged_decode_attention(
+                q, k_cache, v_cache, tables, group.visible, scale
+            )
+        return paged_attention_cpu.paged_prefill_attention(
+            q, k_cache, v_cache, tables, group.q_lens, group.offsets, group.context_lens, scale
         )
     gqa = num_heads // num_kv_heads
     kv_shape = (n, nb * block_size, num_kv_heads, head_dim)  # [n, L, Hkv, D]
@@ -329,7 +341,7 @@ def _auto_impl(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if q.device.type != "cpu" or _FLASH_CPU is None:
         return "batched"
     fp32 = q.dtype == k_cache.dtype == torch.float32
-    if fp32 and k_cache.is_contiguous() and paged_decode_cpu.load() is not None:
+    if fp32 and k_cache.is_contiguous() and paged_attention_cpu.load() is not None:
         return "native_cpu"
     return "flash_cpu"
 

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from errors import ModelLoadError
-from kernels import paged_decode_cpu
+from kernels import paged_attention_cpu
 from models.config import ModelConfig, read_model_config
 from models.decoder import CausalLM
 
@@ -67,7 +67,7 @@ def load_model(
         and torch.device(device).type == "cpu"
         and dtype == torch.float32
     ):
-        paged_decode_cpu.load()  # now, not inside the first request (a build takes ~20 s)
+        paged_attention_cpu.load()  # now, not inside the first request (a build takes ~20 s)
     return model.eval()
 
 

@@ -1,0 +1,98 @@
+// Shared by the CPU attention kernels (paged_decode_cpu.cpp, paged_prefill_cpu.cpp): the
+// softmax's vector max and exponentials, cache prefetch, and the input checks they share.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#ifndef MERIDIAN_PREFETCH_AHEAD
+#define MERIDIAN_PREFETCH_AHEAD 1
+#endif
+inline constexpr int64_t kAhead = MERIDIAN_PREFETCH_AHEAD;  // blocks fetched ahead of their use
+
+// Asks for part ``part`` of ``parts`` of the floats [begin, begin + count) ahead of their use,
+// one cache line at a time. A block is fetched in parts between the work on the one before,
+// so the requests never queue up behind each other.
+inline void prefetch(const float* begin, int64_t count, int64_t part = 0, int64_t parts = 1) {
+  const int64_t lines = (count + 15) / 16;
+  const int64_t first = lines * part / parts, last = lines * (part + 1) / parts;
+  for (int64_t i = first; i < last; ++i) __builtin_prefetch(begin + 16 * i);
+}
+
+// max(s[0:count]), count >= 1.
+inline float max_of(const float* s, int64_t count) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#ifdef __AVX512F__
+  __m512 tops = _mm512_set1_ps(top);
+  for (; t + 16 <= count; t += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(s + t));
+  top = _mm512_reduce_max_ps(tops);
+#endif
+  for (; t < count; ++t) top = std::max(top, s[t]);
+  return top;
+}
+
+// s[0:count] <- exp(s[0:count] - top); returns their sum.
+inline float exp_shifted(float* s, int64_t count, float top) {
+  float sum = 0.0f;
+  int64_t t = 0;
+#ifdef __AVX512F__
+  // exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 split
+  // in two for an exact product), exp(r) by its degree-6 Taylor polynomial: within 2 ulp.
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 lowest = _mm512_set1_ps(-103.0f);  // exp of anything below is 0 in fp32
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (; t + 16 <= count; t += 16) {
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift), lowest);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 poly = _mm512_set1_ps(1.0f / 720);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    const __m512 e = _mm512_scalef_ps(poly, n);  // poly * 2^n
+    _mm512_storeu_ps(s + t, e);
+    total = _mm512_add_ps(total, e);
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; t < count; ++t) {
+    s[t] = std::exp(s[t] - top);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// fp32 CPU q [T, Hq, D] and contiguous caches [num_blocks, block_size, Hkv, D] with matching
+// head_dim, Hq a multiple of Hkv, and a contiguous int64 block table [n, W].
+inline void check_attention_inputs(const char* op, const torch::Tensor& q,
+                                   const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                   const torch::Tensor& block_tables) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              op, " runs on CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32,
+              op, " takes float32 q and caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [T, Hq, D] and the caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q and the caches must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches disagree on head_dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous(),
+              "block_tables must be contiguous int64 [n, W]");
+}

@@ -1,0 +1,144 @@
+"""The CPU attention kernels, built on first use, then cached: decode rows
+(``paged_decode_cpu.cpp``) and prefill chunks (``paged_prefill_cpu.cpp``), fp32.
+
+Decode rows (one query each) are most of a serving step's attention. The torch path gathers
+each sequence's K and V blocks into a padded copy before its kernel reads them, so every
+cached byte is copied once and read twice; the decode kernel reads each block where it lies.
+Prefill chunks are causal: torch's fused CPU kernel computes a masked 256-token prompt at
+about the cost of an unmasked one, while the prefill kernel skips the keys above the
+diagonal. Both are compiled into one module with the machine's C++ compiler through
+``torch.utils.cpp_extension`` (about 30 s here the first time; later processes load the
+cached build, about 1 s). Where it cannot be built, :func:`load` says why and the torch path
+is used.
+``MERIDIAN_CPU_ATTENTION_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+_SOURCES = [
+    _HERE / "cpu_attention_bindings.cpp",
+    _HERE / "paged_decode_cpu.cpp",
+    _HERE / "paged_prefill_cpu.cpp",
+]
+_HEADERS = [_HERE / "cpu_attention_math.h"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+def _build_name() -> str:
+    """The extension's name, one per CPU feature set and source: the build is
+    ``-march=native``, so a node with other CPU features (a shared home folder) must not load
+    it, and two checkouts with different sources must not rebuild over each other's build."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    identity = f"{platform.machine()} {flags} {' '.join(_FLAGS)}".encode()
+    identity += b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+    digest = hashlib.sha1(identity).hexdigest()[:10]
+    return f"meridian_paged_attention_cpu_{digest}"
+
+
+def enabled() -> bool:
+    return os.environ.get("MERIDIAN_CPU_ATTENTION_KERNELS", "1") != "0"
+
+
+def load() -> ModuleType | None:
+    """The built extension (both kernels), or None (the reason is logged once and kept in
+    :func:`error`)."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is None and _error is None:
+            if not enabled():
+                _error = "turned off by MERIDIAN_CPU_ATTENTION_KERNELS=0"
+                return None
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                _module = build(
+                    name=_build_name(),
+                    sources=[str(path) for path in _SOURCES],
+                    extra_include_paths=[str(_HERE)],
+                    extra_cflags=_FLAGS,
+                    verbose=False,
+                )
+            except Exception as exc:  # a missing compiler or headers: keep serving on torch
+                _error = f"{type(exc).__name__}: {exc}"
+                logger.warning("CPU attention kernels unavailable, using torch: %s", _error)
+    return _module
+
+
+def error() -> str | None:
+    """Why the kernels are not in use, once :func:`load` has been tried; None if it is."""
+    return _error
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [n, Hq, D]`` fp32, caches ``[num_blocks, block_size, Hkv, D]``, ``block_tables
+    [n, W]`` int64, ``visible [n]`` int64 (query b sees keys ``0..visible[b]-1``) ->
+    ``(out [n, Hq, D], lse [n, Hq] float32)``. Raises RuntimeError if the kernel is not built."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the CPU attention kernels are unavailable: {_error}")
+    out, lse = module.paged_decode_attention(
+        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), visible.contiguous(), scale
+    )
+    return out, lse
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_lens: torch.Tensor,
+    offsets: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, Hq, D]`` fp32: the query rows of n sequences one after another (``q_lens[b]``
+    each); caches ``[num_blocks, block_size, Hkv, D]``; ``block_tables [n, W]``, ``q_lens,
+    offsets, context_lens [n]`` int64. Query i of sequence b is at position ``offsets[b] + i``
+    and sees keys ``j < min(offsets[b] + i + 1, context_lens[b])`` -> ``(out [T, Hq, D], lse
+    [T, Hq] float32)``. Raises RuntimeError if the kernels are not built."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the CPU attention kernels are unavailable: {_error}")
+    out, lse = module.paged_prefill_attention(
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.contiguous(),
+        q_lens.contiguous(),
+        offsets.contiguous(),
+        context_lens.contiguous(),
+        scale,
+    )
+    return out, lse
