@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 	# NIXL, the cluster KV-transfer backend, tested on CPU through UCX; --no-deps because its
 	# metadata pulls another torch and CUDA wheels
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
-	# the CPU decode-attention kernel, compiled once here rather than in the first process
-	# that attends (without a C++ compiler the torch path serves, and this says why)
+	# the CPU kernels (attention; RMSNorm, RoPE, SwiGLU), compiled once here rather than in the
+	# first process that runs a model (without a C++ compiler torch serves, and this says why)
 	$(PY) -c "from kernels import paged_attention_cpu as k; k.load(); print(k.error() or 'CPU attention kernels built')"
+	$(PY) -c "from kernels.layer_ops_cpu import EXTENSION as e; e.load(); print(e.error() or 'CPU layer operators built')"
 	touch $(STAMP)
 
 setup: $(STAMP)

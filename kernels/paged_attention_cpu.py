@@ -15,82 +15,34 @@ is used.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
-import os
-import platform
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import CompiledExtension
 
 _HERE = Path(__file__).parent
-_SOURCES = [
-    _HERE / "cpu_attention_bindings.cpp",
-    _HERE / "paged_decode_cpu.cpp",
-    _HERE / "paged_prefill_cpu.cpp",
-]
-_HEADERS = [_HERE / "cpu_attention_math.h"]
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_error: str | None = None
-
-
-def _build_name() -> str:
-    """The extension's name, one per CPU feature set and source: the build is
-    ``-march=native``, so a node with other CPU features (a shared home folder) must not load
-    it, and two checkouts with different sources must not rebuild over each other's build."""
-    flags = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    identity = f"{platform.machine()} {flags} {' '.join(_FLAGS)}".encode()
-    identity += b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-    digest = hashlib.sha1(identity).hexdigest()[:10]
-    return f"meridian_paged_attention_cpu_{digest}"
-
-
-def enabled() -> bool:
-    return os.environ.get("MERIDIAN_CPU_ATTENTION_KERNELS", "1") != "0"
+EXTENSION = CompiledExtension(
+    "meridian_paged_attention_cpu",
+    [
+        _HERE / "cpu_attention_bindings.cpp",
+        _HERE / "paged_decode_cpu.cpp",
+        _HERE / "paged_prefill_cpu.cpp",
+    ],
+    [_HERE / "cpu_math.h"],
+    switch="MERIDIAN_CPU_ATTENTION_KERNELS",
+)
 
 
 def load() -> ModuleType | None:
-    """The built extension (both kernels), or None (the reason is logged once and kept in
-    :func:`error`)."""
-    global _module, _error
-    if _module is not None or _error is not None:
-        return _module
-    with _lock:
-        if _module is None and _error is None:
-            if not enabled():
-                _error = "turned off by MERIDIAN_CPU_ATTENTION_KERNELS=0"
-                return None
-            try:
-                from torch.utils.cpp_extension import load as build
-
-                _module = build(
-                    name=_build_name(),
-                    sources=[str(path) for path in _SOURCES],
-                    extra_include_paths=[str(_HERE)],
-                    extra_cflags=_FLAGS,
-                    verbose=False,
-                )
-            except Exception as exc:  # a missing compiler or headers: keep serving on torch
-                _error = f"{type(exc).__name__}: {exc}"
-                logger.warning("CPU attention kernels unavailable, using torch: %s", _error)
-    return _module
+    """The built module (both kernels), or None; see :func:`error`."""
+    return EXTENSION.load()
 
 
 def error() -> str | None:
-    """Why the kernels are not in use, once :func:`load` has been tried; None if it is."""
-    return _error
+    """Why the kernels are not in use, once :func:`load` has been tried; None if they are."""
+    return EXTENSION.error()
 
 
 def paged_decode_attention(
@@ -106,7 +58,7 @@ def paged_decode_attention(
     ``(out [n, Hq, D], lse [n, Hq] float32)``. Raises RuntimeError if the kernel is not built."""
     module = load()
     if module is None:
-        raise RuntimeError(f"the CPU attention kernels are unavailable: {_error}")
+        raise RuntimeError(f"the CPU attention kernels are unavailable: {error()}")
     out, lse = module.paged_decode_attention(
         q.contiguous(), k_cache, v_cache, block_tables.contiguous(), visible.contiguous(), scale
     )
@@ -130,7 +82,7 @@ def paged_prefill_attention(
     [T, Hq] float32)``. Raises RuntimeError if the kernels are not built."""
     module = load()
     if module is None:
-        raise RuntimeError(f"the CPU attention kernels are unavailable: {_error}")
+        raise RuntimeError(f"the CPU attention kernels are unavailable: {error()}")
     out, lse = module.paged_prefill_attention(
         q.contiguous(),
         k_cache,

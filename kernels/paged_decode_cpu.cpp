@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_attention_math.h"
+#include "cpu_math.h"
 
 namespace {
 

@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_attention_math.h"
+#include "cpu_math.h"
 
 namespace {
 

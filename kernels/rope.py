@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import layer_ops_cpu
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -124,3 +126,26 @@ class RotaryEmbedding(nn.Module):
         q_out = q * q_cos + rotate_half(q) * q_sin
         k_out = k * k_cos + rotate_half(k) * k_sin
         return q_out, k_out
+
+    def split_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv [T, (Hq + 2 Hkv) * D]`` (a fused projection's output) -> rotated ``q [T, Hq,
+        D]``, rotated ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``. On CPU in fp32 the rotation is
+        one compiled pass over ``qkv`` in place (q and k come back as views of it), with the
+        same arithmetic as :meth:`forward`."""
+        tokens, head_dim = qkv.shape[0], self.head_dim
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if layer_ops_cpu.usable(qkv) and self.cos.dtype == torch.float32:
+            qkv = qkv.contiguous()
+            layer_ops_cpu.rope_qkv_(
+                qkv, positions, self.cos, self.sin, num_heads + num_kv_heads, head_dim
+            )
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            shape = (tokens, -1, head_dim)
+            return q.view(shape), k.view(shape), v.view(shape)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, num_heads, head_dim)
+        k = k.view(tokens, num_kv_heads, head_dim)
+        q, k = self(q, k, positions)
+        return q, k, v.view(tokens, num_kv_heads, head_dim)

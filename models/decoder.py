@@ -11,9 +11,9 @@ every layer call.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.norm import RMSNorm
 from kernels.registry import AttentionBackend, get_attention_backend
@@ -49,11 +49,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``x: [T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache`` first."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        q, k, v = rope.split_qkv(self.qkv_proj(x), positions, self.num_heads, self.num_kv_heads)
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out, _ = backend.attention(q, k_cache, v_cache, meta, self.scale)
@@ -70,8 +66,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer, not two
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from errors import ModelLoadError
-from kernels import paged_attention_cpu
+from kernels import layer_ops_cpu, paged_attention_cpu
 from models.config import ModelConfig, read_model_config
 from models.decoder import CausalLM
 
@@ -62,12 +62,11 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, model_dir)
-    if (
-        attention_backend == "torch"
-        and torch.device(device).type == "cpu"
-        and dtype == torch.float32
-    ):
-        paged_attention_cpu.load()  # now, not inside the first request (a build takes ~20 s)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        # now, not inside the first request (a first build takes 20-30 s each)
+        layer_ops_cpu.EXTENSION.load()
+        if attention_backend == "torch":
+            paged_attention_cpu.load()
     return model.eval()
 
 

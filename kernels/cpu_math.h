@@ -1,5 +1,5 @@
-// Shared by the CPU attention kernels (paged_decode_cpu.cpp, paged_prefill_cpu.cpp): the
-// softmax's vector max and exponentials, cache prefetch, and the input checks they share.
+// Shared by the CPU kernels (paged_decode_cpu.cpp, paged_prefill_cpu.cpp, layer_ops_cpu.cpp):
+// vector exponentials, the softmax's max, cache prefetch, and the attention input checks.
 #pragma once
 
 #include <torch/extension.h>
@@ -39,31 +39,36 @@ inline float max_of(const float* s, int64_t count) {
   return top;
 }
 
+#ifdef __AVX512F__
+// exp(x) per lane, x >= -103 (exp of anything below is 0 in fp32; callers clamp): 2^n * exp(r),
+// n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 split in two for an exact
+// product), exp(r) by its degree-6 Taylor polynomial: within 2 ulp.
+inline __m512 exp_vec(__m512 x) {
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 720);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(poly, n);  // poly * 2^n
+}
+#endif
+
 // s[0:count] <- exp(s[0:count] - top); returns their sum.
 inline float exp_shifted(float* s, int64_t count, float top) {
   float sum = 0.0f;
   int64_t t = 0;
 #ifdef __AVX512F__
-  // exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 split
-  // in two for an exact product), exp(r) by its degree-6 Taylor polynomial: within 2 ulp.
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  const __m512 lowest = _mm512_set1_ps(-103.0f);  // exp of anything below is 0 in fp32
+  const __m512 lowest = _mm512_set1_ps(-103.0f);
   const __m512 shift = _mm512_set1_ps(top);
   __m512 total = _mm512_setzero_ps();
   for (; t + 16 <= count; t += 16) {
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift), lowest);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    __m512 poly = _mm512_set1_ps(1.0f / 720);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    const __m512 e = _mm512_scalef_ps(poly, n);  // poly * 2^n
+    const __m512 e = exp_vec(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift), lowest));
     _mm512_storeu_ps(s + t, e);
     total = _mm512_add_ps(total, e);
   }
