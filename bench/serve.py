@@ -412,6 +412,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument(
+        "--token-budget",
+        type=int,
+        default=512,
+        help="the engine's tokens per step (as serve_config.yaml); 2048: +2-3%% req/s, 2x TTFT",
+    )
+    ap.add_argument(
         "--engine-cores",
         type=int,
         nargs="*",
@@ -477,14 +483,19 @@ def main() -> None:
                 {
                     "name": "default",
                     "num_replicas": 1,
-                    "engine": {"kv_cache_memory": 256 << 20, "cpu_cores": engine_cores or None},
+                    "engine": {
+                        "kv_cache_memory": 256 << 20,
+                        "token_budget": args.token_budget,
+                        "cpu_cores": engine_cores or None,
+                    },
                 }
             ],
         }
         cfg = ServeConfig.model_validate(app_args)
         print(
             f"model: {MODEL}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-            f"greedy, ignore_eos; torch threads {args.torch_threads}; engine cores "
+            f"greedy, ignore_eos; token budget {args.token_budget}; torch threads "
+            f"{args.torch_threads}; engine cores "
             f"{engine_cores or 'unpinned'}; HTTP via "
             f"{'the Serve proxy' if args.via_proxy else 'direct ingress'}; {load()}",
             flush=True,
