@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -79,6 +80,17 @@ inline float exp_shifted(float* s, int64_t count, float top) {
     sum += s[t];
   }
   return sum;
+}
+
+// Calls run(std::integral_constant<int64_t, kD>()): kD = head_dim where that size is compiled
+// as a constant (64 and 128, with AVX-512), else kD = 0 (any head_dim, scalar loops).
+template <typename Run>
+inline void with_head_dim(int64_t head_dim, Run&& run) {
+#ifdef __AVX512F__
+  if (head_dim == 64) return run(std::integral_constant<int64_t, 64>());
+  if (head_dim == 128) return run(std::integral_constant<int64_t, 128>());
+#endif
+  run(std::integral_constant<int64_t, 0>());
 }
 
 // fp32 CPU q [T, Hq, D] and contiguous caches [num_blocks, block_size, Hkv, D] with matching

@@ -194,16 +194,6 @@ std::vector<torch::Tensor> paged_decode_attention(const torch::Tensor& q,
       }
     });
   };
-#ifdef __AVX512F__
-  if (head_dim == 64) {
-    run(std::integral_constant<int64_t, 64>());
-  } else if (head_dim == 128) {
-    run(std::integral_constant<int64_t, 128>());
-  } else {
-    run(std::integral_constant<int64_t, 0>());
-  }
-#else
-  run(std::integral_constant<int64_t, 0>());
-#endif
+  with_head_dim(head_dim, run);
   return {out, lse};
 }
