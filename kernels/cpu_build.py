@@ -81,6 +81,13 @@ class CompiledExtension:
                     logger.warning("%s unavailable, using torch: %s", self.name, self._error)
         return self._module
 
+    def require(self) -> ModuleType:
+        """The built module; RuntimeError with the reason where it cannot be had."""
+        module = self.load()
+        if module is None:
+            raise RuntimeError(f"{self.name} is unavailable: {self._error}")
+        return module
+
     def error(self) -> str | None:
         """Why the module is not in use, once :meth:`load` has been tried; None if it is."""
         return self._error

@@ -82,6 +82,13 @@ inline float exp_shifted(float* s, int64_t count, float top) {
   return sum;
 }
 
+// The first ``blocks`` entries of one block-table row are blocks of a cache of ``num_blocks``.
+inline void check_block_ids(const int64_t* row, int64_t blocks, int64_t num_blocks) {
+  for (int64_t j = 0; j < blocks; ++j) {
+    TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block id ", row[j], " out of range");
+  }
+}
+
 // Calls run(std::integral_constant<int64_t, kD>()): kD = head_dim where that size is compiled
 // as a constant (64 and 128, with AVX-512), else kD = 0 (any head_dim, scalar loops).
 template <typename Run>

@@ -35,17 +35,10 @@ def usable(x: torch.Tensor) -> bool:
     )
 
 
-def _module():
-    module = EXTENSION.load()
-    if module is None:
-        raise RuntimeError(f"the CPU layer operators are unavailable: {EXTENSION.error()}")
-    return module
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [..., H]``, ``weight [H]`` fp32 -> ``[..., H]``."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _module().rms_norm(rows, weight.detach().contiguous(), eps).view(x.shape)
+    return EXTENSION.require().rms_norm(rows, weight.detach().contiguous(), eps).view(x.shape)
 
 
 def rope_qkv_(
@@ -58,9 +51,9 @@ def rope_qkv_(
 ) -> None:
     """Rotates, in place, the first ``rotated_heads`` heads (q, then k) of each row of
     ``qkv [T, (Hq + 2 Hkv) * D]`` (contiguous) by ``positions [T]``; ``cos, sin [P, D]``."""
-    _module().rope_qkv_(qkv, positions.contiguous(), cos, sin, rotated_heads, head_dim)
+    EXTENSION.require().rope_qkv_(qkv, positions.contiguous(), cos, sin, rotated_heads, head_dim)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gate_up [T, 2I]`` (gate columns, then up) -> ``silu(gate) * up [T, I]``."""
-    return _module().silu_and_mul(gate_up.contiguous())
+    return EXTENSION.require().silu_and_mul(gate_up.contiguous())

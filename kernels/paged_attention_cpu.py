@@ -56,10 +56,7 @@ def paged_decode_attention(
     """``q [n, Hq, D]`` fp32, caches ``[num_blocks, block_size, Hkv, D]``, ``block_tables
     [n, W]`` int64, ``visible [n]`` int64 (query b sees keys ``0..visible[b]-1``) ->
     ``(out [n, Hq, D], lse [n, Hq] float32)``. Raises RuntimeError if the kernel is not built."""
-    module = load()
-    if module is None:
-        raise RuntimeError(f"the CPU attention kernels are unavailable: {error()}")
-    out, lse = module.paged_decode_attention(
+    out, lse = EXTENSION.require().paged_decode_attention(
         q.contiguous(), k_cache, v_cache, block_tables.contiguous(), visible.contiguous(), scale
     )
     return out, lse
@@ -80,10 +77,7 @@ def paged_prefill_attention(
     offsets, context_lens [n]`` int64. Query i of sequence b is at position ``offsets[b] + i``
     and sees keys ``j < min(offsets[b] + i + 1, context_lens[b])`` -> ``(out [T, Hq, D], lse
     [T, Hq] float32)``. Raises RuntimeError if the kernels are not built."""
-    module = load()
-    if module is None:
-        raise RuntimeError(f"the CPU attention kernels are unavailable: {error()}")
-    out, lse = module.paged_prefill_attention(
+    out, lse = EXTENSION.require().paged_prefill_attention(
         q.contiguous(),
         k_cache,
         v_cache,

@@ -168,10 +168,7 @@ std::vector<torch::Tensor> paged_decode_attention(const torch::Tensor& q,
   for (int64_t b = 0; b < n; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= width * block_size,
                 "visible[", b, "] = ", lens[b], " exceeds its block table");
-    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
-      const int64_t id = tables[b * width + j];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " out of range");
-    }
+    check_block_ids(tables + b * width, (lens[b] + block_size - 1) / block_size, num_blocks);
   }
   auto out = torch::empty_like(q);
   auto lse = torch::empty({n, num_heads}, q.options());

@@ -233,10 +233,7 @@ std::vector<torch::Tensor> paged_prefill_attention(
     const int64_t keys = std::max<int64_t>(std::min(offs[b] + lens[b], ctxs[b]), 0);
     TORCH_CHECK(keys <= width * block_size, "sequence ", b, " sees ", keys,
                 " keys, more than its block table holds");
-    for (int64_t j = 0; j < (keys + block_size - 1) / block_size; ++j) {
-      const int64_t id = tables[b * width + j];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " out of range");
-    }
+    check_block_ids(tables + b * width, (keys + block_size - 1) / block_size, num_blocks);
     first_row[b + 1] = first_row[b] + lens[b];
   }
   TORCH_CHECK(first_row[n] == q.size(0), "q has ", q.size(0), " rows but q_lens sum to ",
