@@ -52,7 +52,7 @@ import ray
 
 from actors.disagg.cluster_faults import Recovery, call_replica
 from actors.disagg.cluster_placement import RequestPlacement
-from actors.disagg.conductor import RequestRejected, default_conductor
+from actors.disagg.conductor import ConductorOptions, RequestRejected, default_conductor
 from actors.disagg.decode import DecodeReplica
 from actors.disagg.dualpath_placement import SCHEDULERS, DualPathPlacer
 from actors.disagg.messages import (
@@ -179,7 +179,7 @@ class PDCluster:
         if conductor is not None and conductor_options:
             raise ValueError("give a conductor or conductor_options, not both")
         self.conductor = conductor or default_conductor(
-            self.block_bytes, **(conductor_options or {})
+            self.block_bytes, ConductorOptions(**(conductor_options or {}))
         )
         self.fitter: CostFitter | None = None
         if fit_costs:

@@ -8,6 +8,8 @@ Retry-After.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from errors import OverloadedError
 from policies.conductor import Conductor
 from policies.pd_costs import LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
@@ -26,22 +28,30 @@ class RequestRejected(OverloadedError):
         self.reason = reason
 
 
-def default_conductor(
-    block_bytes: int,
-    admission: str = "none",
-    ttft_slo: float = 60.0,
-    tbt_slo: float = 10.0,
-    replication_threshold: float = 2.0,
-) -> Conductor:
+@dataclass(frozen=True)
+class ConductorOptions:
+    """The Conductor's SLOs in seconds (TTFT, time between tokens), its admission mode
+    ("none": reject only when no decode replica has room; "early": also when a predicted
+    TTFT or TBT misses its SLO at arrival; "predictive": judge decode load when the request
+    would reach it) and its hot-block replication threshold."""
+
+    admission: str = "none"
+    ttft_slo: float = 60.0
+    tbt_slo: float = 10.0
+    replication_threshold: float = 2.0
+
+
+def default_conductor(block_bytes: int, options: ConductorOptions | None = None) -> Conductor:
     """CPU-scale starting estimates (refitted from measured steps unless ``fit_costs`` is
     off) and generous SLOs unless given; ``admission`` "early" or "predictive" rejects by
     the SLOs (429), "none" only when decode has no room."""
+    o = options or ConductorOptions()
     return Conductor(
         prefill_time=LinearPrefillTime(base=2e-3, per_new_token=2e-4, per_cached_token=1e-6),
         decode_tbt=LinearDecodeTBT(base=5e-3, per_request=1e-4, per_block=1e-6),
         transfer_time=transfer_time_fn(block_bytes, bytes_per_second=4e9),
-        ttft_slo=ttft_slo,
-        tbt_slo=tbt_slo,
-        replication_threshold=replication_threshold,
-        admission=admission,
+        ttft_slo=o.ttft_slo,
+        tbt_slo=o.tbt_slo,
+        replication_threshold=o.replication_threshold,
+        admission=o.admission,
     )

@@ -1,0 +1,114 @@
+"""What one ``PDCluster`` is made of, as one typed object (``PDClusterConfig``).
+
+Built once at the edge (the Serve config's P/D group, ``LLM(num_prefill=...)``, a test or a
+bench) from an ``EngineConfig`` that is already validated; the cluster derives each side's
+replica engine config from it (``side_engine``) and never parses options again.
+
+    PDClusterConfig(
+        engine=EngineConfig(block_size=16, ...),
+        prefill=PDSideConfig(count=2, tp=2),
+        decode=PDSideConfig(count=1),
+        store=StoreConfig(dram_bytes=...),
+        conductor=ConductorOptions(ttft_slo=..., admission="early"),
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from actors.disagg.conductor import ConductorOptions
+from actors.disagg.dualpath_placement import SCHEDULERS
+from actors.disagg.read_paths import READ_PATHS
+from actors.disagg.store_view import StoreConfig
+from actors.engine.config import EngineConfig
+from policies.conductor import Conductor
+from policies.dualpath import PREFILL_PATH
+from store.transfer.links import LinkBudget
+
+
+@dataclass(frozen=True)
+class PDSideConfig:
+    """The prefill (or decode) side: ``count`` replicas, each of ``tp`` x ``spp`` workers
+    (None: the engine config's degree). ``link_budget``: the replica's store reads (and a
+    decode replica's writes) pay this emulated per-node link; ``record_loads``: it keeps
+    its store-load timeline (benches and tests)."""
+
+    count: int = 1
+    tp: int | None = None
+    spp: int | None = None
+    link_budget: LinkBudget | None = None
+    record_loads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError("need at least one prefill and one decode replica")
+        for name in ("tp", "spp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+@dataclass(frozen=True)
+class PDClusterConfig:
+    """``model_dir``: a Hugging Face model folder (None: the built-in tiny model).
+    ``engine``: every replica's engine config (each side's ``tp`` / ``spp`` over it).
+    ``store``: KV store shards (None: no store). ``conductor``: Mooncake's Conductor by its
+    options, or a ready one. ``fit_costs``: refit the Conductor's estimates from measured
+    steps. ``max_prefill_attempts``: a request runs at most this often before it ends
+    without text. ``pin_cores``: on a one-node cluster, bind prefill and decode replicas to
+    disjoint cores with one torch thread each. ``read_path`` (with a store): where a stored
+    prefix is read, ``"prefill"``, ``"decode"`` or ``"dual"`` (the shorter read queue).
+    ``scheduler``: ``"mooncake"`` (the Conductor's TTFT/TBT choice) or ``"dualpath"``
+    (DualPath's rules); ``dualpath_thresholds``: its (alpha, beta) in tokens (None: from
+    the fitted cost model). ``node_resources``: a region's node resource; every actor of
+    the cluster runs only on nodes that carry it, and its workers reserve it too."""
+
+    model_dir: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    prefill: PDSideConfig = field(default_factory=PDSideConfig)
+    decode: PDSideConfig = field(default_factory=PDSideConfig)
+    store: StoreConfig | None = None
+    conductor: ConductorOptions | Conductor = field(default_factory=ConductorOptions)
+    fit_costs: bool = True
+    max_prefill_attempts: int = 3
+    pin_cores: bool = False
+    read_path: str = PREFILL_PATH
+    scheduler: str = "mooncake"
+    dualpath_thresholds: tuple[int, int] | None = None
+    node_resources: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.engine.cpu_cores is not None:
+            raise ValueError(
+                "cpu_cores pins a colocated replica's engine thread; prefill and decode "
+                "replicas do not take it yet: leave it unset for a disaggregated deployment"
+            )
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
+            )
+        if self.read_path not in READ_PATHS:
+            raise ValueError(
+                f"read_path must be one of {', '.join(READ_PATHS)}, got {self.read_path!r}"
+            )
+        if self.read_path != PREFILL_PATH and self.store is None:
+            raise ValueError(
+                f"read_path={self.read_path!r} reads a KV store: give store=StoreConfig(...)"
+            )
+        if self.max_prefill_attempts < 1:
+            raise ValueError("max_prefill_attempts must be at least 1")
+
+    def side_engine(self, side: PDSideConfig) -> EngineConfig:
+        """The engine config of each replica of ``side``: its layout over ``engine``, its
+        workers also reserving ``node_resources``."""
+        changes: dict[str, object] = {}
+        if side.tp is not None:
+            changes["tp"] = side.tp
+        if side.spp is not None:
+            changes["spp"] = side.spp
+        if self.node_resources:
+            pinned = self.engine.worker_resources or {}
+            changes["worker_resources"] = {**pinned, **self.node_resources}
+        return dataclasses.replace(self.engine, **changes) if changes else self.engine  # type: ignore[arg-type]
