@@ -70,8 +70,7 @@ def _region_resources(cfg: ServeConfig, region: str) -> dict[str, float]:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """A Serve application from ``ServeConfig`` fields, or ``{"config": "file.yaml"}``."""
-    cfg = ServeConfig.from_args(args)
-    raw = cfg.model_dump()
+    cfg = ServeConfig.from_args(args)  # deployments take this object as validated
     deployment: Any = serve.deployment  # its stubs lose the Deployment type's bind()
     router = deployment(
         RouterDeployment,
@@ -92,7 +91,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
                 request_router_class=cast(Any, RankedRequestRouter)  # stubs want a dict
             ),
             **_scaling_options(g),
-        ).bind(raw, g.name, router)
+        ).bind(cfg, g.name, router)
         for g in cfg.groups
     }
     ingress = deployment(
@@ -112,8 +111,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             max_ongoing_requests=100_000,  # requests wait in its queue, not Serve's
             ray_actor_options={"num_cpus": 0, "resources": _region_resources(cfg, r.name)},
             logging_config=LoggingConfig(enable_access_log=False),
-        ).bind(raw, r.name, router)
-    return ingress.bind(raw, router, replicas, balancers)
+        ).bind(cfg, r.name, router)
+    return ingress.bind(cfg, router, replicas, balancers)
 
 
 app = build_app({})

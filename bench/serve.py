@@ -169,7 +169,7 @@ class InProcess:
         from actors.serving.engine_loop import ColocatedEngine, EngineLoop
         from policies.request import SamplingParams
 
-        config = cfg.groups[0].engine_config()
+        config = cfg.groups[0].engine
         self.engine = ColocatedEngine(model_dir, config)
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, config.cpu_cores)
         self.builder = self.engine.request_builder()

@@ -86,8 +86,7 @@ def colocated_phase(kinds: list[str] | None = None, replicas: int = 2) -> Phase:
     group = {
         "name": "main",
         "num_replicas": replicas,
-        "tp": 2,
-        "engine": {"dtype": "float64", "num_blocks": 256, "block_size": 16},
+        "engine": {"dtype": "float64", "num_blocks": 256, "block_size": 16, "tp": 2},
     }
     expect = {"ingress": 1, "router": 1, "replica": replicas, "worker": 2 * replicas}
     return Phase("colocated", group, kinds or ["worker", "replica", "router", "ingress"], expect)

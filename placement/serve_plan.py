@@ -81,10 +81,10 @@ def serve_args(
             {
                 "name": "moe",
                 "num_replicas": replicas,
-                "attention_workers": plan.n_a,
-                "expert_workers": plan.n_e,
-                "micro_batches": plan.m,
                 "engine": {
+                    "attention_workers": plan.n_a,
+                    "expert_workers": plan.n_e,
+                    "micro_batches": plan.m,
                     "block_size": block_size,
                     "max_num_seqs": plan.batch,
                     "token_budget": max(2048, plan.batch),
@@ -108,7 +108,9 @@ def dense_serve_args(
     if plan.mode == "colocated":
         assert plan.layout is not None
         lay = plan.layout
-        group.update(num_replicas=plan.replicas, tp=lay.tp, spp=lay.spp, kvp=lay.kvp)
+        group.update(
+            num_replicas=plan.replicas, engine={"tp": lay.tp, "spp": lay.spp, "kvp": lay.kvp}
+        )
     else:
         assert plan.prefill is not None and plan.decode is not None
         group.update(
@@ -119,7 +121,7 @@ def dense_serve_args(
             decode={"tp": plan.decode.tp, "spp": plan.decode.spp},
             conductor={"ttft_slo": slo.ttft_s, "tbt_slo": slo.tpot_s},
         )
-    group["engine"] = {"block_size": block_size}
+    group["engine"] = {**group.get("engine", {}), "block_size": block_size}
     return {"model": model, "model_name": model_name, "groups": [group]}
 
 

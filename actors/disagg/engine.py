@@ -26,6 +26,7 @@ from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.serving.config import ConductorSectionConfig, ReplicaGroupConfig
+from actors.serving.engine_section import engine_options
 from actors.serving.metrics import PDCounters
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -176,5 +177,5 @@ def cluster_args(
         prefill_layout=group.prefill.options() if group.prefill else None,
         decode_layout=group.decode.options() if group.decode else None,
         node_resources=node_resources,
-        **group.engine_options(),
+        **engine_options(group.engine),
     )

@@ -44,8 +44,7 @@ def balancer_name(region: str) -> str:
 
 
 class RegionBalancerDeployment:
-    def __init__(self, config: dict[str, Any], region: str, router: Any) -> None:
-        cfg = ServeConfig.model_validate(config)
+    def __init__(self, cfg: ServeConfig, region: str, router: Any) -> None:
         if cfg.regions is None:
             raise ValueError("a region balancer needs the config's regions section")
         self.section = sec = cfg.regions

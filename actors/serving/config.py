@@ -11,16 +11,54 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
+from actors.serving.engine_section import EngineSection
 from policies.rate_limit import KeyRateLimits
 
 RoutingPolicyName = Literal[
     "round_robin", "least_loaded", "power_of_two", "prefix_aware", "consistent_hash"
 ]
+
+
+class ConfigError(ValueError):
+    """A deployment config that does not validate: one line per problem, each starting
+    with where it is in the YAML (``groups[0].engine.tokn_budget: unknown key``)."""
+
+    @classmethod
+    def of(cls, error: ValidationError) -> ConfigError:
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        lines = []
+        for e in error.errors():
+            where = yaml_path(e["loc"])
+            if e["type"] != "extra_forbidden":
+                lines.append(f"{where}: {e['msg']}")
+                continue
+            hint = ""
+            loc = e["loc"]  # a group-level key that is an engine option: say where it goes
+            if len(loc) == 3 and loc[0] == "groups" and loc[2] in engine_fields:
+                hint = f"; it is an engine option: put it under {yaml_path(loc[:2])}.engine"
+            lines.append(f"{where}: unknown key{hint}")
+        return cls("invalid config:\n  " + "\n  ".join(lines))
+
+
+def yaml_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a path into the YAML: ``groups[0].engine.token_budget``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path or "(top level)"
 
 
 class _Strict(BaseModel):
@@ -181,17 +219,18 @@ class PDLayoutConfig(_Strict):
 
 
 class ReplicaGroupConfig(_Strict):
-    """``num_replicas`` replicas that share one layout and engine options.
+    """``num_replicas`` replicas that share one engine config.
 
-    ``tp`` / ``spp`` / ``kvp`` are the tensor, sequence-pipeline and KV parallel degrees of
-    each replica; degrees of 1 are not passed to the engine (the single-process layout).
-    ``engine`` holds any other ``EngineConfig`` option (block_size, num_blocks,
-    kv_cache_memory, token_budget, max_num_seqs, chunk_size, max_model_len, ...); an
-    unknown one is an error.
+    ``engine`` is the replicas' ``EngineConfig`` (actors/engine/config.py), written as a
+    mapping of its fields: the parallel degrees ``tp`` / ``spp`` / ``kvp``, the MoE layout
+    (``attention_workers``, ``expert_workers``, ``micro_batches``), block_size, num_blocks,
+    kv_cache_memory, token_budget, max_num_seqs, chunk_size, max_model_len, ...; an unknown
+    one is an error naming its path. It is validated once, here; everything downstream
+    takes the ``EngineConfig`` object.
 
     Disaggregated group: ``num_prefill`` and ``num_decode`` (both, or neither) make each
     Serve replica of the group own one ``PDCluster`` of that many prefill and decode replica
-    actors (``engine`` options apply to each of them; their layouts are ``prefill`` and
+    actors (``engine`` applies to each of them; their layouts are ``prefill`` and
     ``decode``, tp x spp each), placed by the Conductor (set by ``conductor``), with the KV
     store shards of ``store`` if given.
     ``num_replicas`` then counts
@@ -200,12 +239,9 @@ class ReplicaGroupConfig(_Strict):
 
     name: str = "default"
     num_replicas: int = Field(2, ge=1)
-    tp: int = Field(1, ge=1)
-    spp: int = Field(1, ge=1)
-    kvp: int = Field(1, ge=1)
     num_cpus: float = Field(0.0, ge=0)  # Ray CPUs reserved per replica actor
     max_ongoing_requests: int = Field(256, ge=1)  # Serve's per-replica concurrency cap
-    engine: dict[str, Any] = Field(default_factory=dict)
+    engine: EngineSection = Field(default_factory=EngineConfig)
     num_prefill: int | None = Field(None, ge=1)
     num_decode: int | None = Field(None, ge=1)
     store: StoreSectionConfig | None = None
@@ -214,10 +250,6 @@ class ReplicaGroupConfig(_Strict):
     autoscaling: AutoscalingSectionConfig | None = None  # colocated groups; sets the count
     prefill: PDLayoutConfig | None = None
     decode: PDLayoutConfig | None = None
-    # MoE attention/expert disaggregation of each replica (actors/moe): 0 = colocated
-    attention_workers: int = Field(0, ge=0)
-    expert_workers: int = Field(0, ge=0)
-    micro_batches: int | None = Field(None, ge=1)  # None: the paper's rule
 
     @model_validator(mode="before")
     @classmethod
@@ -235,10 +267,6 @@ class ReplicaGroupConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> ReplicaGroupConfig:
         where = f"group {self.name!r}"
-        try:
-            self.engine_config()
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: engine: {e}") from None
         if (self.num_prefill is None) != (self.num_decode is None):
             raise ValueError(
                 f"{where}: give both num_prefill and num_decode (a disaggregated group) "
@@ -264,27 +292,27 @@ class ReplicaGroupConfig(_Strict):
                         f"disaggregated groups have one); remove {section} or add both"
                     )
             return self
-        if self.attention_workers or self.engine.get("attention_workers"):
+        if self.engine.attention_workers:
             raise ValueError(
                 f"{where}: attention/expert workers are a layout of colocated replicas; "
-                "remove attention_workers/expert_workers or num_prefill and num_decode"
+                "remove engine.attention_workers/expert_workers or num_prefill and num_decode"
             )
         if self.admission is not None:
             raise ValueError(
                 f"{where}: a disaggregated group admits through its conductor section "
                 "(ttft_slo, tbt_slo, admission); remove admission"
             )
-        if self.engine.get("cpu_cores") is not None:
+        if self.engine.cpu_cores is not None:
             raise ValueError(
                 f"{where}: engine.cpu_cores pins a colocated replica's engine thread; "
                 "prefill and decode replicas do not take it yet: remove cpu_cores"
             )
         for name in ("tp", "spp", "kvp"):
-            degree = self.engine.get(name, getattr(self, name))
+            degree = getattr(self.engine, name)
             if degree != 1:
                 raise ValueError(
                     f"{where}: a disaggregated group sets its replicas' layouts in its "
-                    f"prefill and decode sections (tp, spp); remove {name}={degree}"
+                    f"prefill and decode sections (tp, spp); remove engine.{name}={degree}"
                 )
         if self.store is not None and self.decode is not None and self.store.write_back:
             if self.decode.tp * self.decode.spp > 1:
@@ -303,21 +331,6 @@ class ReplicaGroupConfig(_Strict):
     @property
     def disaggregated(self) -> bool:
         return self.num_prefill is not None
-
-    def engine_options(self) -> dict[str, Any]:
-        """``engine`` with the group's parallel degrees, as ``EngineConfig.from_options``
-        takes them (checked when the config is validated)."""
-        opts = dict(self.engine)
-        for name in ("tp", "spp", "kvp"):
-            if getattr(self, name) != 1:
-                opts[name] = getattr(self, name)
-        for name in ("attention_workers", "expert_workers", "micro_batches"):
-            if getattr(self, name):
-                opts[name] = getattr(self, name)
-        return opts
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig.from_options(**self.engine_options())
 
 
 class ApiKeyConfig(_Strict):
@@ -466,7 +479,7 @@ class ServeConfig(_Strict):
         keys = [k.key for k in self.api_keys]
         if len(set(keys)) != len(keys):
             raise ValueError("api_keys must be distinct")
-        if len({g.engine_config().block_size for g in self.groups}) != 1:
+        if len({g.engine.block_size for g in self.groups}) != 1:
             raise ValueError("every group needs the same engine.block_size (one hash chain)")
         if self.limits.default_max_tokens > self.limits.max_tokens:
             raise ValueError("limits.default_max_tokens must be <= limits.max_tokens")
@@ -474,7 +487,7 @@ class ServeConfig(_Strict):
 
     @property
     def block_size(self) -> int:
-        return self.groups[0].engine_config().block_size
+        return self.groups[0].engine.block_size
 
     @property
     def num_replicas(self) -> int:
@@ -483,7 +496,7 @@ class ServeConfig(_Strict):
     def group_engine_config(self, group: ReplicaGroupConfig) -> EngineConfig:
         """``group``'s engine config; in a region pinned to nodes, its worker actors also
         reserve the region's node resource (added to any ``engine.worker_resources``)."""
-        config = group.engine_config()
+        config = group.engine
         pin = self.regions.group_resources(group.name) if self.regions is not None else {}
         if not pin:
             return config
@@ -497,7 +510,7 @@ class ServeConfig(_Strict):
 
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f) or {}
-        return cls.model_validate(raw)
+        return cls.parse(raw)
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> ServeConfig:
@@ -505,7 +518,15 @@ class ServeConfig(_Strict):
         args = dict(args or {})
         path = args.pop("config", None)
         if path is None:
-            return cls.model_validate(args)
+            return cls.parse(args)
         base = cls.from_yaml(path).model_dump()
         base.update(args)  # fields given next to ``config`` override the file's
-        return cls.model_validate(base)
+        return cls.parse(base)
+
+    @classmethod
+    def parse(cls, raw: Any) -> ServeConfig:
+        """``model_validate``, raising ``ConfigError`` (each problem with its YAML path)."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise ConfigError.of(e) from None

@@ -64,17 +64,17 @@ class _Prepared:
 class Ingress:
     def __init__(
         self,
-        config: dict[str, Any],
+        config: ServeConfig,
         router: Any,
         replicas: dict[str, Any],
         balancers: dict[str, Any] | None = None,  # region -> its balancer (regions section)
     ) -> None:
-        self.cfg = ServeConfig.model_validate(config)
+        self.cfg = config
         self.relay = ReplicaRelay(self.cfg, router, replicas, balancers)
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
         positions = read_model_config(model_dir).max_position_embeddings
-        self.max_model_len = min(g.engine_config().context_len(positions) for g in self.cfg.groups)
+        self.max_model_len = min(g.engine.context_len(positions) for g in self.cfg.groups)
         self._builder: RequestBuilder | None = None  # from the replicas' limits, on first use
         self.router = router
         self.replicas = replicas

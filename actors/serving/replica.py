@@ -73,10 +73,9 @@ class ReplicaServer:
     ``limits()``: what a request must fit here, for the ingress's builder.
     """
 
-    def __init__(self, config: dict[str, Any], group: str, router: Any) -> None:
+    def __init__(self, cfg: ServeConfig, group: str, router: Any) -> None:
         from ray import serve
 
-        cfg = ServeConfig.model_validate(config)
         (g,) = [x for x in cfg.groups if x.name == group]
         self.group = group
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -202,7 +201,7 @@ class ReplicaActor:
 
     def ready(self) -> ReplicaInfo:
         e = self.engine
-        return ReplicaInfo(e.block_size, e.num_blocks * len(e.pools), e.limits)
+        return ReplicaInfo(e.block_size, e.kv.num_total_blocks, e.limits)
 
     def placement(self) -> tuple[str, list[str]]:
         """(this actor's Ray node id, its worker actors' node ids by world rank; none for

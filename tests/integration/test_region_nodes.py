@@ -49,7 +49,7 @@ def config() -> ServeConfig:
         {
             "groups": [
                 {"name": "a", "engine": ENGINE},
-                {"name": "b", "tp": 2, "engine": ENGINE},
+                {"name": "b", "engine": {**ENGINE, "tp": 2}},
             ],
             "regions": {
                 "regions": [

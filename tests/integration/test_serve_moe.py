@@ -51,9 +51,10 @@ def test_plan_is_the_bundled_moe_model_split_into_workers(plan_file, plan_args):
     assert any("simulated replay of 12 requests" in ln for ln in header)
     assert plan_args["model"].endswith("tiny-moe-v1")  # the bundled model's folder
     (group,) = plan_args["groups"]
+    engine = group["engine"]
     # 5 devices: one attention worker and one expert worker per expert of the 4.
-    assert (group["attention_workers"], group["expert_workers"]) == (1, 4)
-    assert group["micro_batches"] in (3, 4) and group["num_replicas"] == 1
+    assert (engine["attention_workers"], engine["expert_workers"]) == (1, 4)
+    assert engine["micro_batches"] in (3, 4) and group["num_replicas"] == 1
 
 
 def test_greedy_completions_equal_in_process_engine(server, plan_args):

@@ -156,7 +156,10 @@ def test_dense_serve_args_validate_for_both_modes():
     colo = search_dense_plan(LLAMA8, [A100], stats_of(LONG), SLO, modes=("colocated",))
     cfg = ServeConfig.model_validate(dense_serve_args(colo, None, "m", SLO))
     (g,) = cfg.groups
-    assert colo.layout == Layout(g.tp, g.spp, g.kvp) and g.num_replicas == colo.replicas
+    assert (
+        colo.layout == Layout(g.engine.tp, g.engine.spp, g.engine.kvp)
+        and g.num_replicas == colo.replicas
+    )
     pd = search_dense_plan(LLAMA8, [A100], stats_of(LONG), SLO, modes=("pd",))
     cfg = ServeConfig.model_validate(dense_serve_args(pd, None, "m", SLO))
     (g,) = cfg.groups

@@ -221,7 +221,7 @@ def test_engine_and_serve_group_options():
     cfg = EngineConfig.from_options(scheduling="ilrs", target_batch_time=0.05)
     assert cfg.scheduling == "ilrs" and cfg.max_prefill_share == 0.5
     group = ReplicaGroupConfig(engine={"scheduling": "edf", "min_ttft_slo": 0.5})
-    assert group.engine_config().scheduling == "edf"
+    assert group.engine.scheduling == "edf"
     with pytest.raises(ValueError, match="unknown scheduling policy 'sjf'"):
         ReplicaGroupConfig(engine={"scheduling": "sjf"})
     with pytest.raises(ValueError, match="target_batch_time"):

@@ -87,7 +87,7 @@ def test_disaggregated_tokens_equal_the_single_process_model(
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == reference
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
     # Both attention workers held requests.
     owners = {attention_worker_of(o.request_id, 2) for o in outs}
     assert owners == {0, 1}
@@ -177,17 +177,18 @@ def test_bad_layouts_are_refused(model_dir, tmp_path):
 def test_serve_replica_group_takes_the_same_keys():
     from actors.serving.config import ReplicaGroupConfig
 
-    group = ReplicaGroupConfig(
-        name="moe", num_replicas=1, attention_workers=2, expert_workers=3, micro_batches=3
-    )
-    config = group.engine_config()
+    moe = {"attention_workers": 2, "expert_workers": 3, "micro_batches": 3}
+    config = ReplicaGroupConfig(name="moe", num_replicas=1, engine=moe).engine
     assert (config.attention_workers, config.expert_workers, config.micro_batches) == (2, 3, 3)
-    assert "attention_workers" not in ReplicaGroupConfig(name="plain").engine_options()
+    assert ReplicaGroupConfig(name="plain").engine.attention_workers == 0
     with pytest.raises(ValueError, match="together"):
-        ReplicaGroupConfig(name="bad", attention_workers=2)
+        ReplicaGroupConfig(name="bad", engine={"attention_workers": 2})
     with pytest.raises(ValueError, match="colocated replicas"):
         ReplicaGroupConfig(
-            name="pd", num_prefill=1, num_decode=1, attention_workers=1, expert_workers=1
+            name="pd",
+            num_prefill=1,
+            num_decode=1,
+            engine={"attention_workers": 1, "expert_workers": 1},
         )
 
 

@@ -81,10 +81,9 @@ def test_writes_a_serve_config_the_schema_accepts(tmp_path, capsys):
     assert app["import_path"] == "serve_app:build_app"
     serve = ServeConfig.model_validate(app["args"])
     (group,) = serve.groups
-    assert (group.attention_workers, group.expert_workers) == (1, 4)  # 5 GPUs, 4 experts
-    assert group.micro_batches in (3, 4)
-    engine = group.engine_config()
-    assert engine.attention_workers == 1 and engine.expert_workers == 4
+    engine = group.engine
+    assert (engine.attention_workers, engine.expert_workers) == (1, 4)  # 5 GPUs, 4 experts
+    assert engine.micro_batches in (3, 4)
     assert serve.model == str(model_dir.resolve())
 
 
@@ -188,4 +187,4 @@ def test_moe_plan_with_a_trace_replays_it(tmp_path, capsys, monkeypatch):
     assert serve.model == str((tmp_path / "cache" / "tiny-moe-v1").resolve())
     assert serve.model_name == "meridian-tiny-moe"
     (group,) = serve.groups
-    assert (group.attention_workers, group.expert_workers) == (1, 4)
+    assert (group.engine.attention_workers, group.engine.expert_workers) == (1, 4)

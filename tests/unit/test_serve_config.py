@@ -9,7 +9,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from actors.serving.config import ReplicaGroupConfig, ServeConfig
+from actors.engine.config import EngineConfig
+from actors.serving.config import ConfigError, ReplicaGroupConfig, ServeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,17 +22,64 @@ def error(**group) -> str:
 
 
 def test_colocated_group_defaults_are_unchanged():
-    g = ReplicaGroupConfig(name="main", tp=2, engine={"block_size": 8})
+    g = ReplicaGroupConfig(name="main", engine={"block_size": 8, "tp": 2})
     assert not g.disaggregated
     assert g.num_replicas == 2
     assert g.num_prefill is None and g.num_decode is None and g.store is None
-    assert g.engine_options() == {"block_size": 8, "tp": 2}
+    assert g.engine == EngineConfig(block_size=8, tp=2)
+    assert g.model_dump()["engine"] == {"block_size": 8, "tp": 2}  # what differs from defaults
 
 
 def test_colocated_group_takes_engine_cores():
     g = ReplicaGroupConfig(name="main", engine={"cpu_cores": [0]})
-    assert g.engine_config().cpu_cores == [0]
-    assert "tp = spp = kvp = 1" in error(name="g", tp=2, engine={"cpu_cores": [0]})
+    assert g.engine.cpu_cores == [0]
+    assert "tp = spp = kvp = 1" in error(name="g", engine={"cpu_cores": [0], "tp": 2})
+
+
+def test_the_engine_section_is_the_engine_config_built_once():
+    config = EngineConfig(token_budget=512)
+    g = ReplicaGroupConfig(engine=config)
+    assert g.engine is config  # an EngineConfig object passes as is
+    assert ReplicaGroupConfig(engine={"token_budget": 512}).engine == config
+    assert ReplicaGroupConfig().engine == EngineConfig()
+
+
+@pytest.mark.parametrize(
+    "raw, line",
+    [
+        ({"groups": [{"engine": {"tokn_budget": 1}}]}, "groups[0].engine.tokn_budget: unknown key"),
+        (
+            {"groups": [{"name": "a"}, {"name": "b", "engine": {"kvp_rank": 1}}]},
+            "groups[1].engine.kvp_rank: unknown key",
+        ),
+        (
+            {"groups": [{"tp": 2}]},
+            "groups[0].tp: unknown key; it is an engine option: put it under groups[0].engine",
+        ),
+        ({"limits": {"max_tokns": 1}}, "limits.max_tokns: unknown key"),
+        ({"modle": "x"}, "modle: unknown key"),
+        (
+            {"groups": [{"num_prefill": 1, "num_decode": 1, "store": {"dram": 1}}]},
+            "groups[0].store.dram: unknown key",
+        ),
+        (
+            {"groups": [{"engine": {"token_budget": "many"}}]},
+            "groups[0].engine.token_budget: Input should be a valid integer",
+        ),
+        ({"groups": [{"engine": {"token_budget": 0}}]}, "groups[0].engine: Value error, token"),
+    ],
+)
+def test_a_bad_key_anywhere_is_refused_with_its_path(raw, line):
+    with pytest.raises(ConfigError) as e:
+        ServeConfig.from_args(raw)
+    assert line in str(e.value)
+
+
+def test_a_bad_key_in_a_yaml_file_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("groups:\n  - name: main\n    engine: {block_size: 16, tokn_budget: 8}\n")
+    with pytest.raises(ConfigError, match=r"groups\[0\]\.engine\.tokn_budget: unknown key"):
+        ServeConfig.from_args({"config": str(path)})
 
 
 def test_disaggregated_group_defaults_to_one_cluster_per_serve_replica():
@@ -39,7 +87,7 @@ def test_disaggregated_group_defaults_to_one_cluster_per_serve_replica():
     assert g.disaggregated
     assert (g.num_prefill, g.num_decode, g.num_replicas) == (2, 1, 1)
     assert ReplicaGroupConfig(num_prefill=1, num_decode=1, num_replicas=3).num_replicas == 3
-    assert g.engine_options() == {}
+    assert g.engine == EngineConfig()
 
 
 def test_store_section_mirrors_store_config():
@@ -71,15 +119,15 @@ def test_store_section_mirrors_store_config():
         ({"num_prefill": 1}, "give both num_prefill and num_decode"),
         ({"num_decode": 2}, "give both num_prefill and num_decode"),
         ({"num_prefill": 0, "num_decode": 1}, "greater than or equal to 1"),
-        ({"num_prefill": 1, "num_decode": 1, "tp": 2}, "remove tp=2"),
+        ({"num_prefill": 1, "num_decode": 1, "engine": {"tp": 2}}, "remove engine.tp=2"),
         ({"prefill": {"tp": 2}}, "prefill needs num_prefill and num_decode"),
         (
             {"num_prefill": 1, "num_decode": 1, "prefill": {"spp": 2}, "store": {}},
             "the KV store needs single-worker prefill replicas",
         ),
         ({"num_prefill": 1, "num_decode": 1, "decode": {"kvp": 2}}, "kvp"),
-        ({"num_prefill": 1, "num_decode": 1, "spp": 3}, "remove spp=3"),
-        ({"num_prefill": 1, "num_decode": 1, "engine": {"kvp": 2}}, "remove kvp=2"),
+        ({"num_prefill": 1, "num_decode": 1, "engine": {"spp": 3}}, "remove engine.spp=3"),
+        ({"num_prefill": 1, "num_decode": 1, "engine": {"kvp": 2}}, "remove engine.kvp=2"),
         ({"store": {"dram_bytes": 1 << 20}}, "store needs num_prefill and num_decode"),
         (
             {"num_prefill": 1, "num_decode": 1, "store": {"ssd_bytes": 1 << 20}},
@@ -112,7 +160,7 @@ def test_serve_config_with_a_disaggregated_group_round_trips():
     cfg = ServeConfig.from_args(raw)
     assert [g.disaggregated for g in cfg.groups] == [False, True]
     assert cfg.num_replicas == 2
-    again = ServeConfig.model_validate(cfg.model_dump())  # Serve ships the dump to replicas
+    again = ServeConfig.model_validate(cfg.model_dump())  # a file made from a dump reads back
     assert again == cfg
     assert again.groups[1].num_replicas == 1
 

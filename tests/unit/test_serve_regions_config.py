@@ -79,15 +79,14 @@ def test_a_pinned_regions_workers_reserve_its_node_resource():
     names; a region without one leaves them unpinned."""
     raw = config()
     raw["regions"]["regions"][0]["node_resource"] = "region-us"
-    raw["groups"][0]["tp"] = 2
-    raw["groups"][0]["engine"] = {"worker_resources": {"fast-nic": 1}}
+    raw["groups"][0]["engine"] = {"worker_resources": {"fast-nic": 1}, "tp": 2}
     cfg = ServeConfig.model_validate(raw)
     a, b = cfg.groups
     assert cfg.group_engine_config(a).worker_resources == {"fast-nic": 1, "region-us": 0.01}
     assert cfg.group_engine_config(a).tp == 2
     assert cfg.group_engine_config(b).worker_resources is None
     assert ServeConfig.model_validate({}).group_engine_config(ServeConfig().groups[0]) == (
-        ServeConfig().groups[0].engine_config()
+        ServeConfig().groups[0].engine
     )
     raw["groups"][0]["engine"] = {"worker_resources": {"fast-nic": 0}}
     with pytest.raises(ValidationError, match="worker_resources"):
