@@ -45,7 +45,7 @@ def best_of(fn, repeats: int) -> float:
 def ours(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, float]:
     def run(n: int):
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        llm.engine.pool.evict_all_cached()  # no prefix hits between repeats
+        llm.engine.kv.evict_all_cached()  # no prefix hits between repeats
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=p)
         assert all(len(o.token_ids) == n for o in outs)
 
@@ -85,7 +85,7 @@ def mixed(llm: LLM, hf_model, vocab: int, batch: int, repeats: int) -> tuple[flo
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
 
     def run_ours():
-        llm.engine.pool.evict_all_cached()
+        llm.engine.kv.evict_all_cached()
         got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert [len(o.token_ids) for o in got] == outs
 

@@ -71,7 +71,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def colocated_run(engine: ReplicaController, seed: int) -> tuple[list[float], list[float]]:
-    engine.pool.evict_all_cached()
+    engine.kv.evict_all_cached()
     short, long = prompts(seed)
     build = engine.request_builder()
     ids = [engine.add_request(build.build(p, SHORT_PARAMS)) for p in short]

@@ -1,9 +1,10 @@
 """Per-request block tables over a ``BlockPool``, with prefix caching.
 
-Implements the scheduler's ``KVManager`` protocol. A request's table lists its blocks in
-token order; block i holds tokens ``[i * block_size, (i + 1) * block_size)``. Full blocks
-whose KV has been computed are registered under their chained hash so later requests with
-the same prefix (and salt) reuse them.
+Implements the engine's ``KVCache`` protocol (``actors.engine.kv_cache``, the scheduler's
+``KVManager`` widened): the only door to the pool, which nobody else touches. A request's
+table lists its blocks in token order; block i holds tokens ``[i * block_size, (i + 1) *
+block_size)``. Full blocks whose KV has been computed are registered under their chained
+hash so later requests with the same prefix (and salt) reuse them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ class KVCacheManager:
     @property
     def pools(self) -> list[BlockPool]:
         return [self.pool]
+
+    @property
+    def kvp(self) -> int:
+        """KV-parallel ranks: one pool."""
+        return 1
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest request the pool can hold."""
+        return self.pool.num_blocks * self.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -123,3 +134,83 @@ class KVCacheManager:
     @property
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some request (or a hold) uses: neither free nor merely cached."""
+        return self.pool.num_in_use
+
+    def check_blocks(self) -> list[int]:
+        """Blocks in use per rank, after the pool's integrity check (AssertionError)."""
+        self.pool.check_integrity()
+        return [self.pool.num_in_use]
+
+    def evict_all_cached(self) -> int:
+        """Forget every cached prefix (its KV is gone or stale); returns blocks dropped."""
+        return self.pool.evict_all_cached()
+
+    def drain_events(self) -> list[tuple[str, int]]:
+        """``("stored" | "evicted", hash)`` since the last drain, oldest first."""
+        return self.pool.drain_events()
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash a prefix hit can be served from, sorted (for a router's resync)."""
+        return sorted(self.pool.cached_hashes())
+
+    def likely_cached_blocks(self, hashes: list[int]) -> int:
+        """How many leading ``hashes`` the cache holds, by hash alone (tokens are not
+        compared, so a hit is likely, not sure): an admission estimate."""
+        n = 0
+        for h in hashes:
+            if not self.pool.contains(h):
+                break
+            n += 1
+        return n
+
+    # -- blocks outside any request table (a P/D replica's loads into its prefix cache) ---
+    def cached_block(self, block_hash: int, tokens: list[int]) -> int | None:
+        """The cached block holding exactly ``tokens`` under ``block_hash``, or None."""
+        return self.pool.lookup(block_hash, tokens)
+
+    def cached_prefix(self, hashes: list[int], tokens: list[int]) -> list[int]:
+        """Ids of the leading blocks of a prompt (``hashes`` chained over its ``tokens``)
+        that the cache holds, block 0 first, up to the first miss."""
+        bs, out = self.block_size, []
+        for i, h in enumerate(hashes):
+            block = self.pool.lookup(h, tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def hold(self, blocks: list[int]) -> None:
+        """Take a reference on each block (cached or in use): none is evicted until
+        ``unhold``."""
+        for b in blocks:
+            self.pool.acquire(b)
+
+    def unhold(self, blocks: list[int]) -> None:
+        """Drop the references ``hold`` or ``allocate_published`` took, tail first (a
+        prefix's later blocks are evicted before its head)."""
+        self.pool.release(blocks[::-1])
+
+    def allocate_published(
+        self, hashes: list[int], tokens: list[int], first: int, n: int
+    ) -> list[int]:
+        """``n`` fresh blocks, held, and published at once: block ``i`` under
+        ``hashes[first + i]`` for tokens ``[(first + i) * bs, (first + i + 1) * bs)``.
+        A lookup finds them before their KV is written: the caller writes it before
+        ``unhold``, or ``unpublish``es them if the write fails. Raises NoFreeBlocksError
+        when fewer than ``n`` blocks can be freed."""
+        bs = self.block_size
+        blocks = self.pool.allocate(n)
+        for i, b in enumerate(blocks):
+            k = first + i
+            self.pool.register(b, hashes[k], tokens[k * bs : (k + 1) * bs])
+        return blocks
+
+    def unpublish(self, blocks: list[int]) -> None:
+        """Held blocks whose KV turned out bad: no lookup finds them any more, and they
+        return to the free list on ``unhold``."""
+        for b in blocks:
+            self.pool.unregister(b)

@@ -12,7 +12,8 @@ shard of a request.
 
 The first shard is an ordinary ``KVCacheManager`` table on its rank, with prefix caching;
 spilled shards are private block lists (their KV depends on the first shard's prefix, and a
-prefix hit always starts at position 0). Implements the scheduler's ``KVManager`` protocol.
+prefix hit always starts at position 0). Implements the engine's ``KVCache`` protocol
+(``actors.engine.kv_cache``).
 """
 
 from __future__ import annotations
@@ -202,9 +203,36 @@ class ShardedKVManager:
                 out.append(((start + 1 + i) % self.kvp, (i + 1) * self.limit, blocks))
         return out
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The blocks of a request's first shard (on its start rank), ``[]`` if none."""
+        start = self._start.get(request_id)
+        return [] if start is None else self.managers[start].block_table(request_id)
+
     @property
     def num_free_blocks(self) -> int:
         return sum(p.num_free for p in self.pools)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(p.num_in_use for p in self.pools)
+
+    def check_blocks(self) -> list[int]:
+        """Blocks in use per rank, after each pool's integrity check (AssertionError)."""
+        return [m.check_blocks()[0] for m in self.managers]
+
+    def evict_all_cached(self) -> int:
+        return sum(m.evict_all_cached() for m in self.managers)
+
+    def drain_events(self) -> list[tuple[str, int]]:
+        """Every rank's ``("stored" | "evicted", hash)`` events, rank by rank."""
+        return [e for m in self.managers for e in m.drain_events()]
+
+    def cached_hashes(self) -> list[int]:
+        return sorted({h for m in self.managers for h in m.cached_hashes()})
+
+    def likely_cached_blocks(self, hashes: list[int]) -> int:
+        """The most leading ``hashes`` any one rank holds (by hash alone)."""
+        return max(m.likely_cached_blocks(hashes) for m in self.managers)
 
     def free_blocks_per_rank(self) -> list[int]:
         return [p.num_free for p in self.pools]

@@ -30,11 +30,9 @@ class LoopedReplica:
         return self.stats
 
     def check_blocks(self) -> int:
-        """Blocks in use (0 when idle), after the pool's integrity check."""
+        """Blocks in use (0 when idle), after the KV manager's integrity check."""
 
         def check() -> int:
-            pool = self.controller.pool
-            pool.check_integrity()
-            return pool.num_in_use
+            return sum(self.controller.kv.check_blocks())
 
         return int(self.loop.call(check).result())

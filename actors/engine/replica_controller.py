@@ -24,6 +24,7 @@ from actors.engine.collectives import Layout
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.executor import Executor, LocalExecutor, WorkerFailure
+from actors.engine.kv_cache import KVCache
 from actors.engine.outputs import RequestOutput, StreamDelta, TokenLogprob
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
@@ -106,12 +107,13 @@ class ReplicaController:
             num_blocks = max(1, min(wanted, config.kv_cache_memory // per_block))
         self.num_blocks = num_blocks
         self.pools = [BlockPool(num_blocks, block_size) for _ in range(kvp)]
-        self.kv: KVCacheManager | ShardedKVManager
+        self.kv: KVCache
+        self._one_rank_kv: KVCacheManager | None = None
         if kvp == 1:
             # Data-parallel MoE attention workers each hold only their requests' KV, so a
             # prefix cached by one is not on another: no prefix caching across them.
             prefix = config.enable_prefix_caching and config.attention_workers <= 1
-            self.kv = KVCacheManager(self.pools[0], prefix)
+            self.kv = self._one_rank_kv = KVCacheManager(self.pools[0], prefix)
         else:
             kvp_rank_tokens = config.kvp_rank_tokens
             if kvp_rank_tokens is None:
@@ -217,12 +219,16 @@ class ReplicaController:
     @property
     def limits(self) -> RequestLimits:
         """What a request must fit to run here; an edge ``RequestBuilder`` checks them."""
-        capacity = (
-            self.kv.max_tokens
-            if isinstance(self.kv, ShardedKVManager)
-            else self.num_blocks * self.block_size
-        )
-        return RequestLimits(self.config.vocab_size, self.max_model_len, capacity)
+        return RequestLimits(self.config.vocab_size, self.max_model_len, self.kv.max_tokens)
+
+    @property
+    def one_rank_kv(self) -> KVCacheManager:
+        """The KV manager of a one-rank replica (``kvp=1``), with its operations on blocks
+        outside any request table (a P/D replica's loads into its prefix cache).
+        Raises ValueError on a KV-parallel replica."""
+        if self._one_rank_kv is None:
+            raise ValueError(f"this replica's KV spans {self.kv.kvp} ranks, not one")
+        return self._one_rank_kv
 
     def request_builder(self) -> RequestBuilder:
         """A builder of requests for this replica (its block size and limits)."""
@@ -275,7 +281,7 @@ class ReplicaController:
         their ids, or None if they are not free now. The request is not scheduled until
         ``admit_prefilled``: a prefill replica writes its prompt KV into these blocks first.
         Single KV-parallel rank only."""
-        if isinstance(self.kv, ShardedKVManager):
+        if self.kv.kvp > 1:
             raise InvalidRequestError("disaggregated decode needs kvp=1")
         r = self._new_request(request)
         if not self.kv.allocate(r.seq, request.num_prompt_tokens + request.params.max_tokens):
@@ -313,7 +319,7 @@ class ReplicaController:
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of a request's block ids (KV-parallel replicas: ``[]``)."""
-        if isinstance(self.kv, ShardedKVManager):
+        if self.kv.kvp > 1:
             return []
         return list(self.kv.block_table(request_id))
 
@@ -326,7 +332,7 @@ class ReplicaController:
         ``table``: the request's block ids taken before the step that finished it (which
         freed them; their KV stays intact until the next step allocates)."""
         r = self._requests.get(request_id)
-        if r is None or isinstance(self.kv, ShardedKVManager):
+        if r is None or self.kv.kvp > 1:
             return [], []
         seq, bs = r.seq, self.block_size
         table = table if table is not None else self.kv.block_table(request_id)
@@ -486,8 +492,7 @@ class ReplicaController:
         self._inflight.clear()
         self.executor.restart()
         self.scheduler.recompute_all()
-        for pool in self.pools:
-            pool.evict_all_cached()
+        self.kv.evict_all_cached()
         self.num_recoveries += 1
 
     def on_idle(self) -> None:

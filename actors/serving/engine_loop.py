@@ -144,12 +144,9 @@ class ColocatedEngine(ReplicaController):
             prompts.append(QueuedPrompt(seq.num_uncomputed_tokens, seq.num_computed_tokens, left))
         load = ColocatedLoad(prompts, decodes, cfg.token_budget, cfg.max_num_seqs, cfg.chunk_size)
         cached = 0
-        if len(self.pools) == 1 and cfg.enable_prefix_caching:  # a hit is likely, not sure
+        if self.kv.kvp == 1 and cfg.enable_prefix_caching:  # a hit is likely, not sure
             usable = (request.num_prompt_tokens - 1) // self.block_size
-            for h in request.block_hashes[:usable]:
-                if not self.pools[0].contains(h):
-                    break
-                cached += self.block_size
+            cached = self.kv.likely_cached_blocks(request.block_hashes[:usable]) * self.block_size
         # It waited for this decision while the last step ran (at most that long).
         waited = self._last_step_seconds if self._busy_since is not None else 0.0
         judged = self.admission.judge(load, request.num_prompt_tokens - cached, cached, waited)
@@ -194,31 +191,27 @@ class ColocatedEngine(ReplicaController):
         return super()._postprocess(scheduled, result)
 
     def serving_stats(self) -> ReplicaStats:
-        pools = self.pools
-        total = sum(p.num_blocks for p in pools)
+        kv = self.kv
+        total = kv.num_total_blocks
         return ReplicaStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
-            free_blocks=sum(p.num_free for p in pools),
+            free_blocks=kv.num_free_blocks,
             total_blocks=total,
-            kv_usage=sum(p.num_in_use for p in pools) / total,
+            kv_usage=kv.num_used_blocks / total,
             cache_hit_ratio=self.kv.hit_ratio,
             time=time.time(),
         )
 
     def cached_block_hashes(self) -> list[int]:
-        return sorted({h for pool in self.pools for h in pool.cached_hashes()})
+        return self.kv.cached_hashes()
 
     def drain_cache_events(self) -> list[tuple[str, int]]:
-        return [e for pool in self.pools for e in pool.drain_events()]
+        return self.kv.drain_events()
 
     def check_blocks(self) -> dict[str, int]:
-        out = {}
-        for rank, pool in enumerate(self.pools):
-            pool.check_integrity()
-            out[f"kvp{rank}"] = pool.num_in_use
-        return out
+        return {f"kvp{rank}": n for rank, n in enumerate(self.kv.check_blocks())}
 
 
 # Commands to the engine thread.

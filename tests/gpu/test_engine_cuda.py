@@ -49,7 +49,7 @@ def test_cuda_engine_equals_transformers(tmp_path, kind, chunk):
     again = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)  # prefix-cache hits
     assert [o.token_ids for o in again] == want
     assert [o.num_cached_tokens for o in again] == [(n - 1) // 4 * 4 for n in PROMPT_LENS]
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
@@ -63,7 +63,7 @@ def test_flashinfer_engine_picks_the_reference_argmax(tmp_path):
         model_dir, device="cuda", dtype=torch.float16, attention_backend="flashinfer", block_size=16
     )
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
     reference = hf_model(model_dir)
     margins = []
     for p, o in zip(prompts, outs, strict=True):

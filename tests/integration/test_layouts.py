@@ -129,9 +129,7 @@ def test_layout_matches_single_process(cluster, reference, tp, spp, kvp):
     if kvp == 2:
         assert shard_starts == {0, 48}, "the long prompt must spill onto the second rank"
         assert 48 % OPTIONS["chunk_size"] != 0  # so the boundary falls inside a chunk
-    for pool in controller.pools:
-        assert pool.num_in_use == 0
-        pool.check_integrity()
+    assert controller.kv.check_blocks() == [0] * controller.kv.kvp
 
 
 def test_tensor_parallel_beyond_kv_heads_matches_single_process(cluster):
@@ -194,6 +192,4 @@ def test_worker_killed_mid_generation_recovers(cluster, reference):
         controller.shutdown()
     assert killed and controller.num_recoveries == 1
     assert tokens == reference
-    for pool in controller.pools:
-        assert pool.num_in_use == 0
-        pool.check_integrity()
+    assert controller.kv.check_blocks() == [0] * controller.kv.kvp

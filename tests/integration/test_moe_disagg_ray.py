@@ -74,7 +74,7 @@ def test_llm_with_attention_and_expert_workers_gives_the_single_process_tokens(
         assert len(executor.attention) == 2 and len(executor.experts) == 3
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
         assert [o.token_ids for o in outs] == reference
-        assert llm.engine.pool.num_in_use == 0
+        assert llm.engine.kv.num_used_blocks == 0
         counts = executor.token_counts()
         assert min(counts[5], counts[2]) > max(counts[0], counts[1], counts[3], counts[4])
     finally:
@@ -132,7 +132,7 @@ def test_worker_killed_mid_generation_is_replaced(cluster, model_dir, prompts, r
             controller.step()
         assert controller.num_recoveries >= 1
         assert [controller.release(rid).token_ids for rid in ids] == reference
-        assert controller.pool.num_in_use == 0
+        assert controller.kv.num_used_blocks == 0
     finally:
         controller.shutdown()
 

@@ -17,7 +17,7 @@ def llm(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def no_blocks_leak(llm):
     yield
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
     assert not llm.engine.has_unfinished()
 
 

@@ -39,7 +39,7 @@ def test_greedy_equals_transformers(model_dir, prompts, hf_tokens, chunk):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == hf_tokens
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 def test_prefix_cache_hit_gives_same_tokens(model_dir, prompts, hf_tokens):
@@ -50,7 +50,7 @@ def test_prefix_cache_hit_gives_same_tokens(model_dir, prompts, hf_tokens):
     assert [o.token_ids for o in again] == [o.token_ids for o in first] == hf_tokens
     assert all(o.num_cached_tokens == 0 for o in first)
     assert [o.num_cached_tokens for o in again] == [(n - 1) // 4 * 4 for n in PROMPT_LENS]
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 def test_memory_pressure_keeps_tokens_exact(model_dir, prompts, hf_tokens):
@@ -60,7 +60,7 @@ def test_memory_pressure_keeps_tokens_exact(model_dir, prompts, hf_tokens):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == hf_tokens
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 @pytest.mark.parametrize(
@@ -83,5 +83,5 @@ def test_medha_scheduling_gives_the_same_tokens(model_dir, prompts, hf_tokens, p
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == hf_tokens
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
     assert llm.engine.predictor is not None and len(llm.engine.predictor.fitter.prefill) > 0

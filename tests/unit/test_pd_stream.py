@@ -117,9 +117,9 @@ def test_streamed_blocks_equal_the_prefill_cache(prompts):
     wait_for(prefill, PrefillDone, ["r"])
     full = len(prompt) // 4
     hashes = chained_block_hashes(prompt, 4)
-    pool = prefill.controller.pool  # the finished prompt's blocks stay cached there
-    src_blocks = [pool.lookup(h, prompt[i * 4 : (i + 1) * 4]) for i, h in enumerate(hashes)]
-    assert None not in src_blocks and len(src_blocks) == full
+    kv = prefill.controller.one_rank_kv  # the finished prompt's blocks stay cached there
+    src_blocks = kv.cached_prefix(hashes, prompt)
+    assert len(src_blocks) == full
     src = prefill.cache.kv_caches
     dst = decode.controller.executor.worker.kv_caches  # the shared-memory cache
     for layer in range(len(src)):

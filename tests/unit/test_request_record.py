@@ -61,7 +61,7 @@ def test_in_process_engine_hashes_each_block_once(model_dir, hashed):
     out = llm.engine.release(request.request_id)
     assert len(out.token_ids) == GREEDY.max_tokens
     assert_each_block_hashed_once(hashed, PROMPT + out.token_ids)
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 def test_serving_path_hashes_each_block_once_and_streams_typed_events(model_dir, hashed):
