@@ -15,6 +15,7 @@ import torch
 
 from errors import ModelLoadError
 from kernels.rope import SUPPORTED_ROPE_TYPES, rope_type_of
+from models.gguf_checkpoint import is_gguf, open_gguf
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -144,6 +145,9 @@ class ModelConfig:
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """The config of a Hugging Face folder, or of a ``.gguf`` file from its metadata."""
+    if is_gguf(model_dir):
+        return ModelConfig.from_hf_dict(open_gguf(model_dir).hf_config())
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{path} not found: a model folder needs a Hugging Face config.json")

@@ -15,12 +15,17 @@ Hugging Face tensor names map onto our (partly fused) parameters as follows, per
 
 Plus ``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight`` (absent when
 embeddings are tied). Tensors we do not need (e.g. ``rotary_emb.inv_freq``) are ignored.
+
+A ``.gguf`` file loads the same way: ``models/gguf_checkpoint.py`` names its tensors as
+Hugging Face does and dequantizes them; they are cast to ``dtype`` here.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Collection
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from errors import ModelLoadError
 from kernels import layer_ops_cpu, paged_attention_cpu
 from models.config import ModelConfig, read_model_config
 from models.decoder import CausalLM
+from models.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -51,7 +57,8 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
 ) -> CausalLM:
-    """Build the model from ``model_dir`` with weights cast to ``dtype`` on ``device``."""
+    """Build the model from ``model_dir`` (a Hugging Face folder or a ``.gguf`` file) with
+    weights cast to ``dtype`` on ``device``."""
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
     with torch.device("meta"):
@@ -61,7 +68,10 @@ def load_model(
     model.rope.reset_cache(device)  # cos/sin tables stay float32
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    load_weights(model, model_dir)
+    if is_gguf(model_dir):
+        load_gguf_weights(model, open_gguf(model_dir))
+    else:
+        load_weights(model, model_dir)
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         # now, not inside the first request (a first build takes 20-30 s each)
         layer_ops_cpu.EXTENSION.load()
@@ -97,36 +107,56 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 def load_weights(model: CausalLM, model_dir: Path) -> None:
     """Fill every parameter of ``model`` from the shards in ``model_dir`` (in place)."""
     files = weight_files(model_dir)
-    targets = _select_layout(_targets(model.config), files)
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def fetch(name: str) -> torch.Tensor:
+            shard = files[name]
+            if shard not in handles:
+                handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt"))
+            return handles[shard].get_tensor(name)  # type: ignore[attr-defined]
+
+        _fill(model, files, fetch, str(model_dir))
+
+
+def load_gguf_weights(model: CausalLM, checkpoint: GGUFCheckpoint) -> None:
+    """Fill every parameter of ``model`` from a GGUF file, dequantized (in place)."""
+    names = set(checkpoint.tensor_names())
+    _fill(model, names, lambda n: torch.from_numpy(checkpoint.tensor(n)), checkpoint.path.name)
+
+
+def _fill(
+    model: CausalLM,
+    names: Collection[str],
+    fetch: Callable[[str], torch.Tensor],
+    origin: str,
+) -> None:
+    """Copy ``fetch(hf_name)`` into every parameter; ``names``: the tensors ``origin`` has."""
+    targets = _select_layout(_targets(model.config), names)
     params = dict(model.named_parameters())
     covered = {t.param for t in targets}
     uncovered = sorted(set(params) - covered)
     if uncovered:  # a bug in _targets, not in the checkpoint
         raise RuntimeError(f"loader has no source for parameters {uncovered}")
-    missing = [t.hf_name for t in targets if t.hf_name not in files]
+    missing = [t.hf_name for t in targets if t.hf_name not in names]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ModelLoadError(
-            f"{model_dir} lacks tensor(s) {missing[:5]}{more} needed by {model.config.architecture}"
+            f"{origin} lacks tensor(s) {missing[:5]}{more} needed by {model.config.architecture}"
         )
-    by_file: dict[Path, list[_Target]] = defaultdict(list)
-    for target in targets:
-        by_file[files[target.hf_name]].append(target)
     with torch.no_grad():
-        for shard, shard_targets in sorted(by_file.items()):
-            with safe_open(str(shard), framework="pt") as handle:
-                for target in shard_targets:
-                    dest = params[target.param].data[target.index]
-                    tensor = handle.get_tensor(target.hf_name)
-                    if tuple(tensor.shape) != tuple(dest.shape):
-                        raise ModelLoadError(
-                            f"tensor {target.hf_name} in {shard.name} has shape "
-                            f"{tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                        )
-                    dest.copy_(tensor)
+        for target in sorted(targets, key=lambda t: t.hf_name):
+            dest = params[target.param].data[target.index]
+            tensor = fetch(target.hf_name)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ModelLoadError(
+                    f"tensor {target.hf_name} in {origin} has shape "
+                    f"{tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
 
 
-def _select_layout(targets: list[_Target], files: dict[str, Path]) -> list[_Target]:
+def _select_layout(targets: list[_Target], files: Collection[str]) -> list[_Target]:
     """Keep plain targets; of each layout-variant group keep the variant the files hold."""
     plain = [t for t in targets if not t.optional_group]
     groups: dict[str, list[_Target]] = defaultdict(list)

@@ -22,6 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from errors import InvalidRequestError, ModelLoadError
+from models.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
+from models.gguf_tokenizer import build_backend
 
 
 class Tokenizer:
@@ -104,7 +106,10 @@ class Tokenizer:
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """Read ``tokenizer.json`` and, when present, ``tokenizer_config.json``,
-    ``chat_template.jinja``, ``generation_config.json`` and ``config.json`` (for token ids)."""
+    ``chat_template.jinja``, ``generation_config.json`` and ``config.json`` (for token ids).
+    A ``.gguf`` file's tokenizer is built from its metadata (``models/gguf_tokenizer.py``)."""
+    if is_gguf(model_dir):
+        return _gguf_tokenizer(open_gguf(model_dir))
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -132,6 +137,18 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         eos_token_id=_first_id(eos_ids),
         bos_token_id=_first_id(gen.get("bos_token_id", model_cfg.get("bos_token_id"))),
         extra_eos_token_ids=tuple(_all_ids(eos_ids)),
+    )
+
+
+def _gguf_tokenizer(checkpoint: GGUFCheckpoint) -> Tokenizer:
+    backend, cfg = build_backend(checkpoint)
+    return Tokenizer(
+        backend,
+        bos_token=cfg["bos_token"],
+        eos_token=cfg["eos_token"],
+        chat_template=cfg.get("chat_template"),
+        eos_token_id=checkpoint.field("tokenizer.ggml.eos_token_id"),
+        bos_token_id=checkpoint.field("tokenizer.ggml.bos_token_id"),
     )
 
 
