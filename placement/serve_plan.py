@@ -1,8 +1,8 @@
 """From a deployment plan (``placement.moe_plan``, ``placement.dense_plan``) to a Serve
 config's ``args``.
 
-Pure data in, plain dicts out (the CLI in ``placement/__main__.py`` reads files and writes
-YAML). A MoE plan maps onto one replica group of ``attention_workers = n_a`` and
+Pure data in, plain dicts out (the CLI, ``python -m sim plan`` in ``sim/plan_cli.py``, reads
+files and writes YAML). A MoE plan maps onto one replica group of ``attention_workers = n_a`` and
 ``expert_workers = n_e`` with ``micro_batches = m``, room for the plan's global batch and the
 plan's KV bytes per attention node.
 The runtime runs each attention and expert worker on one device (no tensor parallelism

@@ -12,6 +12,8 @@
   python -m sim dualpath DualPath's agentic trajectories -> docs/sim_dualpath.md
   python -m sim moe      MegaScale-Infer's disaggregated vs colocated MoE decoding and the
                          micro-batch ablation (performance model) -> its report section
+  python -m sim plan     a deployment plan (placement's search) for a model and GPUs,
+                         replayed on a trace, optionally written as a Serve config YAML
 
 Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
 Examples:
@@ -29,6 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from sim.plan_cli import add_plan_args, plan_command
 from sim.presets import COLOCATED_POLICIES, PD_POLICIES, ClusterConfig, build_cluster
 
 
@@ -200,7 +203,7 @@ def cmd_moe(a: argparse.Namespace) -> None:
         print(f"updated {a.report}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sim",
         description=__doc__,
@@ -286,9 +289,15 @@ def main(argv: list[str] | None = None) -> None:
     p_moe = sub.add_parser("moe", help="MegaScale-Infer's MoE section of the report")
     p_moe.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
     p_moe.set_defaults(fn=cmd_moe)
+    p_plan = sub.add_parser(
+        "plan", help="deployment plan: MoE attention/expert split, or a dense group's layout"
+    )
+    add_plan_args(p_plan)
+    p_plan.set_defaults(fn=plan_command)
     a = parser.parse_args(argv)
-    a.fn(a)
+    status: int | None = a.fn(a)
+    return status or 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

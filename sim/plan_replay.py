@@ -1,4 +1,4 @@
-"""Replay a trace on a deployment plan (``python -m placement plan``) and say whether its
+"""Replay a trace on a deployment plan (``python -m sim plan``) and say whether its
 SLOs hold: the plan's instances become simulated instances (the runtime's scheduler and
 block pool), timed by the same cost model the planner used.
 

@@ -28,7 +28,7 @@ import ray
 from actors.engine.executor import WorkerFailure
 from actors.engine.ray_executor import _DEATH, CHANNEL_BYTES, teardown_quietly
 from actors.engine.step_plan import StepPlan, StepResult
-from actors.moe.executor import MoEExecutorBase
+from actors.moe.executor_base import MoEExecutorBase
 from actors.moe.messages import MoESpec
 from actors.moe.workers import AttentionWorker, ExpertWorker
 from policies.expert_balance import ExpertBalancer, ExpertPlacement

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from actors.serving.config import ServeConfig
+from actors.serving.region_entry import PlaceAnswer
 from policies.region_balancer import (
     BalancedRequest,
     BalancerConfig,
@@ -34,9 +35,6 @@ from policies.region_balancer import (
 )
 from policies.residency import ResidencyPolicy
 from policies.target_choice import MeasuredPrefixChoice
-
-# (replica id, group, region served in, one-way delay from the client's region in seconds)
-PlaceAnswer = tuple[str, str, str, float]
 
 
 def balancer_name(region: str) -> str:

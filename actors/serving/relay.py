@@ -19,11 +19,11 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.engine.events import Accepted, Delta, Event, Failed, Refused
-from actors.regions.entry import RegionEntry
+from actors.engine.stream_ledger import ReplayDiverged, StreamLedger
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ServeConfig
 from actors.serving.ingress_channels import IngressChannels, ReplicaGone
-from actors.serving.replay import ReplayDiverged, StreamLedger
+from actors.serving.region_entry import RegionEntry
 from policies.region_balancer import BalancedRequest
 from policies.request import Request
 from policies.routing import RouteRequest
@@ -152,9 +152,8 @@ class ReplicaRelay:
         else:  # a region's balancer queued it and chose the replica (maybe in a peer region)
             group, ranking = placed.group, [placed.replica_id]
             await asyncio.sleep(placed.delay)  # the injected way to the serving region
-        payload = {"requests": choices, "ranking": ranking}
         try:
-            gen, first = await self.channels.open(group, payload)
+            gen, first = await self.channels.open(group, choices, ranking)
         except BaseException:
             if placed is not None:
                 await self._report(placed, "finished")

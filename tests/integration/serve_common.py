@@ -96,13 +96,13 @@ def serve_file_running(cluster: Any, path: Path, port: int, replicas: int) -> It
 def planned_config(
     cluster: Any, tmp: Path, trace_rows: list[dict[str, Any]], argv: list[str]
 ) -> Path:
-    """``python -m placement plan ARGV --trace T --port P --out F``, with ``T`` a Mooncake
+    """``python -m sim plan ARGV --trace T --port P --out F``, with ``T`` a Mooncake
     trace of ``trace_rows`` and ``P`` a free port of ``cluster``; returns ``F``."""
-    from placement.__main__ import main as placement_main
+    from sim.__main__ import main as sim_main
 
     trace = tmp / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in trace_rows))
     out = tmp / "plan.yaml"
     argv = [*argv, "--trace", str(trace), "--port", str(cluster.free_port()), "--out", str(out)]
-    assert placement_main(argv) == 0
+    assert sim_main(argv) == 0
     return out

@@ -1,5 +1,5 @@
 """The planner's Serve config for the bundled tiny MoE model runs as written:
-``python -m placement plan --model tiny-moe --trace FILE --out plan.yaml`` (the simulated
+``python -m sim plan --model tiny-moe --trace FILE --out plan.yaml`` (the simulated
 replay's verdict is a comment in the file), then ``serve run plan.yaml`` on a private local
 Ray cluster; the replica's attention and expert workers are Ray actors, and greedy
 completions through the real ``openai`` client equal the in-process engine's."""

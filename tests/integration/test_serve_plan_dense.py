@@ -1,4 +1,4 @@
-"""The planner's Serve config for a dense model runs as written: ``python -m placement plan
+"""The planner's Serve config for a dense model runs as written: ``python -m sim plan
 --model tiny-dense --dense-modes pd --trace FILE --out plan.yaml`` writes a P/D group (the
 prefill : decode ratio and each side's layout from the cost model; the simulated replay's
 verdict as a comment), ``serve run plan.yaml`` starts it on a private local Ray cluster, and

@@ -1,4 +1,4 @@
-"""``python -m placement plan``: the plan search from the command line, and the Serve config
+"""``python -m sim plan``: the plan search from the command line, and the Serve config
 it writes for a MoE model the runtime can run."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import yaml
 
 from actors.serving.config import ServeConfig
 from models import write_tiny_model
-from placement.__main__ import main
 from placement.model_specs import get_model
 from placement.moe_plan import Hardware, Workload, search_plan
 from placement.serve_plan import decode_context, model_spec_from_hf, serve_args
+from sim.__main__ import main
 
 
 def test_heterogeneous_plan_is_printed(capsys):
@@ -75,7 +75,7 @@ def test_writes_a_serve_config_the_schema_accepts(tmp_path, capsys):
     ]
     assert main(argv) == 0
     text = out.read_text()
-    assert text.startswith("# Written by python -m placement plan")
+    assert text.startswith("# Written by python -m sim plan")
     config = yaml.safe_load(text)
     (app,) = config["applications"]
     assert app["import_path"] == "serve_app:build_app"

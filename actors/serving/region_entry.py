@@ -15,6 +15,9 @@ No accepted request is lost to a balancer's death: a prompt the dead balancer he
 its ``place`` call and is placed again elsewhere with the same request id; a prompt already
 streaming never passes through a balancer (the ingress streams from the replica), and
 the first-token and finish reports it owes a dead balancer are dropped.
+
+This is the ingress's side of regions, so it lives with the ingress: the balancers
+(``actors.regions``) build on serving, and serving never imports them.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ import contextlib
 import time
 from typing import Any
 
-from actors.regions.serve_balancer import PlaceAnswer
 from policies.region_balancer import BalancedRequest, nearest_alive
+
+# A balancer's answer to ``place``: (replica id, group, region served in, one-way delay from
+# the client's region in seconds).
+PlaceAnswer = tuple[str, str, str, float]
 
 
 class RegionEntry:

@@ -1,5 +1,6 @@
-"""``python -m placement plan``: a deployment plan from the command line, optionally written
-as a Serve config YAML (``serve run FILE``).
+"""``python -m sim plan``: a deployment plan from the command line, optionally written as a
+Serve config YAML (``serve run FILE``). It lives with the simulator because it replays a
+trace on the plan (``placement`` imports no simulator).
 
 A MoE model gets MegaScale-Infer's attention/expert plan (``placement.moe_plan``); a dense
 model gets the cheapest colocated ``tp x spp x kvp`` group or P/D group for a trace's load
@@ -9,10 +10,10 @@ the YAML as a comment, with the plan's other facts.
 
 Examples::
 
-    python -m placement plan --model mixtral-8x22b --gpus H20,L40S --heterogeneous
-    python -m placement plan --model tiny-moe --gpus CPU --gpus-per-node 1 --max-gpus 5 \\
+    python -m sim plan --model mixtral-8x22b --gpus H20,L40S --heterogeneous
+    python -m sim plan --model tiny-moe --gpus CPU --gpus-per-node 1 --max-gpus 5 \\
         --tpot-slo 0.5 --trace requests.jsonl --out moe_plan.yaml
-    python -m placement plan --model llama3-70b --gpus A100,H100 --trace conversation \\
+    python -m sim plan --model llama3-70b --gpus A100,H100 --trace conversation \\
         --ttft-slo 10 --tpot-slo 0.1 --out dense_plan.yaml
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -231,18 +231,14 @@ def plan_command(args: argparse.Namespace) -> int:
                 }
             ],
         }
-        header = "".join(f"# {line}\n" for line in ["Written by python -m placement plan", *lines])
+        header = "".join(f"# {line}\n" for line in ["Written by python -m sim plan", *lines])
         Path(args.out).write_text(header + yaml.safe_dump(config, sort_keys=False))
         print(f"wrote {args.out}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m placement")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "plan", help="deployment plan: MoE attention/expert split, or a dense group's layout"
-    )
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """The ``plan`` subcommand's arguments (``python -m sim plan``)."""
     p.add_argument(
         "--model", required=True, help="a spec name, tiny-moe / tiny-dense, or a model folder"
     )
@@ -273,9 +269,3 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write a Serve config YAML here")
     p.add_argument("--model-name", help="the model id clients send (default: the spec name)")
     p.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
-    return plan_command(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
