@@ -45,6 +45,23 @@ workload; one more line before the last gives ``http/peer`` per concurrency.
 
 Last line: ``http/in-process at 32 streams: <ratio>`` (the median of the per-repeat ratios
 of request throughput; targets: >= 0.85, and HTTP throughput at 32 >= at 8).
+
+Real workloads, as ``vllm bench serve --dataset-name sharegpt|...`` runs them
+(``bench/serve_chat.py``): ``--dataset sharegpt`` (first human turns; each request's
+``max_tokens`` the dataset reply's length up to ``--max-output-tokens``) or ``--dataset
+mtbench`` (two turns, the second sent with the first and the model's answer before it; its
+TTFT reported apart), through ``/v1/chat/completions`` with the model's chat template.
+Meridian serves ``--model-path`` (a ``.gguf`` file or a Hugging Face folder) from one
+colocated replica (engine options as above); ``--peer-url`` adds a peer server on the same
+weights, interleaved; there is no in-process side. ``--request-rate R``: Poisson arrivals
+at R conversations/s, at most N in flight; else a closed loop of N streams. Goodput: the
+requests per second that met ``--ttft-slo`` and ``--tpot-slo``.
+
+    python bench/serve.py --dataset sharegpt --model-path M.gguf --streams 8 32 \
+        --peer-url http://127.0.0.1:8001 --peer-model DIR
+
+Last line, with a peer: ``sharegpt goodput meridian/vllm at 32 streams: <ratio>``
+(``mtbench second-turn TTFT meridian/vllm at N streams: <ratio>`` for MT-bench).
 """
 
 from __future__ import annotations
@@ -69,6 +86,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import MODEL, write_bench_model  # noqa: E402
+from serve_chat import ChatClient, run_chat  # noqa: E402
 from serve_records import Run, Sample, print_table  # noqa: E402
 
 APP = "bench-serve"
@@ -402,9 +420,49 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
     print(f"http/in-process at {top} streams: {ratio_at[top]:.2f}")
 
 
+def app_config(
+    args: argparse.Namespace, model: str, model_name: str, engine_cores: list[int]
+) -> dict[str, Any]:
+    """One colocated replica; the engine options this bench sets, the rest defaults."""
+    engine = {
+        "kv_cache_memory": args.kv_cache_mib << 20,
+        "token_budget": args.token_budget,
+        "cpu_cores": engine_cores or None,
+    }
+    return {
+        "model": model,
+        "model_name": model_name,
+        "groups": [{"name": "default", "num_replicas": 1, "engine": engine}],
+    }
+
+
+async def run_chat_sides(args: argparse.Namespace, url: str, model_name: str) -> None:
+    sides = [("meridian", ChatClient(url, model_name, args.api_key))]
+    if args.peer_url:
+        sides.append((args.peer_name, ChatClient(args.peer_url, args.peer_model)))
+    try:
+        await run_chat(args, sides)
+    finally:
+        for _, client in sides:
+            await client.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--concurrency", "--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--dataset", choices=("random", "sharegpt", "mtbench"), default="random")
+    ap.add_argument("--model-path", help="what Meridian serves (chat datasets): .gguf or folder")
+    ap.add_argument("--tokenizer", help="for ShareGPT's token counts (default: the model path)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="conversations per run (chat)")
+    ap.add_argument("--max-output-tokens", type=int, default=128, help="cap per turn (chat)")
+    ap.add_argument("--stop-at-eos", action="store_true", help="ShareGPT: no ignore_eos")
+    ap.add_argument("--seed", type=int, default=0, help="dataset sampling and arrivals")
+    ap.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals per second (chat)"
+    )
+    ap.add_argument("--ttft-slo", type=float, default=3000.0, help="ms, for goodput")
+    ap.add_argument("--tpot-slo", type=float, default=150.0, help="ms, for goodput")
+    ap.add_argument("--kv-cache-mib", type=int, default=None, help="256 random, 1024 chat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--per-stream", type=int, default=3, help="requests per stream and run")
     ap.add_argument("--min-requests", type=int, default=12, help="at least this many per run")
@@ -441,13 +499,27 @@ def main() -> None:
     ap.add_argument("--model-dir", help="serve the bench model from this folder")
     ap.add_argument("--peer-url", help="a peer OpenAI server on the same weights, interleaved")
     ap.add_argument("--peer-model", default="bench", help="the model name the peer serves")
+    ap.add_argument("--peer-name", default="vllm", help="the peer's column (chat datasets)")
     args = ap.parse_args()
+    chat = args.dataset != "random"
+    if args.kv_cache_mib is None:
+        args.kv_cache_mib = 1024 if chat else 256
 
     if args.write_model:
         print(write_bench_model(Path(args.write_model)))
         return
-    if args.peer_url and not args.model_dir:
+    if chat:
+        if not args.model_path and not args.base_url:
+            ap.error(f"--dataset {args.dataset} needs --model-path (or --base-url and --model)")
+        if args.dataset == "sharegpt" and not (args.tokenizer or args.model_path):
+            ap.error("--dataset sharegpt with --base-url needs --tokenizer")
+    elif args.peer_url and not args.model_dir:
         ap.error("--peer-url needs --model-dir: the folder the peer serves")
+    if chat and args.base_url:
+        if not args.model:
+            ap.error("--base-url needs --model")
+        asyncio.run(run_chat_sides(args, args.base_url, args.model))
+        return
     if args.base_url:
         if not args.model:
             ap.error("--base-url needs --model")
@@ -469,6 +541,18 @@ def main() -> None:
         os.sched_setaffinity(0, others)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env["RAY_CGRAPH_buffer_size_bytes"] = str(1 << 24)
+    if chat:
+        model_name = Path(args.model_path).stem
+        app_args = app_config(args, str(Path(args.model_path).resolve()), model_name, engine_cores)
+        print(
+            f"{args.dataset}: Meridian serves {args.model_path}; up to {args.max_output_tokens} "
+            f"tokens a turn, greedy; token budget {args.token_budget}; torch threads "
+            f"{args.torch_threads}; engine cores {engine_cores or 'unpinned'}; {load()}",
+            flush=True,
+        )
+        with serve_app(app_args, env, direct=not args.via_proxy) as url:
+            asyncio.run(run_chat_sides(args, url, model_name))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir:
             model_dir = Path(args.model_dir)
@@ -476,21 +560,7 @@ def main() -> None:
                 write_bench_model(model_dir)
         else:
             model_dir = write_bench_model(Path(tmp) / "bench")
-        app_args = {
-            "model": str(model_dir),
-            "model_name": MODEL_NAME,
-            "groups": [
-                {
-                    "name": "default",
-                    "num_replicas": 1,
-                    "engine": {
-                        "kv_cache_memory": 256 << 20,
-                        "token_budget": args.token_budget,
-                        "cpu_cores": engine_cores or None,
-                    },
-                }
-            ],
-        }
+        app_args = app_config(args, str(model_dir), MODEL_NAME, engine_cores)
         cfg = ServeConfig.model_validate(app_args)
         print(
             f"model: {MODEL}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "

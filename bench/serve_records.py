@@ -1,6 +1,11 @@
 """What ``bench/serve.py`` measures and prints: one request's timings (``Sample``), one
-side's closed-loop run (``Run``, its metrics as ``vllm bench serve`` defines them), and the
-result block with a column per side (medians over the repeats)."""
+side's run (``Run``, its metrics as ``vllm bench serve`` defines them), and the result
+block with a column per side (medians over the repeats).
+
+Goodput, as ``vllm bench serve --goodput`` counts it: requests per second of run time that
+met both SLOs (TTFT, and TPOT where the request has more than one output token). A
+multi-turn run (MT-bench) also reports its second turns' TTFT on their own: those turns
+carry the first turn and its answer as a prefix, which a prefix cache can skip."""
 
 from __future__ import annotations
 
@@ -16,6 +21,18 @@ class Sample:
     e2e: float
     itls: list[float]
     output_tokens: int
+    turn: int = 1  # the turn of its conversation (1 for single-turn workloads)
+    prompt_tokens: int = 0  # as the server's usage counted them (chat template included)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def meets(self, ttft_slo: float, tpot_slo: float) -> bool:
+        tpot = self.tpot
+        return self.ttft <= ttft_slo and (tpot is None or tpot <= tpot_slo)
 
 
 @dataclass
@@ -26,19 +43,22 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     input_tokens: int = 0
     engine_itl: float = float("nan")  # the engine's own mean gap between tokens (its metric)
+    ttft_slo: float = float("inf")  # seconds
+    tpot_slo: float = float("inf")  # seconds
 
     @property
     def throughput(self) -> float:
         return len(self.samples) / self.duration
 
+    @property
+    def goodput(self) -> float:
+        good = sum(s.meets(self.ttft_slo, self.tpot_slo) for s in self.samples)
+        return good / self.duration
+
     def metrics(self) -> dict[str, float]:
         ttft = [s.ttft * 1e3 for s in self.samples]
         e2e = [s.e2e * 1e3 for s in self.samples]
-        tpot = [
-            (s.e2e - s.ttft) * 1e3 / (s.output_tokens - 1)
-            for s in self.samples
-            if s.output_tokens > 1
-        ]
+        tpot = [t * 1e3 for s in self.samples if (t := s.tpot) is not None]
         itl = [x * 1e3 for s in self.samples for x in s.itls]
         out_tokens = sum(s.output_tokens for s in self.samples)
         m = {
@@ -47,6 +67,7 @@ class Run:
             "input_tokens": self.input_tokens,
             "output_tokens": out_tokens,
             "req_s": self.throughput,
+            "goodput": self.goodput,
             "out_tok_s": out_tokens / self.duration,
             "tot_tok_s": (out_tokens + self.input_tokens) / self.duration,
             "engine_itl": self.engine_itl * 1e3,
@@ -55,6 +76,13 @@ class Run:
             m[f"mean_{name}"] = statistics.fmean(xs) if xs else float("nan")
             m[f"median_{name}"] = statistics.median(xs) if xs else float("nan")
             m[f"p99_{name}"] = percentile(xs, 0.99)
+        second = [s.ttft * 1e3 for s in self.samples if s.turn == 2]
+        if second:
+            first = [s.ttft * 1e3 for s in self.samples if s.turn == 1]
+            m["median_ttft_turn1"] = statistics.median(first) if first else float("nan")
+            m["p99_ttft_turn1"] = percentile(first, 0.99)
+            m["median_ttft_turn2"] = statistics.median(second)
+            m["p99_ttft_turn2"] = percentile(second, 0.99)
         return m
 
 
@@ -74,6 +102,7 @@ ROWS = [
     ("Total input tokens:", "input_tokens", "{:.0f}"),
     ("Total generated tokens:", "output_tokens", "{:.0f}"),
     ("Request throughput (req/s):", "req_s", "{:.2f}"),
+    ("Request goodput (req/s):", "goodput", "{:.2f}"),
     ("Output token throughput (tok/s):", "out_tok_s", "{:.2f}"),
     ("Total Token throughput (tok/s):", "tot_tok_s", "{:.2f}"),
     ("Time to First Token", None, None),
@@ -92,6 +121,11 @@ ROWS = [
     ("Mean E2EL (ms):", "mean_e2el", "{:.2f}"),
     ("Median E2EL (ms):", "median_e2el", "{:.2f}"),
     ("P99 E2EL (ms):", "p99_e2el", "{:.2f}"),
+    ("Multi-turn (MT-bench)", None, None),
+    ("Median first-turn TTFT (ms):", "median_ttft_turn1", "{:.2f}"),
+    ("P99 first-turn TTFT (ms):", "p99_ttft_turn1", "{:.2f}"),
+    ("Median second-turn TTFT (ms):", "median_ttft_turn2", "{:.2f}"),
+    ("P99 second-turn TTFT (ms):", "p99_ttft_turn2", "{:.2f}"),
     ("Engine side (the replica's metrics)", None, None),
     ("Mean engine ITL (ms):", "engine_itl", "{:.2f}"),
 ]
@@ -102,7 +136,7 @@ WIDTH = 64
 
 def median_metrics(runs: list[Run]) -> dict[str, float]:
     per_run = [r.metrics() for r in runs]
-    return {k: statistics.median(m[k] for m in per_run) for k in per_run[0]}
+    return {k: statistics.median(m.get(k, float("nan")) for m in per_run) for k in per_run[0]}
 
 
 def print_table(title: str, columns: dict[str, list[Run]]) -> None:
@@ -113,12 +147,19 @@ def print_table(title: str, columns: dict[str, list[Run]]) -> None:
     label_w = WIDTH - col * len(names)
     print(f" {title} ".center(WIDTH, "="))
     print(" " * label_w + "".join(f"{n:>{col}}" for n in names))
+    measured = set().union(*meds.values())
+    header: str | None = None  # printed before the first of its rows that some side measured
     for label, key, fmt in ROWS:
         if key is None:
-            print(f"{label}".center(WIDTH, "-"))
+            header = label
             continue
+        if key not in measured:
+            continue
+        if header is not None:
+            print(header.center(WIDTH, "-"))
+            header = None
         assert fmt is not None
-        cells = "".join(f"{fmt.format(meds[n][key]):>{col}}" for n in names)
+        cells = "".join(f"{fmt.format(meds[n].get(key, float('nan'))):>{col}}" for n in names)
         print(f"{label:<{label_w}}{cells}")
     for n in names:
         tps = sorted(r.throughput for r in columns[n])
