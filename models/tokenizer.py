@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from errors import InvalidRequestError, ModelLoadError
 from models.gguf_checkpoint import GGUFCheckpoint, is_gguf, open_gguf
 from models.gguf_tokenizer import build_backend
+from models.pretrained import resolve_model
 
 
 class Tokenizer:
@@ -108,9 +109,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """Read ``tokenizer.json`` and, when present, ``tokenizer_config.json``,
     ``chat_template.jinja``, ``generation_config.json`` and ``config.json`` (for token ids).
     A ``.gguf`` file's tokenizer is built from its metadata (``models/gguf_tokenizer.py``)."""
+    model_dir = resolve_model(model_dir)
     if is_gguf(model_dir):
         return _gguf_tokenizer(open_gguf(model_dir))
-    model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(f"{path} not found: the runtime needs a fast tokenizer.json")
