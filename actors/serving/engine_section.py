@@ -21,15 +21,15 @@ from pydantic_core import core_schema
 from actors.engine.config import EngineConfig
 
 
-def _field_type(annotation: str) -> Any:
+def _field_type(annotation: Any) -> Any:
     """The field's annotation when pydantic can check it (ints, floats, strings, bools,
     lists, dicts), else Any: objects such as an ``Ordering`` or a torch dtype are passed
     through to ``EngineConfig``, which checks them itself."""
     module = vars(sys.modules[EngineConfig.__module__])
-    try:
-        resolved = eval(annotation, module)  # noqa: S307 - the dataclass's own annotation
+    try:  # a string under ``from __future__ import annotations``: the dataclass's own text
+        resolved = eval(annotation, module) if isinstance(annotation, str) else annotation
         TypeAdapter(resolved)
-    except (NameError, AttributeError, TypeError, PydanticSchemaGenerationError):
+    except (NameError, AttributeError, TypeError, SyntaxError, PydanticSchemaGenerationError):
         return Any
     return resolved
 
@@ -38,10 +38,11 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None if f.default is dataclasses.MISSING else f.default
 
 
+_FIELDS: dict[str, Any] = {
+    f.name: (_field_type(f.type), _default(f)) for f in dataclasses.fields(EngineConfig)
+}
 _Mirror: type[BaseModel] = create_model(
-    "EngineSection",
-    __config__=ConfigDict(extra="forbid"),
-    **{f.name: (_field_type(str(f.type)), _default(f)) for f in dataclasses.fields(EngineConfig)},
+    "EngineSection", __config__=ConfigDict(extra="forbid"), **_FIELDS
 )
 _DEFAULTS = EngineConfig()
 
