@@ -220,12 +220,16 @@ def blocks_in_use(group: str, wait_s: float = 60.0) -> dict[str, dict[str, int]]
     polled until all are 0 or ``wait_s`` passes (aborts land asynchronously)."""
     from ray import serve
 
+    from actors.serving.messages import ReplicaCall
+
     handle = serve.get_deployment_handle(f"Replica-{group}", app_name=APP)
     deadline = time.monotonic() + wait_s
     while True:
         seen: dict[str, dict[str, int]] = {}
         for rid in serve_replica_ids(group):
-            got_id, blocks = handle.blocks_report.remote({"ranking": [rid]}).result(timeout_s=60)
+            got_id, blocks = handle.blocks_report.remote(ReplicaCall(ranking=(rid,))).result(
+                timeout_s=60
+            )
             seen[got_id] = blocks
         if all(v == 0 for b in seen.values() for v in b.values()):
             return seen

@@ -3,7 +3,8 @@
 An attempt is one (prefill, decode) placement under its own key; a request whose replica
 died is placed again from its prompt. Invariant: the caller sees every token once, in
 order, over all attempts: a re-run replays the tokens already streamed (seeded sampling
-draws the same ones) and ``stream`` passes on only those beyond ``emitted``.
+draws the same ones) and ``stream`` passes on only those its ``ledger``
+(``actors.engine.stream_ledger``) has not seen.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.stream_ledger import StreamLedger
 from policies.request import Request
 
 
@@ -26,8 +28,7 @@ class PDRequest:
     deltas: list[StreamDelta] = field(default_factory=list)
     output: RequestOutput | None = None
     cached_tokens: int = 0
-    emitted: int = 0  # tokens streamed to the caller over every attempt
-    replayed: int = 0  # tokens this attempt produced (a re-run replays emitted ones)
+    ledger: StreamLedger = field(default_factory=StreamLedger)  # one choice
     first_token_time: float | None = None  # this process's monotonic clock
     token_times: list[float] = field(default_factory=list)  # when decode produced each
 
@@ -39,7 +40,7 @@ class PDRequest:
         self.key, self.prefill_id, self.decode_id = key, prefill_id, decode_id
         self.in_prefill = True
         self.attempts += 1
-        self.replayed = 0
+        self.ledger.begin_replay()
 
     def drop_attempt(self) -> None:
         self.key = self.prefill_id = self.decode_id = None
@@ -47,9 +48,11 @@ class PDRequest:
 
     def stream(self, delta: StreamDelta, produced_at: float) -> StreamDelta | None:
         """The part of an attempt's ``delta`` the caller has not seen, under the caller's
-        request id; None when it is all replay."""
-        old = max(0, min(len(delta.token_ids), self.emitted - self.replayed))
-        self.replayed += len(delta.token_ids)
+        request id; None when it is all replay. A delta that straddles the replayed and the
+        new tokens is cut (its text goes only with a delta that is all new). The replayed
+        tokens are not compared with those sent: the Conductor has no way yet to fail one
+        request mid-stream, so a re-run trusts seeded sampling."""
+        old = self.ledger.take(0, delta.token_ids, check=False)
         if old == len(delta.token_ids) and not delta.finished:
             return None
         out = StreamDelta(
@@ -60,7 +63,6 @@ class PDRequest:
             delta.finish_reason,
             None if delta.logprobs is None else delta.logprobs[old:],
         )
-        self.emitted += len(out.token_ids)
         self.token_times += [produced_at] * len(out.token_ids)
         if self.first_token_time is None and out.token_ids:
             self.first_token_time = time.monotonic()

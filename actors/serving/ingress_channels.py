@@ -2,7 +2,7 @@
 one ``events`` stream per replica this ingress has prompts on, fanned out to the prompts.
 
     channels = IngressChannels(replicas)           # group -> the replica deployment's handle
-    stream, first = await channels.open(group, {"requests": ..., "ranking": [...]})
+    stream, first = await channels.open(group, choices, ranking)  # ranking: replica ids
     async for batch in stream: ...                 # lists of events, as the relay reads them
     stream.cancel()                                # an unfinished prompt is aborted
 
@@ -23,8 +23,10 @@ import uuid
 from typing import Any
 
 from actors.engine.events import Accepted, Event, Verdict
+from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
 from actors.serving.replica_channel import WRONG_REPLICA
-from actors.serving.router import own_request_id
+from actors.serving.router import fresh_serve_internal_request_id
+from policies.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +87,16 @@ class IngressChannels:
         self._pumps: dict[str, asyncio.Task[None]] = {}  # replica id -> its pump
         self._aborts: set[asyncio.Task[None]] = set()
 
-    async def open(self, group: str, payload: dict[str, Any]) -> tuple[ChannelStream, Verdict]:
-        key = payload["requests"][0].request_id
+    async def open(
+        self, group: str, choices: list[Request], ranking: list[str]
+    ) -> tuple[ChannelStream, Verdict]:
+        msg = StartPrompt(requests=choices, ingress=self.ingress_id, ranking=tuple(ranking))
+        key = msg.key
         stream = ChannelStream(self, key)
         self._streams[key] = stream
         try:
-            with own_request_id():
-                first = await self.replicas[group].start.remote(
-                    {**payload, "ingress": self.ingress_id}
-                )
+            with fresh_serve_internal_request_id():
+                first = await self.replicas[group].start.remote(msg)
         except BaseException:
             self._streams.pop(key, None)
             raise
@@ -122,10 +125,10 @@ class IngressChannels:
     async def _abort(self, stream: ChannelStream) -> None:
         assert stream.placed is not None
         group, replica_id = stream.placed
-        payload = {"ranking": [replica_id], "ingress": self.ingress_id, "key": stream.key}
+        msg = AbortPrompt(ranking=(replica_id,), ingress=self.ingress_id, key=stream.key)
         try:
-            with own_request_id():
-                await asyncio.wait_for(self.replicas[group].abort_prompt.remote(payload), 30)
+            with fresh_serve_internal_request_id():
+                await asyncio.wait_for(self.replicas[group].abort_prompt.remote(msg), 30)
         except Exception:  # its replica is gone, and the prompt with it
             log.info("could not abort %s on replica %s", stream.key, replica_id, exc_info=True)
 
@@ -135,11 +138,11 @@ class IngressChannels:
         ]
 
     async def _pump(self, group: str, replica_id: str) -> None:
-        payload = {"ranking": [replica_id], "replica_id": replica_id, "ingress": self.ingress_id}
+        msg = OpenChannel(ranking=(replica_id,), replica_id=replica_id, ingress=self.ingress_id)
         try:
             while True:
-                with own_request_id():
-                    gen = self.replicas[group].options(stream=True).events.remote(payload)
+                with fresh_serve_internal_request_id():
+                    gen = self.replicas[group].options(stream=True).events.remote(msg)
                 async for items in gen:
                     for key, item in items:
                         if item == WRONG_REPLICA:

@@ -32,6 +32,7 @@ from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
+from actors.serving.messages import AbortPrompt, OpenChannel, ReplicaCall, StartPrompt
 from actors.serving.replica_channel import ReplicaChannels
 from policies.autoscaling import ReplicaLoad
 from policies.replica_stats import ReplicaStats
@@ -63,13 +64,14 @@ def _engine(
 class ReplicaServer:
     """The Serve replica deployment (one per replica group).
 
-    The ingress's relay starts a prompt with ``start(payload)``: a dict with ``requests``
-    (the ``Request`` of each choice, built by the ingress), ``ranking`` (read by
-    ``RankedRequestRouter``) and ``ingress``. It answers ``Accepted(replica id)`` once the
-    engine took the prompt, or ``Refused`` (400 bad input, 429 overloaded or rejected by
-    the Conductor, 503 failed). The prompt's events then come on that ingress's one
-    ``events`` stream (``replica_channel.py``): one stream item per engine step for all of
-    an ingress's requests, not one per request; ``abort_prompt`` drops one.
+    The ingress's relay starts a prompt with ``start(StartPrompt)`` (``messages.py``: the
+    ``Request`` of each choice, built by the ingress, the ``ranking`` that
+    ``RankedRequestRouter`` follows, and the ingress's id). It answers
+    ``Accepted(replica id)`` once the engine took the prompt, or ``Refused`` (400 bad
+    input, 429 overloaded or rejected by the Conductor, 503 failed). The prompt's events
+    then come on that ingress's one ``events`` stream (``replica_channel.py``): one stream
+    item per engine step for all of an ingress's requests, not one per request;
+    ``abort_prompt`` drops one.
     ``limits()``: what a request must fit here, for the ingress's builder.
     """
 
@@ -99,14 +101,14 @@ class ReplicaServer:
         return self.engine.limits
 
     # -- event channels (``replica_channel.py``): what the ingress's relay uses ----------
-    async def start(self, payload: dict[str, Any]) -> Verdict:
-        return await self.channels.start(payload)
+    async def start(self, msg: StartPrompt) -> Verdict:
+        return await self.channels.start(msg)
 
-    async def abort_prompt(self, payload: dict[str, Any]) -> None:
-        self.channels.abort(payload)
+    async def abort_prompt(self, msg: AbortPrompt) -> None:
+        self.channels.abort(msg)
 
-    async def events(self, payload: dict[str, Any]) -> AsyncIterator[list[Any]]:
-        async for items in self.channels.events(payload):
+    async def events(self, msg: OpenChannel) -> AsyncIterator[list[Any]]:
+        async for items in self.channels.events(msg):
             yield items
 
     async def check_blocks(self, timeout_s: float = 60.0) -> dict[str, int]:
@@ -114,9 +116,9 @@ class ReplicaServer:
         fut = self.loop.call(lambda engine: engine.check_blocks())
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
 
-    async def blocks_report(self, payload: dict[str, Any]) -> tuple[str, dict[str, int]]:
-        """(this replica's id, ``check_blocks()``); ``payload["ranking"]`` pins the call to
-        one replica (``RankedRequestRouter``), so a caller can read each replica in turn."""
+    async def blocks_report(self, call: ReplicaCall) -> tuple[str, dict[str, int]]:
+        """(this replica's id, ``check_blocks()``); ``call.ranking`` pins the call to one
+        replica (``RankedRequestRouter``), so a caller can read each replica in turn."""
         return self.replica_id, await self.check_blocks()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

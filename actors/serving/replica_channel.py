@@ -6,16 +6,18 @@ operators: with one stream per request, 32 streams at one item per engine step s
 decode step from 19-21 ms to 25-28 ms here. A channel carries the events of every request
 one ingress started on this replica, one item per wake-up of the event loop.
 
-    start(payload)   queue a prompt's choices; answers Accepted or Refused. Its events
-                     then go to the channel of ``payload["ingress"]``, tagged with the
-                     prompt's key (its first choice's request id), and its last event is
-                     followed by ``(key, None)``.
-    events(payload)  the channel as a stream of lists of ``(key, event)``. It ends by
-                     itself once nothing of that ingress is live here for ``IDLE_END_S``
-                     (so Serve's graceful drain, which waits for ongoing calls, ends);
-                     events queued meanwhile wait for the next ``events`` call. If the
-                     stream is dropped otherwise (the ingress died), its requests abort.
-    abort(payload)   abort one prompt (its client left).
+    start(StartPrompt)  queue a prompt's choices; answers Accepted or Refused. Its events
+                        then go to the channel of its ``ingress``, tagged with the prompt's
+                        key (its first choice's request id), and its last event is
+                        followed by ``(key, None)``.
+    events(OpenChannel) the channel as a stream of lists of ``(key, event)``. It ends by
+                        itself once nothing of that ingress is live here for
+                        ``IDLE_END_S`` (so Serve's graceful drain, which waits for ongoing
+                        calls, ends); events queued meanwhile wait for the next ``events``
+                        call. If the stream is dropped otherwise (the ingress died), its
+                        requests abort.
+    abort(AbortPrompt)  abort one prompt (its client left).
+(The messages: ``messages.py``.)
 
 Invariants: each event of a started prompt is put on its channel exactly once, in order;
 ``(key, None)`` follows its last; a prompt aborted here sends nothing more.
@@ -26,11 +28,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from actors.engine.events import Accepted, Delta, Event, Refused, Verdict
 from actors.serving.engine_loop import EngineLoop
 from actors.serving.loop_mailbox import mailbox_of
+from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
 from errors import MeridianError
 
 IDLE_END_S = 2.0
@@ -53,11 +55,9 @@ class ReplicaChannels:
     def _channel(self, ingress: str) -> _Channel:
         return self._channels.setdefault(ingress, _Channel())
 
-    async def start(self, payload: dict[str, Any]) -> Verdict:
-        """``payload``: ``requests`` (the prompt's choices), ``ingress``, ``ranking``."""
-        requests = payload["requests"]
-        key = requests[0].request_id
-        channel = self._channel(payload["ingress"])
+    async def start(self, msg: StartPrompt) -> Verdict:
+        requests, key = msg.requests, msg.key
+        channel = self._channel(msg.ingress)
         aio = asyncio.get_running_loop()
         box = mailbox_of(aio)  # one loop wake-up per burst of events, for every request
         verdict: asyncio.Future[Verdict] = aio.create_future()
@@ -81,7 +81,7 @@ class ReplicaChannels:
         try:
             answer = await verdict
         except BaseException:  # the caller gave up waiting: take it back
-            self.abort({"ingress": payload["ingress"], "key": key})
+            self.abort(AbortPrompt(ingress=msg.ingress, key=key))
             raise
         if isinstance(answer, Refused):  # nothing of it was queued, so no event follows
             channel.live.pop(key, None)
@@ -89,21 +89,18 @@ class ReplicaChannels:
             return answer
         return Accepted(self.replica_id)
 
-    def abort(self, payload: dict[str, Any]) -> None:
-        """``payload``: ``ingress``, ``key``, ``ranking``. No-op for an ended prompt."""
-        channel = self._channels.get(payload["ingress"])
-        if channel is not None and payload["key"] in channel.live:
-            channel.remaining.pop(payload["key"], None)
-            self.loop.abort(channel.live.pop(payload["key"]))
+    def abort(self, msg: AbortPrompt) -> None:
+        """No-op for an ended prompt."""
+        channel = self._channels.get(msg.ingress)
+        if channel is not None and msg.key in channel.live:
+            channel.remaining.pop(msg.key, None)
+            self.loop.abort(channel.live.pop(msg.key))
 
-    async def events(
-        self, payload: dict[str, Any]
-    ) -> AsyncIterator[list[tuple[str, Event | None | str]]]:
-        """``payload``: ``ingress``, ``replica_id`` (the replica meant), ``ranking``."""
-        if payload["replica_id"] != self.replica_id:
+    async def events(self, msg: OpenChannel) -> AsyncIterator[list[tuple[str, Event | None | str]]]:
+        if msg.replica_id != self.replica_id:
             yield [("", WRONG_REPLICA)]
             return
-        channel = self._channel(payload["ingress"])
+        channel = self._channel(msg.ingress)
         ended_idle = False
         try:
             while True:
@@ -134,4 +131,4 @@ class ReplicaChannels:
             if not ended_idle:  # nobody reads this channel any more
                 for ids in channel.live.values():
                     self.loop.abort(ids)
-                self._channels.pop(payload["ingress"], None)
+                self._channels.pop(msg.ingress, None)

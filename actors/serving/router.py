@@ -15,7 +15,8 @@ custom ``RequestRouter``:
   one prefix go to one replica before any event arrives.
 
 The ingress asks ``RouterDeployment.route`` for a ranking of replica ids (one actor call,
-~ms), then calls the replica deployment with that ranking in the payload; the replica
+~ms), then calls the replica deployment with that ranking in its message (``messages.py``,
+``ReplicaCall.ranking``); the replica
 deployment's ``RankedRequestRouter`` (the custom Serve ``RequestRouter``) only pins the
 request to the ranking's first replica that has capacity, falling back down the ranking and
 then to any replica. All router methods are ``async`` without ``await``: each runs whole
@@ -35,6 +36,7 @@ from typing import Any
 from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from actors.serving.messages import ReplicaCall
 from actors.serving.metrics import MetricsSnapshot, ReplicaSample, RouterMetrics
 from actors.serving.router_state import RouterState
 from policies.replica_stats import ReplicaStats
@@ -142,15 +144,20 @@ class RouterDeployment:
 
 
 @contextlib.contextmanager
-def own_request_id() -> Iterator[None]:
-    """Give the handle calls made inside a fresh internal request id.
+def fresh_serve_internal_request_id() -> Iterator[None]:
+    """Give the handle calls made inside a fresh Serve internal request id.
 
     A ``RequestRouter`` that does not mix in FIFO (ours: it pins a request to its ranking)
     hands a chosen replica to the pending request with the *same internal request id*, and
     every handle call made while serving one request inherits that request's id. Two
     concurrent calls from one request (a batch of prompts) would share it: the first takes
     the match and the second's routing task spins forever without backoff (Ray 2.60). One
-    id per call keeps each pending request matchable."""
+    id per call keeps each pending request matchable.
+
+    The one place Meridian touches Serve's private request context: Ray Serve 2.60 has no
+    public way to set a call's internal request id (``DeploymentHandle.options`` takes
+    none). Running the call in an empty ``contextvars.Context`` would also get a fresh id,
+    but would drop the rest of the request context (request id, route, app) too."""
     ctx = serve_context._get_serve_request_context()
     fresh = dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex)
     var: Any = serve_context._serve_request_context  # typed as holding None upstream
@@ -163,7 +170,7 @@ def own_request_id() -> Iterator[None]:
 
 class RankedRequestRouter(RequestRouter):
     """Serve ``RequestRouter`` of the replica deployments: follows the global router's
-    ranking carried in the request payload (``payload["ranking"]``: replica ids).
+    ranking carried in the call's message (``ReplicaCall.ranking``: replica ids).
 
     Each ranked replica is its own tier, so Serve takes the first one below its
     ``max_ongoing_requests`` and falls back down the list; replicas missing from the
@@ -175,11 +182,11 @@ class RankedRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        ranking: list[str] = []
+        ranking: tuple[str, ...] = ()
         if pending_request is not None and pending_request.args:
-            payload = pending_request.args[0]
-            if isinstance(payload, dict):
-                ranking = list(payload.get("ranking") or [])
+            msg = pending_request.args[0]
+            if isinstance(msg, ReplicaCall):
+                ranking = msg.ranking
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         tiers = [[by_id[rid]] for rid in dict.fromkeys(ranking) if rid in by_id]
         ranked = set(ranking)

@@ -1,5 +1,6 @@
-"""The ledger that lets the ingress replay a prompt on another replica: every token once,
-in order; a replay that differs from what was streamed is caught."""
+"""The one stream ledger (the ingress replaying a prompt on another replica, a P/D request
+re-placed by its Conductor): every token once, in order; a replay that differs from what
+was streamed is caught."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from actors.engine.events import Delta, Done, Failed
 from actors.engine.outputs import RequestOutput, StreamDelta
-from actors.serving.replay import ReplayDiverged, StreamLedger
+from actors.engine.stream_ledger import ReplayDiverged, StreamLedger
 
 
 def delta(i: int, *tokens: int) -> Delta:
@@ -57,3 +58,18 @@ def test_a_replay_that_differs_is_refused(replay):
     ledger.begin_replay()
     with pytest.raises(ReplayDiverged):
         passed(ledger, replay)
+
+
+def test_take_cuts_a_run_that_straddles_the_replay_and_checks_what_it_replays():
+    """The token-level step both the relay and a disaggregated request use."""
+    ledger = StreamLedger()
+    assert ledger.take(0, [5, 6]) == 0
+    ledger.begin_replay()
+    assert ledger.take(0, [5]) == 1  # all replay
+    assert ledger.take(0, [6, 7]) == 1  # one replayed, one new
+    assert ledger.sent == [[5, 6, 7]]
+    ledger.begin_replay()
+    with pytest.raises(ReplayDiverged):
+        ledger.take(0, [9])
+    assert ledger.take(0, [9], check=False) == 1  # unchecked: counted as the replay of 5
+    assert ledger.sent == [[5, 6, 7]]
