@@ -8,8 +8,9 @@
 - The Python API snippet runs in a fresh interpreter; ``python -m actors.rollout --help`` too.
 
 Not here: the OpenAI client snippet needs a served app (``test_serve_openai.py`` runs it
-against its server); ``make serve`` / ``make test`` are not run (slow, and ``make test``
-runs this file).
+against its tiny-model server); ``make serve`` / ``make test`` are not run (slow, and ``make
+test`` runs this file), but they must stay the README's first commands, and the README a
+guide of at most ``MAX_LINES`` lines (the rest lives in docs/).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from readme_common import readme_block
+from readme_common import README, fenced_blocks, readme_block
 
 pytestmark = pytest.mark.timeout(420)
+
+MAX_LINES = 250
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACES = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc"]
@@ -128,3 +131,33 @@ def test_rollout_help():
     result = run_python(["-m", "actors.rollout", "--help"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--input" in result.stdout and "--attach" in result.stdout
+
+
+def test_readme_is_a_short_guide():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_make_serve_and_make_test_come_first():
+    lang, body = fenced_blocks()[0]
+    commands = [line.split("#")[0].strip() for line in body.splitlines()]
+    assert lang == "bash" and commands == ["make serve", "make test"], body
+
+
+# Every code block of the README, by a line it holds, and the test that runs it.
+RUN_BY = {
+    ("bash", "make serve"): "test_make_serve_and_make_test_come_first (not run: see above)",
+    ("bash", "ray job submit"): "test_offline_rollout_block_runs_as_written",
+    ("python", "import openai"): "test_serve_openai.py::test_readme_openai_snippet",
+    ("python", "from actors import LLM"): "test_python_api_snippet_runs_as_written",
+}
+
+
+def test_every_code_block_is_run_by_a_test():
+    for lang, body in fenced_blocks():
+        if lang == "text":  # printed output, not code
+            continue
+        runners = [
+            test for (kind, marker), test in RUN_BY.items() if kind == lang and marker in body
+        ]
+        assert len(runners) == 1, f"no test runs this README {lang} block:\n{body}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -333,17 +334,33 @@ def test_per_key_rate_limits(server):
     assert "requests_per_minute" in err["message"]
 
 
+README_MODEL = "SmolLM2-135M-Instruct"  # what `make serve` serves; this server has the tiny one
+
+
 def test_readme_openai_snippet(server):
-    """The README's OpenAI client snippet as written, with this server's URL and key."""
+    """The README's OpenAI client snippet as written, with this server's URL, key and model
+    name; it prints the server's greedy answer to the README's question."""
     from readme_common import readme_block
 
     code = readme_block("python", "import openai")
-    code = code.replace("http://127.0.0.1:8000/v1", server.url + "/v1")
-    code = code.replace('api_key="unused"', f'api_key="{KEY_A}"')
-    assert server.url in code and KEY_A in code
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "completion_tokens" in r.stdout
+    for readme, here in [
+        ("http://127.0.0.1:8000/v1", server.url + "/v1"),
+        ('api_key="unused"', f'api_key="{KEY_A}"'),
+        (f'model="{README_MODEL}"', f'model="{MODEL}"'),
+    ]:
+        assert readme in code, f"the README's snippet no longer has {readme!r}"
+        code = code.replace(readme, here)
+    assert "What is the capital of France?" in code
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}  # bytes as printed, no newline mapping
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-3000:]
+    expected = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0.0,
+    )
+    assert r.stdout.decode("utf-8") == f"{expected.choices[0].message.content}\n"
 
 
 # -- tenants --------------------------------------------------------------------------------
