@@ -6,18 +6,12 @@ flashinfer. Every backend implements :class:`AttentionBackend`.
 
 from __future__ import annotations
 
-import importlib
 from typing import Protocol
 
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-
-# name -> (module, class); imported lazily by get_attention_backend.
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("kernels.attention_torch", "TorchAttentionBackend"),
-    "flashinfer": ("kernels.attention_flashinfer", "FlashInferAttentionBackend"),
-}
+from policies.registry import Lazy, Registry
 
 
 class AttentionBackend(Protocol):
@@ -58,24 +52,25 @@ class AttentionBackend(Protocol):
         ...
 
 
+# name -> backend class, imported when first picked.
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend")
+ATTENTION_BACKENDS.add("torch", Lazy("kernels.attention_torch", "TorchAttentionBackend"))
+ATTENTION_BACKENDS.add(
+    "flashinfer",
+    Lazy(
+        "kernels.attention_flashinfer",
+        "FlashInferAttentionBackend",
+        hint="install it (`pip install flashinfer-python`, CUDA only) "
+        "or use attention_backend='torch'",
+    ),
+)
+
+
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return sorted(ATTENTION_BACKENDS)
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """A fresh backend instance for ``name``; raises ValueError naming the known backends."""
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; choose one of {', '.join(available_backends())}"
-        )
-    module_name, class_name = _BACKENDS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(
-            f"attention backend {name!r} needs a package that is not installed ({exc}); "
-            "install it (flashinfer: `pip install flashinfer-python`, CUDA only) "
-            "or use attention_backend='torch'"
-        ) from exc
-    backend: AttentionBackend = getattr(module, class_name)()
-    return backend
+    """A fresh backend instance for ``name``; raises ValueError naming the known backends,
+    ImportError saying what to install when its package is missing."""
+    return ATTENTION_BACKENDS.get(name)()

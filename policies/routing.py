@@ -16,13 +16,14 @@ import bisect
 import hashlib
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import takewhile
 from operator import itemgetter
-from typing import Protocol
+from typing import Any, Protocol
 
 from policies.prefix_index import PrefixIndex
+from policies.registry import Registry
 from policies.replica_stats import ReplicaStats
 
 # A running request costs this many prefill-token equivalents in ``replica_load``: each
@@ -513,3 +514,34 @@ class ClusterView:
             first = ranking[0]
             self.on_routed(first, request, now, prefix[self._position[first]])
         return ranking
+
+
+# The one table of routing-policy names: the router (``actors.serving.router_state``), the
+# deployment config's ``routing`` and the simulator (``sim.presets``) pick by these names.
+# An entry builds a fresh policy from ``(rng, options)``: its constructor's keyword
+# arguments; randomized policies draw from ``rng``.
+RoutingFactory = Callable[[random.Random, dict[str, Any]], RoutingPolicy]
+ROUTING_POLICIES: Registry[RoutingFactory] = Registry("routing policy")
+ROUTING_POLICIES.add("random", lambda rng, o: RandomRouting(rng, **o))
+ROUTING_POLICIES.add("round_robin", lambda rng, o: RoundRobin(**o))
+ROUTING_POLICIES.add("least_loaded", lambda rng, o: LeastLoaded(**o))
+ROUTING_POLICIES.add("power_of_two", lambda rng, o: PowerOfTwoChoices(rng, **o))
+ROUTING_POLICIES.add("prefix_aware", lambda rng, o: PrefixAware(**o))
+ROUTING_POLICIES.add("consistent_hash", lambda rng, o: ConsistentHash(**o))
+
+
+def routing_name(name: str) -> str:
+    """``name`` as the table spells it: lower case, ``-`` read as ``_``."""
+    return name.strip().lower().replace("-", "_")
+
+
+def make_routing_policy(name: str, seed: int = 0, **options: Any) -> RoutingPolicy:
+    """A fresh policy called ``name`` (see ``routing_name``), built with ``options``;
+    randomized policies draw from ``Random(seed)``. Raises ValueError naming the choices for
+    an unknown name, or the option a policy does not take."""
+    key = routing_name(name)
+    factory = ROUTING_POLICIES.get(key)
+    try:
+        return factory(random.Random(seed), dict(options))
+    except TypeError as e:  # an option the policy's constructor does not take
+        raise ValueError(f"bad options for routing policy {key!r}: {e}") from None

@@ -213,7 +213,7 @@ class Scheduler:
             # pending == 0: its sampled token is still in flight
         allocate = self.kv.allocate
         starts = step.starts
-        together = self.packer is not None or getattr(self.ordering, "ranks_prefills", False)
+        together = self.packer is not None or self.ordering.ranks_prefills
         queues = [(decodes, False)] if together else [(decodes, False), (prefills, True)]
         for queue, is_prefill in queues:
             for seq in queue:
@@ -334,7 +334,7 @@ class Scheduler:
         the blocks it waits for)."""
         packer = self.packer
         key = self.ordering.key
-        urgency = getattr(self.ordering, "urgency", None)
+        urgency = self.ordering.urgency
         pool = [s for s in running_prefills if s.status is SeqStatus.RUNNING]
         slots = self.config.max_num_seqs - len(self.running)
         waiting = self.waiting
@@ -369,7 +369,7 @@ class Scheduler:
                 PrefillCandidate(
                     s.num_uncomputed_tokens,
                     s.num_computed_tokens + s.num_inflight_tokens,
-                    1.0 if urgency is None else urgency(s, now),
+                    urgency(s, now),
                 )
                 for s in chosen
             ]

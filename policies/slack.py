@@ -23,8 +23,11 @@ clamped to [0, 1]. Pure: ``now`` is an argument; times come from an injected est
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
+from policies.ordering import FCFS, Ordering
+from policies.registry import Registry
 from policies.sequence import Sequence
 
 DECODE = -math.inf  # the first key component of a request past its prompt
@@ -131,15 +134,16 @@ class ILRS(LRS):
         return (self.deadlines.relative_slack(seq, now), seq.arrival_time)
 
 
-POLICIES = ("fcfs", "edf", "lrs", "ilrs")
+# Every ordering by its ``scheduling`` name, each built from the replica's deadlines (FCFS
+# ignores them).
+ORDERINGS: Registry[Callable[[Deadlines], Ordering]] = Registry("scheduling policy")
+ORDERINGS.add("fcfs", lambda deadlines: FCFS())
+ORDERINGS.add("edf", EDF)
+ORDERINGS.add("lrs", LRS)
+ORDERINGS.add("ilrs", ILRS)
+POLICIES = ORDERINGS.names()
 
 
-def make_ordering(name: str, deadlines: Deadlines) -> EDF | LRS | ILRS:
-    """The deadline ordering ``name`` ("edf", "lrs" or "ilrs")."""
-    if name == "edf":
-        return EDF(deadlines)
-    if name == "lrs":
-        return LRS(deadlines)
-    if name == "ilrs":
-        return ILRS(deadlines)
-    raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(POLICIES)}")
+def make_ordering(name: str, deadlines: Deadlines) -> Ordering:
+    """The ordering ``name`` over ``deadlines``; ValueError naming the choices if unknown."""
+    return ORDERINGS.get(name)(deadlines)

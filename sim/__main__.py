@@ -18,7 +18,7 @@
 Traces are found in ../shared/data/traces from the repository root; --trace-dir overrides.
 Examples:
   python -m sim run --trace conversation --mode pd --policy conductor --admission early
-  python -m sim run --mode colocated --policy prefix-aware --instances 16 --speed 2
+  python -m sim run --mode colocated --policy prefix_aware --instances 16 --speed 2
   python -m sim report --jobs 2
 """
 

@@ -80,7 +80,7 @@ def execute(spec: RunSpec) -> RunResult:
 def prefill_scheduling(base: ClusterConfig, speed: float, limit: int | None) -> list[RunSpec]:
     names = {
         "random": "random",
-        "least-loaded": "load-balancing",
+        "least_loaded": "load-balancing",
         "local": "local cache-aware",
         "conductor": "global cache-aware (Conductor)",
     }
@@ -92,7 +92,7 @@ def prefill_scheduling(base: ClusterConfig, speed: float, limit: int | None) -> 
 
 def capacity_runs(base: ClusterConfig, speeds: list[float], limit: int | None) -> list[RunSpec]:
     pd = replace(base, mode="pd", policy="conductor", admission="none")
-    colocated = replace(base, mode="colocated", policy="round-robin")
+    colocated = replace(base, mode="colocated", policy="round_robin")
     out = []
     for s in speeds:
         out.append(RunSpec("P/D + Conductor (Mooncake-like)", pd, s, limit))

@@ -3,9 +3,10 @@
 ``ClusterConfig`` holds every knob the CLI exposes; ``build_cluster`` returns a fresh
 cluster (a cluster runs one trace once). Policy names:
 
-- colocated: ``random``, ``round-robin``, ``least-loaded``, ``p2c``, ``prefix-aware``,
-  ``consistent-hash`` (``policies.routing``);
-- disaggregated: ``random`` and ``least-loaded`` (load-balancing) pick the prefill instance
+- colocated: the runtime router's names (``policies.routing.ROUTING_POLICIES``: ``random``,
+  ``round_robin``, ``least_loaded``, ``power_of_two``, ``prefix_aware``,
+  ``consistent_hash``; ``-`` may stand for ``_``);
+- disaggregated: ``random`` and ``least_loaded`` (load-balancing) pick the prefill instance
   by those routing policies; ``local`` is the Conductor without cross-instance KV copies
   (local cache-aware, Mooncake section 4.1); ``conductor`` is the global Conductor with
   copies and hot-block replication (section 4.2).
@@ -15,35 +16,20 @@ from __future__ import annotations
 
 import functools
 import math
-import random
 from dataclasses import dataclass
 
 from placement.cost_model import CostModel, RooflineCostModel, decode_time, prefill_time
 from placement.gpus import get_gpu
 from placement.model_specs import get_model
 from policies.conductor import Conductor
-from policies.routing import (
-    ConsistentHash,
-    LeastLoaded,
-    PowerOfTwoChoices,
-    PrefixAware,
-    RandomRouting,
-    RoundRobin,
-    RoutingPolicy,
-)
+from policies.routing import ROUTING_POLICIES, make_routing_policy, routing_name
 from sim.cluster import ClusterBase, InstanceSpec
 from sim.colocated import ColocatedCluster
 from sim.disaggregated import DisaggregatedCluster
 
-COLOCATED_POLICIES = (
-    "random",
-    "round-robin",
-    "least-loaded",
-    "p2c",
-    "prefix-aware",
-    "consistent-hash",
-)
-PD_POLICIES = ("random", "least-loaded", "local", "conductor")
+COLOCATED_POLICIES = ROUTING_POLICIES.names()
+ROUTED_PD_POLICIES = ("random", "least_loaded")  # routing policies that pick the prefill
+PD_POLICIES = (*ROUTED_PD_POLICIES, "local", "conductor")
 
 
 @dataclass
@@ -69,21 +55,6 @@ class ClusterConfig:
 
 def make_cost(cfg: ClusterConfig) -> RooflineCostModel:
     return RooflineCostModel(get_model(cfg.model), get_gpu(cfg.gpu), tp=cfg.tp)
-
-
-def routing_policy(name: str, seed: int = 0) -> RoutingPolicy:
-    rng = random.Random(seed)
-    policies: dict[str, RoutingPolicy] = {
-        "random": RandomRouting(rng),
-        "round-robin": RoundRobin(),
-        "least-loaded": LeastLoaded(),
-        "p2c": PowerOfTwoChoices(rng),
-        "prefix-aware": PrefixAware(),
-        "consistent-hash": ConsistentHash(),
-    }
-    if name not in policies:
-        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(policies)}")
-    return policies[name]
 
 
 def make_conductor(cfg: ClusterConfig, cost: CostModel, global_cache: bool) -> Conductor:
@@ -127,10 +98,11 @@ def build_cluster(cfg: ClusterConfig, cost: CostModel | None = None) -> ClusterB
     hbm_blocks = make_cost(cfg).kv_capacity_tokens() // bs
     if cfg.mode == "colocated":
         spec = InstanceSpec(cost, hbm_blocks, bs, token_budget=cfg.colocated_budget)
-        return ColocatedCluster(cfg.instances, spec, routing_policy(cfg.policy, cfg.seed))
+        return ColocatedCluster(cfg.instances, spec, make_routing_policy(cfg.policy, cfg.seed))
     if cfg.mode != "pd":
         raise ValueError(f"mode must be 'pd' or 'colocated', not {cfg.mode!r}")
-    if cfg.policy not in PD_POLICIES:
+    policy = routing_name(cfg.policy)
+    if policy not in PD_POLICIES:
         raise ValueError(f"unknown P/D policy {cfg.policy!r}; known: {', '.join(PD_POLICIES)}")
     n_prefill = cfg.prefill if cfg.prefill is not None else cfg.instances // 2
     n_decode = cfg.instances - n_prefill
@@ -140,16 +112,16 @@ def build_cluster(cfg: ClusterConfig, cost: CostModel | None = None) -> ClusterB
         cost, max(hbm_blocks, cfg.prefill_cache_tokens // bs), bs, token_budget=cfg.prefill_budget
     )
     dspec = InstanceSpec(cost, hbm_blocks, bs, token_budget=cfg.colocated_budget, max_num_seqs=512)
-    routed = cfg.policy in ("random", "least-loaded")
+    routed = policy in ROUTED_PD_POLICIES
     return DisaggregatedCluster(
         n_prefill,
         n_decode,
         pspec,
         dspec,
-        make_conductor(cfg, cost, global_cache=cfg.policy == "conductor"),
+        make_conductor(cfg, cost, global_cache=policy == "conductor"),
         get_model(cfg.model).kv_bytes_per_token,
         nic_bandwidth=cfg.nic_bandwidth,
-        prefill_policy=routing_policy(cfg.policy, cfg.seed) if routed else None,
+        prefill_policy=make_routing_policy(policy, cfg.seed) if routed else None,
         baseline_admission=cfg.admission == "baseline",
         num_layers=get_model(cfg.model).num_layers,
     )

@@ -34,10 +34,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from policies.region_balancer import BalancerConfig
+from policies.routing import make_routing_policy
 from sim.closed_loop import ClientLoad, ClosedLoopClients, conversations
 from sim.cluster import InstanceSpec
 from sim.metrics import summarize
-from sim.presets import ClusterConfig, make_cost, routing_policy
+from sim.presets import ClusterConfig, make_cost
 from sim.regional_workload import split_regions
 from sim.regions import MultiRegionCluster
 from sim.traces import load_trace
@@ -52,10 +53,10 @@ SKYWALKER_SYSTEMS = {
 }
 EXACT_LOCAL = {"SkyWalker, exact local index"}
 GLOBAL_SYSTEMS = {
-    "global round robin": "round-robin",
-    "global least load": "least-loaded",
-    "global consistent hashing": "consistent-hash",
-    "global prefix-aware": "prefix-aware",
+    "global round robin": "round_robin",
+    "global least load": "least_loaded",
+    "global consistent hashing": "consistent_hash",
+    "global prefix-aware": "prefix_aware",
 }
 SYSTEMS = (*SKYWALKER_SYSTEMS, *GLOBAL_SYSTEMS)
 
@@ -120,7 +121,7 @@ def build(run: RegionRun) -> tuple[MultiRegionCluster, list]:
             follow=follow,
         )
     elif run.system in GLOBAL_SYSTEMS:
-        policy = routing_policy(GLOBAL_SYSTEMS[run.system], run.seed)
+        policy = make_routing_policy(GLOBAL_SYSTEMS[run.system], run.seed)
         cluster = MultiRegionCluster(
             replicas, spec, DELAY, region_of, global_policy=policy, follow=follow
         )

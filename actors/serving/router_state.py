@@ -16,7 +16,6 @@ cannot bring it back into the ranking.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,38 +23,10 @@ from typing import Any
 from policies.replica_stats import ReplicaStats
 from policies.routing import (
     ClusterView,
-    ConsistentHash,
-    LeastLoaded,
-    PowerOfTwoChoices,
-    PrefixAware,
-    RoundRobin,
     RouteRequest,
-    RoutingPolicy,
+    make_routing_policy,
+    routing_name,
 )
-
-# Name -> factory(rng, options). Names match the deployment config's ``routing`` field.
-_FACTORIES: dict[str, Callable[[random.Random, dict[str, Any]], RoutingPolicy]] = {
-    "round_robin": lambda rng, o: RoundRobin(**o),
-    "least_loaded": lambda rng, o: LeastLoaded(**o),
-    "power_of_two": lambda rng, o: PowerOfTwoChoices(rng, **o),
-    "prefix_aware": lambda rng, o: PrefixAware(**o),
-    "consistent_hash": lambda rng, o: ConsistentHash(**o),
-}
-POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
-
-
-def make_policy(name: str, seed: int = 0, **options: Any) -> RoutingPolicy:
-    """The policy called ``name`` (``-`` may stand for ``_``), built with ``options`` (its
-    constructor's keyword arguments); randomized policies draw from ``Random(seed)``."""
-    key = name.strip().lower().replace("-", "_")
-    if key not in _FACTORIES:
-        raise ValueError(
-            f"unknown routing policy {name!r}; known policies: {', '.join(POLICY_NAMES)}"
-        )
-    try:
-        return _FACTORIES[key](random.Random(seed), dict(options))
-    except TypeError as e:  # an option the policy's constructor does not take
-        raise ValueError(f"bad options for routing policy {key!r}: {e}") from None
 
 
 class RouterState:
@@ -69,11 +40,12 @@ class RouterState:
         pending_ttl: float = 5.0,
         **policy_options: Any,
     ) -> None:
-        """``policy``: one of ``POLICY_NAMES``; ``block_size``: tokens per block, the
-        replicas' (their block hashes and events use it); ``policy_options`` go to the
-        policy's constructor (e.g. ``max_imbalance=2048`` for ``prefix_aware``)."""
-        self.policy_name = policy.strip().lower().replace("-", "_")
-        self.policy = make_policy(policy, seed, **policy_options)
+        """``policy``: a name of ``policies.routing.ROUTING_POLICIES``; ``block_size``:
+        tokens per block, the replicas' (their block hashes and events use it);
+        ``policy_options`` go to the policy's constructor (e.g. ``max_imbalance=2048`` for
+        ``prefix_aware``)."""
+        self.policy_name = routing_name(policy)
+        self.policy = make_routing_policy(policy, seed, **policy_options)
         self.view = ClusterView(block_size, pending_ttl=pending_ttl)
         self.clock = clock
 

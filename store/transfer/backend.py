@@ -18,20 +18,12 @@ where it runs.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from policies.registry import Lazy, Registry
 from store.kv_store_errors import BackendUnavailableError
 from store.transfer.endpoint import CopyOps, Endpoint, LocalMemory, Ranges, normalize_ranges
-
-_REGISTRY: dict[str, str] = {
-    "shm": "store.transfer.shm_backend:ShmBackend",
-    "tcp": "store.transfer.tcp_backend:TcpBackend",
-    "nccl": "store.transfer.gpu_backends:NcclBackend",
-    "mooncake": "store.transfer.gpu_backends:MooncakeBackend",
-    "nixl": "store.transfer.nixl_backend:NixlBackend",
-}
 
 
 class TransferBackend(ABC):
@@ -65,26 +57,34 @@ class TransferBackend(ABC):
         """Release every mapping and connection."""
 
 
+# name -> backend class, imported when first asked for.
+TRANSFER_BACKENDS: Registry[type[TransferBackend]] = Registry(
+    "transfer backend", error=BackendUnavailableError
+)
+for _name, _module, _cls in (
+    ("shm", "store.transfer.shm_backend", "ShmBackend"),
+    ("tcp", "store.transfer.tcp_backend", "TcpBackend"),
+    ("nccl", "store.transfer.gpu_backends", "NcclBackend"),
+    ("mooncake", "store.transfer.gpu_backends", "MooncakeBackend"),
+    ("nixl", "store.transfer.nixl_backend", "NixlBackend"),
+):
+    TRANSFER_BACKENDS.add(_name, Lazy(_module, _cls))
+
+
 def backend_names() -> list[str]:
-    return list(_REGISTRY)
+    return list(TRANSFER_BACKENDS)
 
 
 def register_backend(name: str, target: str) -> None:
     """Add or replace a backend: ``target`` is ``"package.module:ClassName"``."""
-    if ":" not in target:
+    module, sep, cls = target.partition(":")
+    if not sep:
         raise ValueError("target must look like 'package.module:ClassName'")
-    _REGISTRY[name] = target
+    TRANSFER_BACKENDS.add(name, Lazy(module, cls), replace=True)
 
 
 def backend_class(name: str) -> type[TransferBackend]:
-    target = _REGISTRY.get(name)
-    if target is None:
-        raise BackendUnavailableError(
-            f"unknown transfer backend {name!r}; known: {', '.join(sorted(_REGISTRY))}"
-        )
-    module, _, cls = target.partition(":")
-    found: type[TransferBackend] = getattr(importlib.import_module(module), cls)
-    return found
+    return TRANSFER_BACKENDS.get(name)
 
 
 def create_backend(name: str, **kwargs: object) -> TransferBackend:

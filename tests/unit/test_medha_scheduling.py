@@ -137,7 +137,7 @@ def test_orderings_rank_by_deadline_slack_and_relative_slack():
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         make_ordering("sjf", d)
     assert isinstance(make_ordering("ilrs", d), ILRS)
-    assert not hasattr(FCFS(), "ranks_prefills")
+    assert FCFS().ranks_prefills is False and FCFS().urgency(b, 0.5) == 1.0
 
 
 # -- the batch packer ----------------------------------------------------------------------

@@ -4,13 +4,14 @@ from typing import Any
 
 import pytest
 
-from actors.serving.router_state import POLICY_NAMES, RouterState, make_policy
+from actors.serving.router_state import RouterState
 from policies.replica_stats import ReplicaStats
-from policies.routing import RouteRequest
+from policies.routing import ROUTING_POLICIES, RouteRequest, make_routing_policy
 from store.block_pool import BlockPool
 from store.hashing import chained_block_hashes
 
 BS = 4
+POLICY_NAMES = ROUTING_POLICIES.names()
 
 
 class FakeClock:
@@ -52,6 +53,7 @@ def test_unknown_policy_names_the_known_ones():
     for name in POLICY_NAMES:
         assert name in str(e.value)
     assert set(POLICY_NAMES) == {
+        "random",
         "round_robin",
         "least_loaded",
         "power_of_two",
@@ -61,7 +63,7 @@ def test_unknown_policy_names_the_known_ones():
     with pytest.raises(ValueError, match="bad options"):
         RouterState("round_robin", max_imbalance=3)
     # Options reach the policy; hyphens are accepted for underscores.
-    assert make_policy("prefix-aware", max_imbalance=7.0).max_imbalance == 7.0  # type: ignore[attr-defined]
+    assert make_routing_policy("prefix-aware", max_imbalance=7.0).max_imbalance == 7.0  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

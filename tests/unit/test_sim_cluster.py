@@ -54,9 +54,16 @@ def workload(n=40, rate=4.0, seed=0):
 
 CASES = [
     ("colocated", p, "none")
-    for p in ("random", "round-robin", "least-loaded", "p2c", "prefix-aware", "consistent-hash")
+    for p in (
+        "random",
+        "round_robin",
+        "least_loaded",
+        "power_of_two",
+        "prefix_aware",
+        "consistent_hash",
+    )
 ]
-CASES += [("pd", p, "none") for p in ("random", "least-loaded", "local", "conductor")]
+CASES += [("pd", p, "none") for p in ("random", "least_loaded", "local", "conductor")]
 CASES += [("pd", "conductor", a) for a in ("early", "predictive", "baseline")]
 
 
@@ -83,7 +90,7 @@ def test_every_request_is_accounted_for(mode, policy, admission):
 
 
 def test_prefix_sharing_reaches_the_real_block_pool():
-    cluster = build_cluster(small("colocated", "prefix-aware"))
+    cluster = build_cluster(small("colocated", "prefix_aware"))
     stats = cluster.run(workload())
     assert sum(s.cached_tokens for s in stats) > 0
 
@@ -102,7 +109,7 @@ def test_sim_defines_no_scheduler_router_or_conductor():
 def test_sim_uses_the_runtime_policy_classes():
     pd = build_cluster(small("pd", "conductor"))
     assert type(pd.conductor) is Conductor
-    col = build_cluster(small("colocated", "prefix-aware"))
+    col = build_cluster(small("colocated", "prefix_aware"))
     assert type(col.policy).__module__ == "policies.routing"
     for cluster in (pd, col):
         for inst in cluster.instances():
