@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_model import write_bench_model  # noqa: E402
 
 from actors.disagg.cluster import PDCluster  # noqa: E402
-from actors.disagg.replica_loop import split_cores  # noqa: E402
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
+from actors.engine.replica_loop import split_cores  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 
 ENGINE = dict(block_size=16, chunk_size=512, token_budget=1024, max_num_seqs=32)

@@ -72,10 +72,10 @@ from actors.disagg.messages import (
 from actors.disagg.pd_request import PDRequest
 from actors.disagg.prefill import PrefillReplica
 from actors.disagg.read_paths import ReadPaths
-from actors.disagg.replica_loop import split_cores
 from actors.disagg.store_view import PDStore, StoreConfig
 from actors.engine.config import EngineConfig
 from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.replica_loop import split_cores
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams

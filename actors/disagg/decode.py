@@ -42,10 +42,10 @@ from actors.disagg.messages import (
     ReservationLost,
     TokenDelta,
 )
-from actors.disagg.replica_loop import ReplicaLoop
 from actors.engine.config import EngineConfig
 from actors.engine.executor import LocalExecutor
 from actors.engine.replica_controller import ReplicaController
+from actors.engine.replica_loop import ReplicaLoop
 from actors.kvstore.shard import KVStoreClient
 from models import tiny_model_dir
 from models.config import read_model_config
@@ -130,7 +130,9 @@ class DecodeReplica(LoopedReplica):
         self._recoveries = 0
         self._reserved_blocks: dict[str, int] = {}
         self.stats = self._stats()
-        self.loop = ReplicaLoop(self._iterate, f"decode-{replica_id}", cpus=cpus, threads=threads)
+        self.loop = ReplicaLoop(
+            self._iterate, f"decode-{replica_id}", cpu_cores=cpus, torch_threads=threads
+        )
 
     def node(self) -> str:
         return self.targets[0].endpoint.node_id

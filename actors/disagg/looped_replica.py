@@ -5,8 +5,8 @@ and the Conductor's long poll."""
 from __future__ import annotations
 
 from actors.disagg.messages import DecodeStats, PrefillStats, Report
-from actors.disagg.replica_loop import ReplicaLoop
 from actors.engine.replica_controller import ReplicaController
+from actors.engine.replica_loop import ReplicaLoop
 
 
 class LoopedReplica:

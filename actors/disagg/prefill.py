@@ -47,9 +47,9 @@ from actors.disagg.messages import (
     PrefillTask,
     StoreLoad,
 )
-from actors.disagg.replica_loop import ReplicaLoop
 from actors.engine.config import EngineConfig
 from actors.engine.replica_controller import ReplicaController
+from actors.engine.replica_loop import ReplicaLoop
 from actors.engine.step_plan import StepPlan
 from actors.engine.worker_hooks import KVCaches, PrivateKVCache, WorkerHooks
 from actors.kvstore.shard import KVStoreClient, current_node_id
@@ -156,7 +156,9 @@ class PrefillReplica(LoopedReplica):
         self.layers_streamed = 0
         self._step_end = 0.0  # when the last step's compute and stream ended
         self.stats = self._stats()
-        self.loop = ReplicaLoop(self._iterate, f"prefill-{replica_id}", cpus=cpus, threads=threads)
+        self.loop = ReplicaLoop(
+            self._iterate, f"prefill-{replica_id}", cpu_cores=cpus, torch_threads=threads
+        )
 
     def node(self) -> str:
         return self.node_id

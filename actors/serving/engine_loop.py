@@ -2,9 +2,11 @@
 
 An engine (``ServingEngine``: a ``ReplicaController`` as ``ColocatedEngine``, or a
 ``PDCluster`` as ``actors.disagg.engine.PDEngine``) blocks for a whole iteration in ``step()``
-and is not thread-safe, so it never runs on an event loop: one engine thread owns it (every
-call into it but ``validate``, which reads immutable sizes, happens on that thread, placement
-and ``shutdown`` included), and other threads talk to it through a command queue. Results
+and is not thread-safe, so it never runs on an event loop: the engine thread of a
+``ReplicaLoop`` (``actors.engine.replica_loop``, the loop every replica runs in) owns it
+(every call into it but ``validate``, which reads immutable sizes, happens on that thread,
+placement and ``shutdown`` included), and other threads talk to it through the loop's
+command queue. Results
 flow back through per-request sinks (posted to the loop's ``LoopMailbox``: one wake-up per
 burst), so the event loop only ever waits on ``asyncio.Queue``s.
 
@@ -25,18 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
-import os
-import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused, Verdict
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
+from actors.engine.replica_loop import ReplicaLoop
 from actors.engine.request_limits import RequestLimits
 from actors.engine.step_plan import StepResult
 from actors.serving.loop_mailbox import mailbox_of
@@ -214,24 +215,6 @@ class ColocatedEngine(ReplicaController):
         return {f"kvp{rank}": n for rank, n in enumerate(self.kv.check_blocks())}
 
 
-# Commands to the engine thread.
-@dataclass(frozen=True)
-class _Add:
-    requests: list[Request]  # the choices of one request, choice i at index i
-    sink: Sink
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Call:
-    fn: Callable[[Any], Any]
-    future: concurrent.futures.Future
-
-
 class EngineLoop:
     def __init__(
         self,
@@ -242,11 +225,8 @@ class EngineLoop:
         """``cpu_cores``: the engine thread runs only on these cores (``EngineConfig``)."""
         self.engine = engine
         self.max_waiting = max_waiting
-        self.cpu_cores = set(cpu_cores) if cpu_cores else None
         # a disaggregated engine (PDEngine) also reports its transfer and store counters
         self.metrics = ReplicaMetrics(getattr(engine, "pd_counters", None), min_interval_s=0.2)
-        self._cmds: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._sinks: dict[str, tuple[Sink, int]] = {}  # engine thread only
         self._lock = threading.Lock()  # guards the published fields below
         self._events: list[tuple[str, int]] = []
@@ -256,10 +236,11 @@ class EngineLoop:
         self._metrics: MetricsSnapshot = self.metrics.snapshot()
         self._submitted = 0  # requests queued but not yet seen by the engine thread
         self._held = 0  # requests the engine thread holds (published with the stats)
-        self._stop = False
         self._last_publish = 0.0
-        self._thread = threading.Thread(target=self._run, name="meridian-engine", daemon=True)
-        self._thread.start()
+        self._idle_since: float | None = None  # engine thread only
+        self._loop = ReplicaLoop(
+            self._iterate, "meridian-engine", cpu_cores=cpu_cores, on_exit=self._stopped
+        )
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, requests: Sequence[Request], sink: Sink) -> None:
@@ -268,7 +249,7 @@ class EngineLoop:
 
         Raises OverloadedError (the queue is full; nothing queued), EngineUnavailableError
         (the engine thread has stopped)."""
-        if not self._thread.is_alive():
+        if not self._loop.is_alive():
             raise EngineUnavailableError("the engine thread is not running; retry the request")
         with self._lock:
             waiting = self._stats.num_waiting + self._submitted
@@ -277,24 +258,21 @@ class EngineLoop:
                     f"the replica has {waiting} queued requests (limit {self.max_waiting})"
                 )
             self._submitted += len(requests)
-        self._cmds.put(_Add(list(requests), sink))
-        self._wake.set()
+        choices = list(requests)  # choice i at index i
+        self._loop.post(lambda: self._add(choices, sink))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
-            self._cmds.put(_Abort(rid))
-        self._wake.set()
+            self._loop.post(functools.partial(self._abort_if_held, rid))
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between steps; its result or exception
         lands on the returned future."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self._thread.is_alive():
+        if not self._loop.is_alive():
+            fut: concurrent.futures.Future = concurrent.futures.Future()
             fut.set_exception(EngineUnavailableError("the engine thread is not running"))
             return fut
-        self._cmds.put(_Call(fn, fut))
-        self._wake.set()
-        return fut
+        return self._loop.call(lambda: fn(self.engine))
 
     async def stream(self, requests: Sequence[Request]) -> AsyncGenerator[Accepted | Event, None]:
         """Yield ``Accepted`` once the engine took every choice, then ``Delta`` events and
@@ -377,109 +355,82 @@ class EngineLoop:
     def request_resync(self) -> None:
         with self._lock:
             self._want_resync = True
-        self._wake.set()
+        self._loop.wake()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._loop.is_alive()
 
     def drain(self, timeout: float) -> bool:
         """Wait (blocking) until the engine holds no request and none is queued for it, at
         most ``timeout`` seconds; True when it drained. New requests are still taken: the
         caller stops sending them first (Serve stops routing to a replica it removes)."""
         deadline = time.monotonic() + timeout
-        while self._thread.is_alive():
+        while self._loop.is_alive():
             with self._lock:
                 if self._held == 0 and self._submitted == 0:
                     return True
             if time.monotonic() >= deadline:
                 return False
-            self._wake.set()  # an idle engine thread publishes at once
+            self._loop.wake()  # an idle engine thread publishes at once
             time.sleep(0.02)
         return True  # a dead engine thread holds nothing any more
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; it fails what still runs and shuts the engine down.
         Idempotent."""
-        self._stop = True
-        self._wake.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=timeout)
+        self._loop.stop(timeout)
 
     # -- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
+    def _iterate(self) -> bool:
+        """One pass of the loop: a step if the engine has work (True), else publish and
+        let idle workers stop polling (False: the loop waits). An exception outside the
+        step is a bug: the loop ends and ``_stopped`` fails what runs (retriable)."""
+        if not self.engine.has_unfinished():
+            self._publish(force=True)
+            if self._idle_since is None:
+                self._idle_since = time.monotonic()
+            elif time.monotonic() - self._idle_since > IDLE_RELEASE_S:
+                self.engine.on_idle()  # compiled-graph workers stop spinning a core
+            return False
+        self._idle_since = None
         try:
-            if self.cpu_cores:
-                os.sched_setaffinity(0, self.cpu_cores)  # 0: this thread (Linux)
-            self._serve_until_stopped()
-        except Exception:  # a bug: fail what runs (retriable) rather than leave it hanging
-            log.exception("the engine thread failed")
-        self._stopped()
-
-    def _serve_until_stopped(self) -> None:
-        idle_since: float | None = None
-        while not self._stop:
-            self._wake.clear()
-            self._apply_commands()
-            if not self.engine.has_unfinished():
-                self._publish(force=True)
-                if idle_since is None:
-                    idle_since = time.monotonic()
-                elif time.monotonic() - idle_since > IDLE_RELEASE_S:
-                    self.engine.on_idle()  # compiled-graph workers stop spinning a core
-                self._wake.wait(0.5)
+            deltas = self.engine.step()
+            self.metrics.on_deltas(deltas, time.monotonic())
+        except Exception as e:  # a bug or a dead worker: fail what runs, keep serving
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {e}; retry the request")
+            self._publish(force=True)
+            return True
+        for d in deltas:
+            entry = self._sinks.get(d.request_id)
+            if entry is None:
                 continue
-            idle_since = None
-            try:
-                deltas = self.engine.step()
-                self.metrics.on_deltas(deltas, time.monotonic())
-            except Exception as e:  # a bug or a dead worker: fail what runs, keep serving
-                log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {e}; retry the request")
-                self._publish(force=True)
-                continue
-            for d in deltas:
-                entry = self._sinks.get(d.request_id)
-                if entry is None:
-                    continue
-                entry[0](Delta(entry[1], d))
-                if d.finished:
-                    # The loop's own aborts never come back as deltas: an aborted one here
-                    # was lost by the engine (a replica died), so it is a retriable error.
-                    lost = d.finish_reason == "abort"
-                    error = "the request was lost; retry it" if lost else None
-                    try:
-                        self._finish(d.request_id, error)
-                    except Exception as e:  # a bug: fail this request, never the thread
-                        log.exception("could not finish %s", d.request_id)
-                        self._abort(d.request_id, f"the request failed: {e}; retry it")
-            self._publish()
+            entry[0](Delta(entry[1], d))
+            if d.finished:
+                # The loop's own aborts never come back as deltas: an aborted one here
+                # was lost by the engine (a replica died), so it is a retriable error.
+                lost = d.finish_reason == "abort"
+                error = "the request was lost; retry it" if lost else None
+                try:
+                    self._finish(d.request_id, error)
+                except Exception as e:  # a bug: fail this request, never the thread
+                    log.exception("could not finish %s", d.request_id)
+                    self._abort(d.request_id, f"the request failed: {e}; retry it")
+        self._publish()
+        return True
 
     def _stopped(self) -> None:
-        self._stop = True  # from now on ``_add`` refuses
-        self._apply_commands()
+        """The loop ended (``stopping``: from now on ``_add`` refuses; the loop runs what
+        was submitted before and after this): fail what runs, shut the engine down."""
         self._fail_all("the replica is shutting down; retry the request")
         try:
             self.engine.shutdown()
         except Exception:
             log.exception("engine shutdown failed")
-        self._apply_commands()  # refuse what was submitted meanwhile
 
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Add):
-                self._add(cmd.requests, cmd.sink)
-            elif isinstance(cmd, _Abort):
-                if cmd.request_id in self._sinks:
-                    self._abort(cmd.request_id)
-            else:
-                try:
-                    cmd.future.set_result(cmd.fn(self.engine))
-                except Exception as e:
-                    cmd.future.set_exception(e)
+    def _abort_if_held(self, rid: str) -> None:
+        if rid in self._sinks:
+            self._abort(rid)
 
     def _add(self, requests: list[Request], sink: Sink) -> None:
         """Every choice is added, or none is left in the engine and the request is refused."""
@@ -488,7 +439,7 @@ class EngineLoop:
             self._held += len(requests)  # until the next publish counts the sinks
         added: list[str] = []
         refusal: MeridianError | None = None
-        if self._stop:
+        if self._loop.stopping:
             refusal = EngineUnavailableError("the replica is shutting down; retry the request")
         for request in requests:
             if refusal is not None:

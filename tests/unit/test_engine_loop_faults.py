@@ -121,7 +121,9 @@ def test_a_bug_in_the_loop_fails_what_it_held_and_refuses_new_requests():
 
     try:
         asyncio.run(asyncio.wait_for(run(), 10))
-        loop._thread.join(10)
+        deadline = time.monotonic() + 10
+        while loop.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not loop.is_alive() and engine.shut_down
         with pytest.raises(EngineUnavailableError):
             asyncio.run(asyncio.wait_for(ends(loop, "late"), 10))

@@ -1,15 +1,17 @@
 """A replica's own loop: commands run on the loop thread between steps, in order; the
 long poll returns what was emitted, waiting only while nothing was; a failing step stops
-the loop and is reported."""
+the loop and is reported; ``on_exit`` runs on the loop thread once it ends; ``cpu_cores``
+pins the loop thread and no other."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 
-from actors.disagg.replica_loop import ReplicaLoop, split_cores
+from actors.engine.replica_loop import ReplicaLoop, split_cores
 
 
 def test_commands_run_in_order_on_the_loop_thread_between_steps():
@@ -64,3 +66,30 @@ def test_split_cores_keeps_prefill_and_decode_apart():
         pytest.skip("one core: nothing to split")
     assert cores["p0"] == cores["p1"]
     assert not set(cores["p0"]) & set(cores["d0"])
+
+
+def test_on_exit_runs_on_the_loop_thread_between_what_was_posted():
+    seen: list[str] = []
+    box: dict[str, ReplicaLoop] = {}
+
+    def on_exit() -> None:
+        assert box["loop"].stopping
+        seen.append(f"exit on {threading.current_thread().name}")
+        box["loop"].post(lambda: seen.append("after"))
+
+    loop = box["loop"] = ReplicaLoop(lambda: False, "exiting", idle_wait_s=5.0, on_exit=on_exit)
+    loop.post(lambda: seen.append("before"))
+    loop.stop()
+    assert seen == ["before", "exit on exiting", "after"] and not loop.is_alive()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_cpu_cores_pin_the_loop_thread_only():
+    before = os.sched_getaffinity(0)
+    core = max(before)
+    loop = ReplicaLoop(lambda: False, "pinned", idle_wait_s=0.01, cpu_cores=[core])
+    try:
+        assert loop.call(lambda: os.sched_getaffinity(0)).result(timeout=5) == {core}
+        assert os.sched_getaffinity(0) == before
+    finally:
+        loop.stop()

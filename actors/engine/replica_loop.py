@@ -1,16 +1,26 @@
-"""A replica's own engine loop: one thread owns the replica's engine and steps it whenever
-it has work; nobody steps it from outside.
+"""A replica's own engine loop: one thread owns the replica's engine and steps it whenever it
+has work; nobody steps it from outside. Colocated replicas (``actors.serving.engine_loop.
+EngineLoop``, the request API over this loop) and prefill / decode replicas
+(``actors.disagg``) run in it alike.
 
-Other threads (the actor's method calls) talk to it only through the loop:
+Other threads talk to the engine only through the loop:
 
 - ``post(fn)`` / ``call(fn)`` run ``fn()`` on the loop thread between two steps (``call``
-  returns a future), so the engine is never touched by two threads;
+  returns a future), in the order they were posted, so the engine is never touched by two
+  threads;
 - ``emit(event)`` (loop thread) appends to the outbox, and ``take(timeout)`` (any thread)
   returns what accumulated, waiting up to ``timeout`` for something to arrive: the
   Conductor's long poll.
 
-``pin(cpus, threads)`` binds the loop (and the torch threads it starts) to some cores, so a
-prefill replica and a decode replica on one machine do not share a core.
+Invariants: a step that raises ends the loop (``error``). Once the loop ends, ``stopping``
+is true; with an ``on_exit`` (the engine's shutdown) the loop thread then runs what was
+posted, ``on_exit``, and what was posted meanwhile; without one, what was posted before
+a ``stop`` still runs.
+
+Cores: ``cpu_cores`` pins the loop thread (and the threads it starts, torch's included,
+which inherit the set) and no other thread of the process; ``torch_threads`` caps torch's
+intra-op threads. ``split_cores`` gives prefill and decode replicas on one node cores
+of their own.
 """
 
 from __future__ import annotations
@@ -20,24 +30,20 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def pin(cpus: list[int] | None, threads: int | None) -> None:
-    """Bind every thread of this process to ``cpus`` and cap torch's intra-op threads."""
-    import torch
+def pin_this_thread(cpu_cores: Sequence[int] | None, torch_threads: int | None) -> None:
+    """Bind the calling thread to ``cpu_cores`` (Linux) and cap torch's intra-op threads."""
+    if torch_threads is not None:
+        import torch
 
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if cpus and hasattr(os, "sched_setaffinity"):
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except OSError:
-                pass  # a thread that just ended
+        torch.set_num_threads(torch_threads)
+    if cpu_cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cpu_cores))  # 0: the calling thread
 
 
 def split_cores(num_prefill: int, num_decode: int) -> dict[str, list[int]]:
@@ -60,18 +66,22 @@ class ReplicaLoop:
         step: Callable[[], bool],
         name: str,
         idle_wait_s: float = 0.5,
-        cpus: list[int] | None = None,
-        threads: int | None = None,
+        cpu_cores: Sequence[int] | None = None,
+        torch_threads: int | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
-        """``step()`` runs one iteration if there is work and says whether it ran one."""
+        """``step()`` runs one iteration if there is work and says whether it ran one;
+        without work the loop sleeps up to ``idle_wait_s`` or until something is posted.
+        ``on_exit()`` runs on the loop thread once the loop ends (stopped or failed)."""
         self._step = step
         self._idle_wait_s = idle_wait_s
+        self._on_exit = on_exit
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._out: list[Any] = []
         self._out_cond = threading.Condition()
         self._stop = False
-        self._pin = (cpus, threads)
+        self._pin = (list(cpu_cores) if cpu_cores else None, torch_threads)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -82,6 +92,7 @@ class ReplicaLoop:
         self._wake.set()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn()`` on the loop thread; its result or exception lands on the future."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def run() -> None:
@@ -96,6 +107,10 @@ class ReplicaLoop:
         self.post(run)
         return fut
 
+    def wake(self) -> None:
+        """End an idle wait now (the next pass runs at once)."""
+        self._wake.set()
+
     def take(self, timeout: float) -> list[Any]:
         """Events emitted since the last take; waits up to ``timeout`` s for the first."""
         with self._out_cond:
@@ -104,11 +119,17 @@ class ReplicaLoop:
             out, self._out = self._out, []
         return out
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the loop and wait for its thread (``on_exit`` included). Idempotent."""
         self._stop = True
         self._wake.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
+
+    @property
+    def stopping(self) -> bool:
+        """``stop`` was called or the loop ended."""
+        return self._stop
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -120,7 +141,8 @@ class ReplicaLoop:
             self._out.extend(events)
             self._out_cond.notify_all()
 
-    def _apply(self) -> None:
+    def run_posted(self) -> None:
+        """Run what was posted, in order (loop thread only)."""
         while True:
             try:
                 fn = self._cmds.get_nowait()
@@ -129,16 +151,21 @@ class ReplicaLoop:
             fn()
 
     def _run(self) -> None:
-        pin(*self._pin)
         try:
+            pin_this_thread(*self._pin)
             while not self._stop:
                 self._wake.clear()
-                self._apply()
+                self.run_posted()
                 if not self._step():
                     self._wake.wait(self._idle_wait_s)
-            self._apply()
-        except BaseException as e:  # a bug: the replica stops; its actor reports it dead
-            log.exception("replica loop failed")
+            self.run_posted()
+        except BaseException as e:  # a bug: the replica stops; its owner reports it dead
+            log.exception("%s failed", self._thread.name)
             self.error = e
             with self._out_cond:
                 self._out_cond.notify_all()
+        self._stop = True
+        if self._on_exit is not None:
+            self.run_posted()
+            self._on_exit()
+            self.run_posted()
