@@ -52,14 +52,19 @@ class LLM:
             if num_replicas is not None:
                 raise InvalidRequestError("give num_replicas or num_prefill/num_decode, not both")
             from actors.disagg.cluster import PDCluster
+            from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
 
-            self.remote = _Disaggregated(
-                PDCluster(model, num_prefill or 1, num_decode or 1, **engine_options)
+            config = PDClusterConfig(
+                None if model is None else str(model),
+                EngineConfig.from_options(**engine_options),
+                prefill=PDSideConfig(num_prefill or 1),
+                decode=PDSideConfig(num_decode or 1),
             )
+            self.remote = _Disaggregated(PDCluster(config))
             self.tokenizer = self.remote.cluster.tokenizer
             return
         if num_replicas is None:
-            self.engine = ReplicaController(model, **engine_options)
+            self.engine = ReplicaController.build(model, **engine_options)
             self.builder = self.engine.request_builder()
             self.tokenizer = self.engine.tokenizer
             return

@@ -49,7 +49,9 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.disagg.cluster import PDCluster  # noqa: E402
+from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig  # noqa: E402
 from actors.disagg.store_view import StoreConfig  # noqa: E402
+from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from store.transfer.links import EXEC, KV, Link, LinkBudget  # noqa: E402
 
@@ -65,13 +67,14 @@ def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, l
         chunk_bytes=16 << 10,
     )
     pd = PDCluster(
-        None,
-        store=StoreConfig(dram_bytes=256 << 20, write_back=True),
-        read_path=read_path,
-        prefill_replica_options={"link_budget": budget},
-        decode_replica_options={"link_budget": budget},
-        fit_costs=False,
-        **ENGINE,
+        PDClusterConfig(
+            engine=EngineConfig(**ENGINE),
+            prefill=PDSideConfig(link_budget=budget),
+            decode=PDSideConfig(link_budget=budget),
+            store=StoreConfig(dram_bytes=256 << 20, write_back=True),
+            read_path=read_path,
+            fit_costs=False,
+        )
     )
     rng = random.Random(args.seed)
     contexts = [

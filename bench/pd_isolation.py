@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_model import write_bench_model  # noqa: E402
 
 from actors.disagg.cluster import PDCluster  # noqa: E402
+from actors.disagg.cluster_config import PDClusterConfig  # noqa: E402
+from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.replica_loop import split_cores  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
@@ -117,8 +119,9 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    colocated = ReplicaController(model_dir, dtype=torch.float32, **ENGINE)
-    pd = PDCluster(model_dir, 1, 1, pin_cores=True, dtype=torch.float32, **ENGINE)
+    colocated = ReplicaController.build(model_dir, dtype=torch.float32, **ENGINE)
+    engine = EngineConfig(dtype=torch.float32, **ENGINE)
+    pd = PDCluster(PDClusterConfig(str(model_dir), engine, pin_cores=True))
     if args.pin_client and hasattr(os, "sched_setaffinity"):
         # this process is the P/D deployment's client: keep it off the decode replica's cores
         os.sched_setaffinity(0, split_cores(1, 1)["p0"])

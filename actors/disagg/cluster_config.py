@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from actors.disagg.conductor import ConductorOptions
 from actors.disagg.dualpath_placement import SCHEDULERS
@@ -103,7 +104,7 @@ class PDClusterConfig:
     def side_engine(self, side: PDSideConfig) -> EngineConfig:
         """The engine config of each replica of ``side``: its layout over ``engine``, its
         workers also reserving ``node_resources``."""
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         if side.tp is not None:
             changes["tp"] = side.tp
         if side.spp is not None:
@@ -111,4 +112,4 @@ class PDClusterConfig:
         if self.node_resources:
             pinned = self.engine.worker_resources or {}
             changes["worker_resources"] = {**pinned, **self.node_resources}
-        return dataclasses.replace(self.engine, **changes) if changes else self.engine  # type: ignore[arg-type]
+        return dataclasses.replace(self.engine, **changes) if changes else self.engine

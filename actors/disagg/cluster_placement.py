@@ -12,52 +12,64 @@
 4. The side that reads the stored prefix (``ReadPaths``: a fixed mode, the shorter read
    queue, or DualPath's choice), then the prefill task is queued on the prefill replica.
 
-Invariant: an accepted attempt has its key in ``_by_key`` and its reservation on the
-decode replica before its prefill task is queued.
+Invariant: an accepted attempt is bound to its key in the ``RequestTable`` and has its
+reservation on the decode replica before its prefill task is queued. A replica found dead
+here is handed to ``Recovery`` (it replaces the replica and queues its requests again).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from typing import TYPE_CHECKING
 
 import ray
 
-from actors.disagg.cluster_faults import call_replica
+from actors.disagg.cluster_faults import Recovery
 from actors.disagg.conductor import RequestRejected
 from actors.disagg.decode import RemoteDecode
+from actors.disagg.dualpath_placement import DualPathPlacer
 from actors.disagg.messages import PrefillTask
 from actors.disagg.pd_request import PDRequest
-from actors.disagg.store_view import DEAD
-from policies.conductor import ConductorRequest, apply_decision
+from actors.disagg.read_paths import ReadPaths
+from actors.disagg.replica_set import ReplicaSet, call_replica
+from actors.disagg.request_table import RequestTable
+from actors.disagg.store_view import DEAD, PDStore
+from policies.conductor import Conductor, ConductorRequest, apply_decision
 from policies.dualpath import DECODE_PATH, PREFILL_PATH, Assignment
 from policies.request import Request
 
-if TYPE_CHECKING:
-    from actors.disagg.cluster import PDCluster
-
 
 class RequestPlacement:
-    """Placement of one ``PDCluster``'s requests (it owns the replicas and the views)."""
+    """Placement of one ``PDCluster``'s requests onto its replicas."""
 
-    def __init__(self, cluster: PDCluster) -> None:
-        self.cluster = cluster
+    def __init__(
+        self,
+        table: RequestTable,
+        replicas: ReplicaSet,
+        recovery: Recovery,
+        conductor: Conductor,
+        store: PDStore | None,
+        read_paths: ReadPaths,
+        dualpath: DualPathPlacer | None,
+        block_size: int,
+    ) -> None:
+        self.table, self.replicas, self.recovery = table, replicas, recovery
+        self.conductor, self.store, self.read_paths = conductor, store, read_paths
+        self.dualpath, self.block_size = dualpath, block_size
+        self.replicated_blocks = 0  # blocks copied into a chosen instance's home shard
 
     def stored_blocks(self, request: Request) -> int:
         """How many of the prompt's leading blocks the KV store holds (the last prompt
         token is always computed)."""
-        c = self.cluster
-        if c.store is None:
+        if self.store is None:
             return 0
-        usable = request.block_hashes[: (request.num_prompt_tokens - 1) // c.block_size]
-        return c.store.client.directory.best_holder(usable)[1]
+        usable = request.block_hashes[: (request.num_prompt_tokens - 1) // self.block_size]
+        return self.store.client.directory.best_holder(usable)[1]
 
     def place(self, req: PDRequest) -> None:
         """Place one request (or its next attempt): choose (prefill, decode) by the
         Conductor or DualPath's rules, reserve its KV on decode, copy wanted blocks, pick
         the read side, queue its prefill; raises ``RequestRejected`` when it cannot now."""
-        c = self.cluster
+        r, conductor = self.replicas, self.conductor
         now = time.monotonic()
         request = req.request
         creq = ConductorRequest(
@@ -65,41 +77,41 @@ class RequestPlacement:
             request.block_hashes,
             request.num_prompt_tokens,
             request.params.max_tokens,
-            c.block_size,
+            self.block_size,
         )
-        if c.store is not None:
-            c.store.refresh()
+        if self.store is not None:
+            self.store.refresh()
         prefills = []
-        for view in c.prefill_views.values():
-            view.cached = c._local_cached[view.instance_id] | self.home_blocks(view.instance_id)
+        for view in r.prefill_views.values():
+            view.cached = r.local_cached[view.instance_id] | self.home_blocks(view.instance_id)
             prefills.append(view)
-        decodes = list(c.decode_views.values())
+        decodes = list(r.decode_views.values())
         rule: Assignment | None = None  # DualPath's placement, with its read side
         hit = self.stored_blocks(request)
-        if c.dualpath is not None:
-            in_prefill = Counter(r.prefill_id or "" for r in c._reqs.values() if r.in_prefill)
-            queues = c.read_paths.tokens(c.block_size)
-            decision, rule = c.dualpath.decide(
-                creq, hit, prefills, in_prefill, decodes, queues, c.conductor
+        if self.dualpath is not None:
+            in_prefill = self.table.in_prefill_counts()
+            queues = self.read_paths.tokens(self.block_size)
+            decision, rule = self.dualpath.decide(
+                creq, hit, prefills, in_prefill, decodes, queues, conductor
             )
         else:
-            decision = c.conductor.schedule(creq, prefills, decodes, now)
+            decision = conductor.schedule(creq, prefills, decodes, now)
         if not decision.accepted:
             raise RequestRejected(decision.reason, decision.retry_after or 1.0)
         pid, did = decision.prefill_id, decision.decode_id
         assert pid is not None and did is not None
         key = f"{request.request_id}#{req.attempts + 1}"
-        decode = c.decodes[did]
+        decode = r.decodes[did]
         try:
             dest = ray.get(decode.reserve.remote(key, request))
         except DEAD:
-            c.recovery.decode_died(did)
-            raise RequestRejected("decode_restarting", c.conductor.min_retry_after) from None
+            self.recovery.decode_died(did)
+            raise RequestRejected("decode_restarting", conductor.min_retry_after) from None
         if dest is None:  # the view was stale: the instance has no room now
-            raise RequestRejected("decode_full", c.conductor.min_retry_after)
+            raise RequestRejected("decode_full", conductor.min_retry_after)
         wanted = decision.replicate_blocks
         if decision.transfer_from is not None:  # this request reads the copied prefix
-            mine = c.prefill_views[pid].cached
+            mine = r.prefill_views[pid].cached
             hashes = request.block_hashes[: decision.cached_blocks]
             wanted = [h for h in hashes if h not in mine]
         source = decision.replicate_from or decision.transfer_from
@@ -107,38 +119,37 @@ class RequestPlacement:
         if wanted and source is not None:
             self.copy_blocks(request, wanted, source, pid)
         req.start_attempt(key, pid, did)
-        c._by_key[key] = req
+        self.table.bind(key, req)
         if rule is None:
-            path = c.read_paths.choose(key, hit, pid, did) if c.store else PREFILL_PATH
+            path = self.read_paths.choose(key, hit, pid, did) if self.store else PREFILL_PATH
         else:
             path = rule.path if hit else PREFILL_PATH  # nothing stored: nothing to relay
-            c.read_paths.record(key, path, rule.read_node, hit)
+            self.read_paths.record(key, path, rule.read_node, hit)
         task = PrefillTask(
             key,
             request,
             dest,
             RemoteDecode(decode),
-            c.home_shard(pid),
+            r.home_shard(pid),
             read_path=path,
             relay=decode if path == DECODE_PATH else None,
         )
-        if not call_replica(c.prefills[pid].submit, task):
-            c.recovery.prefill_died(pid)  # places this request again
+        if not call_replica(r.prefills[pid].submit, task):
+            self.recovery.prefill_died(pid)  # queues this request again
 
     def home_blocks(self, pid: str) -> set[int]:
-        c = self.cluster
-        return c.store.blocks_of(c.home_shard(pid)) if c.store else set()
+        return self.store.blocks_of(self.replicas.home_shard(pid)) if self.store else set()
 
     def copy_blocks(self, request: Request, hashes: list[int], src_pid: str, dst_pid: str) -> None:
         """Copy blocks the Conductor wants on ``dst_pid`` into its home shard, from a shard
         (``src_pid``'s home first) or out of ``src_pid``'s own cache."""
-        c = self.cluster
-        dst = c.home_shard(dst_pid)
-        if c.store is None or dst is None:
+        r = self.replicas
+        dst = r.home_shard(dst_pid)
+        if self.store is None or dst is None:
             return  # no store: nowhere to copy to
 
         def export(rest: list[int]) -> int:
-            handle = c.prefills[src_pid]
+            handle = r.prefills[src_pid]
             try:
                 ref = handle.export_blocks.remote(
                     request.block_hashes, request.prompt_token_ids, rest, dst
@@ -147,5 +158,5 @@ class RequestPlacement:
             except DEAD:
                 return 0  # its death is handled when its poll fails
 
-        home = c.home_shard(src_pid)
-        c.replicated_blocks += c.store.copy_blocks(hashes, dst, home, export)
+        home = r.home_shard(src_pid)
+        self.replicated_blocks += self.store.copy_blocks(hashes, dst, home, export)

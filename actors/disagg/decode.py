@@ -58,7 +58,8 @@ class DecodeReplica(LoopedReplica):
     def __init__(
         self,
         replica_id: str,
-        model_dir: str | None = None,
+        model_dir: str | None,
+        config: EngineConfig,
         serve_tcp: bool = False,
         tcp_host: str = "127.0.0.1",
         cpus: list[int] | None = None,
@@ -67,7 +68,6 @@ class DecodeReplica(LoopedReplica):
         write_back: bool = True,
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
-        **controller_options: Any,
     ) -> None:
         """``store_shards``: the KV store shards it reads prefixes from for prefill
         replicas (``load_prefix``, DualPath's decode read path) and, with ``write_back``,
@@ -77,11 +77,10 @@ class DecodeReplica(LoopedReplica):
         (``load_timeline``).
         ``serve_tcp``: prefill replicas on other nodes stream KV in over TCP to
         ``tcp_host`` (this node's address); same-node ones always use shared memory.
-        ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads. ``tp`` /
-        ``spp`` in ``controller_options`` spread it over worker actors on this node, each
-        holding its share of the cache in its own segment."""
+        ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads. ``config``'s
+        ``tp`` / ``spp`` spread it over worker actors on this node, each holding its share
+        of the cache in its own segment."""
         self.replica_id = replica_id
-        config = EngineConfig.from_options(**controller_options)
         if config.kvp != 1:
             raise ValueError(
                 "a decode replica holds each request's KV on one KV rank: set kvp=1 "
@@ -92,7 +91,7 @@ class DecodeReplica(LoopedReplica):
         caches = SharedCacheWorkers(
             replica_id, model.num_hidden_layers, model.num_key_value_heads, serve_tcp, tcp_host
         )
-        self.controller = ReplicaController(model_dir, config, worker_hooks=caches)
+        self.controller = ReplicaController.build(model_dir, config, worker_hooks=caches)
         self.targets: tuple[KVTarget, ...] = tuple(self.controller.executor.hook_info())
         self.client: KVStoreClient | None = None
         self.load_client: KVStoreClient | None = None
@@ -293,7 +292,7 @@ class DecodeReplica(LoopedReplica):
         ran = c.has_unfinished()
         if ran:
             batch = c.scheduler.num_running
-            blocks = c.pool.num_in_use - sum(self._reserved_blocks.values())
+            blocks = c.kv.num_used_blocks - sum(self._reserved_blocks.values())
             # block tables before the step: one that finishes a request frees its blocks
             tables = {k: c.block_table(k) for k in self._written} if self.write_back else {}
             start = time.perf_counter()
@@ -365,7 +364,7 @@ class DecodeReplica(LoopedReplica):
         reserved = sum(self._reserved_blocks.values())
         return DecodeStats(
             num_running=c.scheduler.num_running,
-            used_blocks=c.pool.num_in_use - reserved,
+            used_blocks=c.kv.num_used_blocks - reserved,
             pending=len(self._reserved_blocks),
             pending_blocks=reserved,
             total_blocks=c.num_blocks,

@@ -1,5 +1,7 @@
-"""A ``PDCluster`` as a ``ServingEngine`` (actors/serving/engine_loop.py), so a Serve replica runs a
-prefill/decode-disaggregated deployment in the same ``EngineLoop`` as a colocated one.
+"""A ``PDCluster`` as a ``ServingEngine`` (actors/serving/engine_loop.py), so a Serve replica
+runs a prefill/decode-disaggregated deployment in the same ``EngineLoop`` as a colocated one.
+Nothing here imports ``actors.serving``: the Serve replica builds the cluster's
+``PDClusterConfig`` from its group (``actors.serving.pd_group``).
 
 Placement (the Conductor) happens in ``add_request``, on the engine thread like every other
 call into the cluster: a rejection is raised there as ``OverloadedError`` carrying the
@@ -19,15 +21,11 @@ Invariants:
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any
 
 from actors.disagg.cluster import PDCluster
-from actors.disagg.store_view import StoreConfig
+from actors.disagg.cluster_config import PDClusterConfig
+from actors.disagg.messages import PDCounters
 from actors.engine.outputs import RequestOutput, StreamDelta
-from actors.serving.config import ConductorSectionConfig, ReplicaGroupConfig
-from actors.serving.engine_section import engine_options
-from actors.serving.metrics import PDCounters
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
@@ -47,15 +45,10 @@ class PDEngine:
         self._store_refreshed = time.monotonic()
 
     @classmethod
-    def for_group(
-        cls,
-        model: str | None,
-        group: ReplicaGroupConfig,
-        replica_id: str,
-        node_resources: dict[str, float] | None = None,
-    ) -> PDEngine:
-        """The cluster of one Serve replica of a disaggregated group (``cluster_args``)."""
-        return cls(PDCluster(**cluster_args(model, group, replica_id, node_resources)))
+    def for_config(cls, config: PDClusterConfig) -> PDEngine:
+        """Start the cluster ``config`` describes (built by the Serve replica from its
+        group, ``actors.serving.pd_group``)."""
+        return cls(PDCluster(config))
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> str:
@@ -143,39 +136,3 @@ class PDEngine:
 
     def check_blocks(self) -> dict[str, int]:
         return self.cluster.check_blocks()
-
-
-def cluster_args(
-    model: str | None,
-    group: ReplicaGroupConfig,
-    replica_id: str,
-    node_resources: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """``PDCluster``'s arguments for one Serve replica of a disaggregated group; its store's
-    SSD files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a
-    folder. The store section's ``read_path`` and ``write_back`` and the conductor
-    section's ``scheduler`` (DualPath) pass through; ``node_resources`` (a region's node
-    resource) pins every actor of the cluster to the nodes that carry it."""
-    assert group.num_prefill is not None and group.num_decode is not None
-    store = None
-    read_path = "prefill"
-    if group.store is not None:
-        s = group.store
-        ssd_dir = str(Path(s.ssd_dir) / replica_id) if s.ssd_dir else None
-        store = StoreConfig(s.dram_bytes, s.ssd_bytes, ssd_dir, s.num_shards, s.write_back)
-        read_path = s.read_path
-    conductor = group.conductor or ConductorSectionConfig()
-    return dict(
-        model_dir=model,
-        num_prefill=group.num_prefill,
-        num_decode=group.num_decode,
-        store=store,
-        conductor_options=conductor.model_dump(exclude={"fit_costs", "scheduler"}),
-        fit_costs=conductor.fit_costs,
-        read_path=read_path,
-        scheduler=conductor.scheduler,
-        prefill_layout=group.prefill.options() if group.prefill else None,
-        decode_layout=group.decode.options() if group.decode else None,
-        node_resources=node_resources,
-        **engine_options(group.engine),
-    )

@@ -141,3 +141,23 @@ class Report:
     replica_id: str
     events: list[Event]
     stats: PrefillStats | DecodeStats
+
+
+@dataclass(frozen=True)
+class PDCounters:
+    """A disaggregated Serve replica's transfer and store counters since its start
+    (``PDEngine.pd_counters``, exported on ``/metrics``); a prefill replica that restarts
+    starts its own from zero again."""
+
+    kv_transfer_bytes: int  # KV bytes streamed prefill -> decode
+    kv_transfer_layers: int  # layer transfers streamed prefill -> decode
+    store_loaded_blocks: int  # blocks prefill replicas loaded from the KV store
+    store_stored_blocks: int  # blocks prefill replicas stored into the KV store
+    store_replicated_blocks: int  # blocks copied into a chosen instance's home shard
+    prefill_restarts: int
+    decode_restarts: int
+    # blocks the store's shards served from DRAM / from SSD, and blocks asked for that no
+    # shard served, since each shard started (a restarted shard counts from zero again)
+    store_dram_hit_blocks: int = 0
+    store_ssd_hit_blocks: int = 0
+    store_miss_blocks: int = 0

@@ -94,23 +94,22 @@ class PrefillReplica(LoopedReplica):
     def __init__(
         self,
         replica_id: str,
-        model_dir: str | None = None,
+        model_dir: str | None,
+        config: EngineConfig,
         store_shards: dict[str, Any] | None = None,
         cpus: list[int] | None = None,
         threads: int | None = None,
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
-        **controller_options: Any,
     ) -> None:
-        """``tp`` / ``spp`` in ``controller_options`` spread the replica over worker actors,
-        each streaming the layers and heads it holds (Mooncake's chunked pipeline
-        parallelism for long prefills is ``spp`` here); the KV store needs one worker.
+        """``config``'s ``tp`` / ``spp`` spread the replica over worker actors, each
+        streaming the layers and heads it holds (Mooncake's chunked pipeline parallelism
+        for long prefills is ``spp`` here); the KV store needs one worker.
         ``link_budget``: store reads pay this replica's emulated storage link (on one
         machine each replica stands for its own node). ``record_loads``: keep the load /
         compute timeline (``load_timeline``)."""
         self.replica_id = replica_id
         self.node_id = current_node_id()
-        config = EngineConfig.from_options(**controller_options)
         if config.kvp != 1:
             raise ValueError(
                 "a prefill replica streams each request from one KV rank: set kvp=1 "
@@ -141,7 +140,9 @@ class PrefillReplica(LoopedReplica):
                     "with a store, prefill replicas run tp=spp=1"
                 )
             hooks = StreamingWorkers(replica_id, self.block_size, num_kv_heads)
-        self.controller = ReplicaController(model_dir, config, worker_hooks=hooks)
+        self.controller = ReplicaController.build(model_dir, config, worker_hooks=hooks)
+        # the only door to this replica's blocks (one KV rank: ``kvp=1`` above)
+        self.kv = self.controller.one_rank_kv
         self.client: KVStoreClient | None = None
         if store_shards:
             self.client = KVStoreClient(f"prefill-{replica_id}", node_id=self.node_id)
@@ -197,7 +198,7 @@ class PrefillReplica(LoopedReplica):
 
     def drop_local_cache(self) -> int:
         """Forget this replica's own cached prefixes (so a hit must come from the store)."""
-        return int(self.loop.call(self.controller.pool.evict_all_cached).result())
+        return int(self.loop.call(self.kv.evict_all_cached).result())
 
     def crash_after_layers(self, layers: int) -> None:
         """Fault injection for tests: the process exits after streaming ``layers`` more
@@ -209,14 +210,11 @@ class PrefillReplica(LoopedReplica):
         prefix cache, one ``bytes`` per block (tests compare the read paths)."""
 
         def read() -> list[bytes]:
-            pool, bs, out = self.controller.pool, self.block_size, []
-            for i, h in enumerate(hashes):
-                block = pool.lookup(h, tokens[i * bs : (i + 1) * bs])
-                if block is None:
-                    break
-                parts = [t[block].numpy().tobytes() for kv in self.cache.kv_caches for t in kv]
-                out.append(b"".join(parts))
-            return out
+            caches = self.cache.kv_caches
+            return [
+                b"".join(t[block].numpy().tobytes() for kv in caches for t in kv)
+                for block in self.kv.cached_prefix(hashes, tokens)
+            ]
 
         return list(self.loop.call(read).result())
 
@@ -286,7 +284,7 @@ class PrefillReplica(LoopedReplica):
                 if key in self._tasks:
                     self._drop(key)
                     self.loop.emit(PrefillFailed(key, why))
-        for kind, h in c.pool.drain_events():
+        for kind, h in self.kv.drain_events():
             self.loop.emit(CacheEvent(kind == "stored", h))
         self.stats = self._stats()
         return ran
@@ -313,16 +311,9 @@ class PrefillReplica(LoopedReplica):
         published for it (see the module doc); returns where the request's KV streams (on
         the decode path, past the blocks the decode replica loads itself)."""
         key, tokens, hashes = task.key, task.request.prompt_token_ids, task.request.block_hashes
-        client = self.client
-        pool = self.controller.pool
-        bs = self.block_size
-        usable = hashes[: (len(tokens) - 1) // bs]  # the last token is always computed
-        held: list[int] = []
-        for i, h in enumerate(usable):
-            block = pool.lookup(h, tokens[i * bs : (i + 1) * bs])
-            if block is None:
-                break
-            held.append(block)
+        client, kv = self.client, self.kv
+        usable = hashes[: (len(tokens) - 1) // self.block_size]  # the last token is computed
+        held = kv.cached_prefix(usable, tokens)
         rest = usable[len(held) :]
         if client is None or not rest:
             return task.dest
@@ -331,20 +322,18 @@ class PrefillReplica(LoopedReplica):
             return task.dest
         if task.read_path == DECODE_PATH and task.relay is not None:
             return self._start_relay_load(task, held, usable)
-        for b in held:  # keep the local prefix from being evicted by the allocation
-            pool.acquire(b)
+        k = len(held)
+        kv.hold(held)  # keep the local prefix from being evicted by the allocation
         try:
-            want = min(len(rest), pool.num_free - len(held))
+            want = min(len(rest), kv.num_free_blocks - k)
             pin = client.pin_prefix(key, rest[:want]) if want > 0 else None
             if pin is None:
                 return task.dest
-            blocks = pool.allocate(len(pin.offsets))
+            # published now; ours (held) until the load is done
+            blocks = kv.allocate_published(usable, tokens, k, len(pin.offsets))
         finally:
-            pool.release(held[::-1])
-        k = len(held)
+            kv.unhold(held)
         mine = rest[: len(blocks)]
-        for i, b in enumerate(blocks):  # published now; ours (held) until the load is done
-            pool.register(b, mine[i], tokens[(k + i) * bs : (k + i + 1) * bs])
         caches, storage = self.cache.kv_caches, self.storage
 
         def read_layer(layer: int) -> int:
@@ -371,26 +360,23 @@ class PrefillReplica(LoopedReplica):
         reads blocks ``[k, m)`` beyond its own prefix from them layer by layer over the
         compute path while the prefill runs (layer ``l`` once the decode replica has read
         it, while it reads layer ``l + 1``), and streams only blocks from ``m`` on."""
-        client, pool, bs = self.client, self.controller.pool, self.block_size
+        client, kv = self.client, self.kv
         assert client is not None
         tokens = task.request.prompt_token_ids
         _, m = client.directory.best_holder(usable)
         k = len(held)
         dest = task.dest
         m = min(m, len(dest.block_ids))
-        for b in held:
-            pool.acquire(b)
+        kv.hold(held)
         try:
-            n = min(m - k, pool.num_free - k)
+            n = min(m - k, kv.num_free_blocks - k)
             if n <= 0:
                 return dest
-            blocks = pool.allocate(n)
+            blocks = kv.allocate_published(usable, tokens, k, n)
         finally:
-            pool.release(held[::-1])
+            kv.unhold(held)
         m = k + n
         mine = usable[k:m]
-        for i, b in enumerate(blocks):
-            pool.register(b, mine[i], tokens[(k + i) * bs : (k + i + 1) * bs])
         # the decode replica yields once per layer read from the store (a streaming call)
         relayed = task.relay.load_prefix.remote(task.key, usable[:m], list(dest.block_ids[:m]))
         caches, compute, heads = self.cache.kv_caches, self.compute, self.streamer.held
@@ -431,7 +417,7 @@ class PrefillReplica(LoopedReplica):
         """Finish the loads whose every layer is in (loop thread): unpin, hand their blocks
         to the prefix cache; a failed one's blocks are unpublished and every request that
         may have read them starts again. Returns the keys started again."""
-        client, pool = self.client, self.controller.pool
+        client, kv = self.client, self.kv
         restarted: set[str] = set()
         for load in self.loader.take_finished():
             pin, blocks, mine = load.context  # pin None: read from a decode replica
@@ -440,13 +426,12 @@ class PrefillReplica(LoopedReplica):
             if load.error is None:
                 self.loaded_blocks += len(blocks)
                 self.loop.emit(StoreLoad(len(blocks), load.seconds))
-                pool.release(blocks[::-1])
+                kv.unhold(blocks)
                 continue
             if client is not None and pin is not None:
                 client.mark_dead(pin.shard_id)
-            for b in blocks:
-                pool.unregister(b)
-            pool.release(blocks[::-1])
+            kv.unpublish(blocks)
+            kv.unhold(blocks)
             bad = set(mine)
             for key, task in list(self._tasks.items()):
                 if bad.intersection(task.request.block_hashes):
@@ -474,12 +459,12 @@ class PrefillReplica(LoopedReplica):
         client = self.client
         if client is None or shard_id not in client.endpoints:
             return 0
-        bs, pool, want = self.block_size, self.controller.pool, set(wanted)
+        bs, want = self.block_size, set(wanted)
         picked: list[tuple[int, int, int | None]] = []  # (hash, block id, parent hash)
         for i, h in enumerate(hashes):
             if h not in want:
                 continue
-            block = pool.lookup(h, tokens[i * bs : (i + 1) * bs])
+            block = self.kv.cached_block(h, tokens[i * bs : (i + 1) * bs])
             if block is not None:
                 picked.append((h, block, hashes[i - 1] if i else None))
         if not picked:

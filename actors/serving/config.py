@@ -66,7 +66,7 @@ class _Strict(BaseModel):
 
 
 class StoreSectionConfig(_Strict):
-    """KV store shards of a disaggregated group (``actors.disagg.cluster.StoreConfig``), started
+    """KV store shards of a disaggregated group (``actors.disagg.store_view.StoreConfig``), started
     by each Serve replica of the group. ``ssd_dir`` is a folder on the replica's node; each
     replica uses a subfolder of it named after its replica id. DualPath: ``read_path`` is
     where a stored prefix is read ("prefill", "decode" or "dual": per request, the side with
@@ -214,9 +214,6 @@ class PDLayoutConfig(_Strict):
     tp: int = Field(1, ge=1)
     spp: int = Field(1, ge=1)
 
-    def options(self) -> dict[str, int]:
-        return {"tp": self.tp, "spp": self.spp}
-
 
 class ReplicaGroupConfig(_Strict):
     """``num_replicas`` replicas that share one engine config.
@@ -232,9 +229,9 @@ class ReplicaGroupConfig(_Strict):
     Serve replica of the group own one ``PDCluster`` of that many prefill and decode replica
     actors (``engine`` applies to each of them; their layouts are ``prefill`` and
     ``decode``, tp x spp each), placed by the Conductor (set by ``conductor``), with the KV
-    store shards of ``store`` if given.
-    ``num_replicas`` then counts
-    such clusters and defaults to 1 (colocated groups default to 2).
+    store shards of ``store`` if given (the cluster's ``PDClusterConfig`` is built from these
+    sections by ``actors.serving.pd_group``). ``num_replicas`` then counts such clusters and
+    defaults to 1 (colocated groups default to 2).
     """
 
     name: str = "default"

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from actors.disagg.conductor import RequestRejected
+from actors.disagg.messages import PDCounters
 from policies.replica_stats import ReplicaStats
 
 PREFIX = "meridian:"
@@ -38,25 +39,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PDCounters:
-    """A disaggregated replica's transfer and store counters, since its start (a prefill
-    replica that restarts starts its own from zero again)."""
-
-    kv_transfer_bytes: int  # KV bytes streamed prefill -> decode
-    kv_transfer_layers: int  # layer transfers streamed prefill -> decode
-    store_loaded_blocks: int  # blocks prefill replicas loaded from the KV store
-    store_stored_blocks: int  # blocks prefill replicas stored into the KV store
-    store_replicated_blocks: int  # blocks copied into a chosen instance's home shard
-    prefill_restarts: int
-    decode_restarts: int
-    # blocks the store's shards served from DRAM / from SSD, and blocks asked for that no
-    # shard served, since each shard started (a restarted shard counts from zero again)
-    store_dram_hit_blocks: int = 0
-    store_ssd_hit_blocks: int = 0
-    store_miss_blocks: int = 0
 
 
 # (family name without the prefix, help) of PDCounters' fields, as counters

@@ -55,10 +55,11 @@ def _engine(
     actor of a disaggregated group's cluster reserves."""
     if group.disaggregated:
         from actors.disagg.engine import PDEngine
+        from actors.serving.pd_group import pd_cluster_config
 
-        return PDEngine.for_group(model, group, replica_id, pin)
+        return PDEngine.for_config(pd_cluster_config(model, group, replica_id, pin))
     slo = group.admission.ttft_slo if group.admission is not None else None
-    return ColocatedEngine(model, config, ttft_slo=slo)
+    return ColocatedEngine.build(model, config, ttft_slo=slo)
 
 
 class ReplicaServer:
@@ -198,7 +199,7 @@ class ReplicaActor:
     events) into its own RouterState."""
 
     def __init__(self, model: str | None, config: EngineConfig, max_waiting: int = 1 << 20) -> None:
-        self.engine = ColocatedEngine(model, config)
+        self.engine = ColocatedEngine.build(model, config)
         self.loop = EngineLoop(self.engine, max_waiting, config.cpu_cores)
 
     def ready(self) -> ReplicaInfo:

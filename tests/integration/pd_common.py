@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 import torch
 
+from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
+from actors.engine.config import EngineConfig
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 4
 OPTS = dict(dtype=torch.float64, block_size=BS, num_blocks=64, token_budget=16, chunk_size=8)
+ENGINE = EngineConfig(**OPTS)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def pd_config(num_prefill: int = 1, num_decode: int = 1, **fields: Any) -> PDClusterConfig:
+    """A P/D cluster of the tiny model: ``num_prefill`` prefill and ``num_decode`` decode
+    replicas on ``ENGINE``; ``fields`` set (or replace) any other ``PDClusterConfig`` field."""
+    fields.setdefault("engine", ENGINE)
+    fields.setdefault("prefill", PDSideConfig(num_prefill))
+    fields.setdefault("decode", PDSideConfig(num_decode))
+    return PDClusterConfig(**fields)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,7 +50,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def colocated(prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:
-    ref = ReplicaController(None, **OPTS)
+    ref = ReplicaController.build(None, **OPTS)
     build = ref.request_builder()
     ids = [ref.add_request(build.build(p, params)) for p in prompts]
     while ref.has_unfinished():

@@ -6,9 +6,10 @@ a colocated replica's."""
 from __future__ import annotations
 
 import ray
-from pd_common import BS, OPTS, PARAMS, cluster, colocated, tokens  # noqa: F401
+from pd_common import BS, PARAMS, cluster, colocated, pd_config, tokens  # noqa: F401
 
 from actors.disagg.cluster import PDCluster
+from actors.disagg.cluster_config import PDSideConfig
 from actors.disagg.store_view import StoreConfig
 from actors.engine.sampling import SamplingParams
 from store.hashing import chained_block_hashes
@@ -22,7 +23,7 @@ def second_turn_cached(write_back: bool) -> tuple[int, list[int], int]:
     replica that forgot its own cache (so the prefix comes from the store). Returns turn
     2's cached tokens, its tokens, and the blocks the decode side wrote back in turn 1."""
     first = tokens(101, 30)  # 7 full blocks and 2 tokens
-    pd = PDCluster(None, store=StoreConfig(dram_bytes=64 << 20, write_back=write_back), **OPTS)
+    pd = PDCluster(pd_config(store=StoreConfig(dram_bytes=64 << 20, write_back=write_back)))
     try:
         (out1,) = pd.generate(prompt_token_ids=[first], sampling_params=ANSWER)
         assert out1.token_ids == colocated([first], ANSWER)[0]
@@ -66,10 +67,10 @@ def test_prefix_loads_layer_by_layer_while_the_prefill_runs():
     # a slow storage link (50 kB/s in 4 kB grants): each layer's 14 kB takes ~0.3 s
     budget = LinkBudget(storage_bps=50_000, chunk_bytes=4096)
     pd = PDCluster(
-        None,
-        store=StoreConfig(dram_bytes=64 << 20),
-        prefill_replica_options={"link_budget": budget, "record_loads": True},
-        **OPTS,
+        pd_config(
+            store=StoreConfig(dram_bytes=64 << 20),
+            prefill=PDSideConfig(link_budget=budget, record_loads=True),
+        )
     )
     try:
         (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
@@ -102,7 +103,7 @@ def run_on_path(read_path: str, prompt: list[int]) -> tuple[list[int], int, list
     """Store ``prompt``'s prefix, then run it again on a prefill replica that forgot its
     cache, reading the prefix on ``read_path``. Returns the tokens, cached tokens, the KV of
     every prompt block the prefill replica then holds, and counters."""
-    pd = PDCluster(None, store=StoreConfig(dram_bytes=64 << 20), read_path=read_path, **OPTS)
+    pd = PDCluster(pd_config(store=StoreConfig(dram_bytes=64 << 20), read_path=read_path))
     try:
         pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
         (p0,) = pd.prefills.values()
@@ -145,7 +146,7 @@ def test_both_read_paths_deliver_identical_kv_and_tokens():
 def test_a_relaying_decode_replica_that_dies_loses_no_request():
     prompt = tokens(131, 30)
     want = colocated([prompt])[0]
-    pd = PDCluster(None, store=StoreConfig(dram_bytes=64 << 20), read_path="decode", **OPTS)
+    pd = PDCluster(pd_config(store=StoreConfig(dram_bytes=64 << 20), read_path="decode"))
     try:
         pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
         ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
@@ -171,14 +172,14 @@ def test_the_live_conductor_places_requests_by_dualpaths_rules():
     prompts = [hit, *fresh]
     want = colocated(prompts)
     pd = PDCluster(
-        None,
-        2,
-        2,
-        store=StoreConfig(dram_bytes=64 << 20),
-        read_path="dual",
-        scheduler="dualpath",
-        dualpath_thresholds=(40, 10_000),
-        **OPTS,
+        pd_config(
+            2,
+            2,
+            store=StoreConfig(dram_bytes=64 << 20),
+            read_path="dual",
+            scheduler="dualpath",
+            dualpath_thresholds=(40, 10_000),
+        )
     )
     try:
         pd.generate(prompt_token_ids=[first], sampling_params=PARAMS)
@@ -218,11 +219,11 @@ def test_store_writes_pay_the_storage_links():
     budget = LinkBudget(storage_bps=20e6, chunk_bytes=16 << 10)
     prompt = tokens(151, 30)
     pd = PDCluster(
-        None,
-        store=StoreConfig(dram_bytes=64 << 20, write_back=True),
-        prefill_replica_options={"link_budget": budget},
-        decode_replica_options={"link_budget": budget},
-        **OPTS,
+        pd_config(
+            store=StoreConfig(dram_bytes=64 << 20, write_back=True),
+            prefill=PDSideConfig(link_budget=budget),
+            decode=PDSideConfig(link_budget=budget),
+        )
     )
     try:
         (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=ANSWER)
@@ -246,12 +247,12 @@ def test_the_decode_side_read_is_relayed_layer_by_layer():
     prompt = tokens(161, 30)  # 7 full blocks
     budget = LinkBudget(storage_bps=50_000, chunk_bytes=4096)
     pd = PDCluster(
-        None,
-        store=StoreConfig(dram_bytes=64 << 20),
-        read_path="decode",
-        prefill_replica_options={"record_loads": True},
-        decode_replica_options={"link_budget": budget, "record_loads": True},
-        **OPTS,
+        pd_config(
+            store=StoreConfig(dram_bytes=64 << 20),
+            read_path="decode",
+            prefill=PDSideConfig(record_loads=True),
+            decode=PDSideConfig(link_budget=budget, record_loads=True),
+        )
     )
     try:
         pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import ray
-from pd_common import BS, OPTS, PARAMS, cluster, colocated, tokens  # noqa: F401
+from pd_common import BS, OPTS, PARAMS, cluster, colocated, pd_config, tokens  # noqa: F401
 
 from actors.disagg.cluster import PDCluster
-from actors.disagg.conductor import RequestRejected
+from actors.disagg.cluster_config import PDSideConfig
+from actors.disagg.conductor import ConductorOptions, RequestRejected
 from actors.disagg.store_view import StoreConfig
+from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams
 from policies.conductor import Conductor
 from policies.pd_costs import LinearDecodeTBT, LinearPrefillTime, transfer_time_fn
@@ -31,7 +33,7 @@ def finish(pd: PDCluster) -> None:
 def test_pd_output_equals_colocated():
     shared = tokens(1, 12)
     prompts = [tokens(2, 5), shared + tokens(3, 9), shared + tokens(4, 14), tokens(5, 30)]
-    pd = PDCluster(None, num_prefill=2, num_decode=2, **OPTS)
+    pd = PDCluster(pd_config(2, 2))
     outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
     assert [o.token_ids for o in outs] == colocated(prompts)
     assert all(o.finish_reason == "length" for o in outs)
@@ -78,7 +80,7 @@ def test_llm_with_prefill_and_decode_pools_equals_colocated():
 
 def test_conductor_prefers_the_prefill_instance_holding_the_prefix():
     shared = tokens(6, 16)
-    pd = PDCluster(None, num_prefill=2, num_decode=1, **OPTS)
+    pd = PDCluster(pd_config(2, 1))
     first = pd.submit(shared + tokens(7, 3), PARAMS)
     while pd.has_unfinished():
         pd.poll()
@@ -104,7 +106,7 @@ def test_rejects_with_retry_after_when_slos_cannot_be_met():
         tbt_slo=1.0,
         admission="early",
     )
-    pd = PDCluster(None, conductor=strict, **OPTS)
+    pd = PDCluster(pd_config(conductor=strict))
     with pytest.raises(RequestRejected) as err:
         pd.submit(prompt, PARAMS)
     assert err.value.http_status == 429 and err.value.reason == "ttft_slo"
@@ -113,14 +115,14 @@ def test_rejects_with_retry_after_when_slos_cannot_be_met():
     pd.shutdown()
 
     # the same through the deployment's options: early admission at a 1 ms TTFT objective
-    pd = PDCluster(None, conductor_options={"ttft_slo": 1e-3, "admission": "early"}, **OPTS)
+    pd = PDCluster(pd_config(conductor=ConductorOptions(ttft_slo=1e-3, admission="early")))
     with pytest.raises(RequestRejected) as err:
         pd.submit(prompt, PARAMS)
     assert err.value.reason == "ttft_slo" and pd.conductor.admission == "early"
     pd.shutdown()
 
-    small = {**OPTS, "num_blocks": 12}  # one request of 20 + 20 tokens needs 10 blocks
-    pd = PDCluster(None, **small)
+    small = EngineConfig(**{**OPTS, "num_blocks": 12})  # 20 + 20 tokens need 10 blocks
+    pd = PDCluster(pd_config(engine=small))
     long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     first = pd.submit(prompt, long)
     with pytest.raises(RequestRejected) as err:  # the first one's reservation fills decode
@@ -155,11 +157,11 @@ def test_prefix_from_dram_and_from_ssd_equals_recomputed(tmp_path):
     prompt = tokens(11, 24) + tokens(12, 6)  # 7 full blocks
     hashes = chained_block_hashes(prompt, BS)
     want = colocated([prompt])[0]
-    probe = PDCluster(None, **OPTS)
+    probe = PDCluster(pd_config())
     block_bytes = probe.block_bytes
     probe.shutdown()
     store = StoreConfig(8 * block_bytes, ssd_bytes=64 * block_bytes, ssd_dir=str(tmp_path))
-    pd = PDCluster(None, store=store, **OPTS)
+    pd = PDCluster(pd_config(store=store))
     (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
     assert out.token_ids == want  # computed, and its 7 full blocks written to the store
     assert shard_stats(pd)["dram_blocks"] == 7 and not any(ssd_files(tmp_path, hashes))
@@ -200,10 +202,10 @@ def test_prefix_from_dram_and_from_ssd_equals_recomputed(tmp_path):
 def test_pinned_blocks_survive_eviction_pressure():
     prompt = tokens(30, 18)  # 4 full blocks
     want = colocated([prompt])[0]
-    probe = PDCluster(None, **OPTS)
+    probe = PDCluster(pd_config())
     block_bytes = probe.block_bytes
     probe.shutdown()
-    pd = PDCluster(None, store=StoreConfig(dram_bytes=8 * block_bytes), **OPTS)  # no SSD
+    pd = PDCluster(pd_config(store=StoreConfig(dram_bytes=8 * block_bytes)))  # no SSD
     pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
     hashes = chained_block_hashes(prompt, BS)
     shard = pd.shards["s0"]
@@ -221,7 +223,7 @@ def test_pinned_blocks_survive_eviction_pressure():
 
 def test_conductor_estimates_are_refitted_from_measured_steps():
     prompts = [tokens(60 + i, n) for i, n in enumerate((5, 9, 14, 22, 30, 11, 27, 40, 18, 33))]
-    pd = PDCluster(None, **OPTS)
+    pd = PDCluster(pd_config())
     default = pd.conductor.prefill_time
     outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
     assert [o.token_ids for o in outs] == colocated(prompts)
@@ -241,11 +243,11 @@ def test_conductor_estimates_are_refitted_from_measured_steps():
 
 
 def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
-    probe = PDCluster(None, **OPTS)
+    probe = PDCluster(pd_config())
     block_bytes = probe.block_bytes
     probe.shutdown()
     store = StoreConfig(dram_bytes=64 * block_bytes, num_shards=2)
-    pd = PDCluster(None, num_prefill=2, store=store, fit_costs=False, **OPTS)
+    pd = PDCluster(pd_config(2, store=store, fit_costs=False))
     assert (pd.home_shard("p0"), pd.home_shard("p1")) == ("s0", "s1")
 
     def run_shared_prefix_on_p1(shared: list[int], drop_from_store: bool) -> list[int]:
@@ -282,7 +284,7 @@ def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
 
 
 def test_abort_in_prefill_and_in_decode_frees_every_block():
-    pd = PDCluster(None, **OPTS)
+    pd = PDCluster(pd_config())
     long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     decoding = pd.submit(tokens(80, 6), long)
     while not pd.output(decoding) and not any(
@@ -306,7 +308,7 @@ def test_prefill_and_decode_with_different_layouts_equal_colocated():
     # streams its layers into both decode ranks' shares of the cache.
     prompts = [tokens(90, 7), tokens(91, 26)]
     pd = PDCluster(
-        None, prefill_layout={"spp": 2}, decode_layout={"tp": 2}, fit_costs=False, **OPTS
+        pd_config(prefill=PDSideConfig(spp=2), decode=PDSideConfig(tp=2), fit_costs=False)
     )
     outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
     assert [o.token_ids for o in outs] == colocated(prompts)

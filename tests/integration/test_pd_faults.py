@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import ray
-from pd_common import BS, OPTS, PARAMS, cluster, colocated, tokens  # noqa: F401
+from pd_common import PARAMS, cluster, colocated, pd_config, tokens  # noqa: F401
 
 from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
@@ -26,7 +26,7 @@ def wait_until_dead(handle) -> None:
 def test_dead_store_shard_drops_out_and_requests_recompute():
     prompt = tokens(1, 26)
     want = colocated([prompt])[0]
-    pd = PDCluster(None, store=StoreConfig(dram_bytes=1 << 20), **OPTS)
+    pd = PDCluster(pd_config(store=StoreConfig(dram_bytes=1 << 20)))
     assert pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)[0].token_ids == want
     ray.kill(pd.shards["s0"])
     wait_until_dead(pd.shards["s0"])
@@ -44,7 +44,7 @@ def test_dead_store_shard_drops_out_and_requests_recompute():
 def test_prefill_dying_mid_stream_frees_the_reservation_and_requests_complete():
     prompts = [tokens(3, 30), tokens(4, 9), tokens(5, 17)]
     want = colocated(prompts)
-    pd = PDCluster(None, num_prefill=1, num_decode=1, **OPTS)
+    pd = PDCluster(pd_config())
     # 4 layers per step: the replica exits after streaming 2 layers of its first step
     ray.get(pd.prefills["p0"].crash_after_layers.remote(2))
     victim = pd.prefills["p0"]
@@ -69,7 +69,7 @@ def test_prefill_dying_mid_stream_frees_the_reservation_and_requests_complete():
 def test_decode_dying_mid_generation_reruns_its_requests_without_repeating_tokens():
     prompts = [tokens(6, 10), tokens(7, 25), tokens(8, 6)]
     want = colocated(prompts)
-    pd = PDCluster(None, num_prefill=1, num_decode=1, **OPTS)
+    pd = PDCluster(pd_config())
     ids = [pd.submit(p, PARAMS) for p in prompts]
     streamed: dict[str, list[int]] = {rid: [] for rid in ids}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from pd_common import OPTS, PARAMS, REPO, colocated, tokens
+from pd_common import PARAMS, REPO, colocated, pd_config, tokens
 from ray.cluster_utils import Cluster
 
 from actors.disagg.cluster import PDCluster
@@ -35,7 +35,7 @@ def two_nodes():
 def test_prefill_and_decode_on_two_nodes_stream_kv_between_nodes():
     shared = tokens(1, 16)
     prompts = [shared + tokens(2, 5), tokens(3, 22), shared + tokens(4, 9)]
-    pd = PDCluster(None, store=StoreConfig(dram_bytes=1 << 20), **OPTS)
+    pd = PDCluster(pd_config(store=StoreConfig(dram_bytes=1 << 20)))
     assert len(pd.placement_plan.nodes) == 2
     assert sorted(pd.shards) == ["s0", "s1"]  # a shard per node
     prefill_node = ray.get(pd.prefills["p0"].node.remote())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from pd_common import OPTS, PARAMS, REPO, colocated, tokens
+from pd_common import PARAMS, REPO, colocated, pd_config, tokens
 from ray.cluster_utils import Cluster
 
 from actors.disagg.cluster import PDCluster
@@ -39,7 +39,7 @@ def two_nodes():
 
 def test_kv_streams_across_nodes_over_nixl():
     prompts = [tokens(5, 21), tokens(6, 30)]
-    pd = PDCluster(None, **OPTS)
+    pd = PDCluster(pd_config())
     prefill_node = ray.get(pd.prefills["p0"].node.remote())
     decode_node = ray.get(pd.decodes["d0"].node.remote())
     assert prefill_node != decode_node

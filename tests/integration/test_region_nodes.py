@@ -16,10 +16,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.disagg.cluster import PDCluster
-from actors.disagg.engine import cluster_args
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from actors.serving.config import ServeConfig
+from actors.serving.pd_group import pd_cluster_config
 from actors.serving.replica import ReplicaActor
 from serve_app import _actor_options
 
@@ -75,7 +75,7 @@ def test_each_regions_replica_and_its_workers_run_on_the_regions_node(region_nod
         assert workers == ([region_nodes["eu"]] * 2 if region == "eu" else [])
 
     # the pinned tp=2 workers serve: the same greedy tokens as one process
-    ref = ReplicaController(None, **ENGINE)
+    ref = ReplicaController.build(None, **ENGINE)
     prompt = [5, 9, 17, 33, 2, 71, 8, 13, 21]
     build = ref.request_builder()
     rid = ref.add_request(build.build(prompt, PARAMS))
@@ -116,14 +116,14 @@ def test_a_disaggregated_groups_actors_run_on_the_regions_node(region_nodes):
     )
     assert cfg.regions is not None
     (g,) = [x for x in cfg.groups if x.name == "pd"]
-    pd = PDCluster(**cluster_args(None, g, "r0", cfg.regions.group_resources("pd")))
+    pd = PDCluster(pd_cluster_config(None, g, "r0", cfg.regions.group_resources("pd")))
     try:
         actors = [*pd.prefills.values(), *pd.decodes.values(), *pd.shards.values()]
         assert len(actors) == 3
         assert {node_of(a) for a in actors} == {region_nodes["eu"]}
         prompt = [5, 9, 17, 33, 2, 71, 8, 13, 21]
         (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
-        ref = ReplicaController(None, **ENGINE)
+        ref = ReplicaController.build(None, **ENGINE)
         rid = ref.add_request(ref.request_builder().build(prompt, PARAMS))
         while ref.has_unfinished():
             ref.step()

@@ -74,10 +74,10 @@ def test_bad_cpu_cores_are_refused_naming_the_fix(options, message):
 
 
 def test_disaggregated_deployment_refuses_cpu_cores_before_starting_anything():
-    from actors.disagg.cluster import PDCluster
+    from actors.disagg.cluster_config import PDClusterConfig
 
     with pytest.raises(ValueError, match="prefill and decode replicas do not take it"):
-        PDCluster(None, cpu_cores=[0])
+        PDClusterConfig(engine=EngineConfig(cpu_cores=[0]))
 
 
 def test_good_cpu_cores_are_kept():

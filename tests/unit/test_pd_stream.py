@@ -14,6 +14,7 @@ from actors.disagg.kv_routes import segment_offset
 from actors.disagg.kv_stream import blocks_to_stream
 from actors.disagg.messages import Finished, PrefillDone, PrefillTask
 from actors.disagg.prefill import PrefillReplica
+from actors.engine.config import EngineConfig
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from policies.request import Request
@@ -21,6 +22,7 @@ from store.hashing import chained_block_hashes
 from store.transfer.links import LinkBudget
 
 OPTS = dict(dtype=torch.float64, block_size=4, num_blocks=48, token_budget=16, chunk_size=8)
+ENGINE = EngineConfig(**OPTS)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -52,7 +54,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def colocated(prompts):
-    ref = ReplicaController(None, **OPTS)
+    ref = ReplicaController.build(None, **OPTS)
     build = ref.request_builder()
     ids = [ref.add_request(build.build(p, PARAMS)) for p in prompts]
     while ref.has_unfinished():
@@ -87,7 +89,7 @@ def run_pd(prefill, decode, prompts, params=PARAMS):
 
 
 def test_pd_in_process_equals_colocated(prompts, colocated):
-    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    prefill, decode = PrefillReplica("p", None, ENGINE), DecodeReplica("d", None, ENGINE)
     outs = run_pd(prefill, decode, prompts)
     assert [o.token_ids for o in outs] == colocated
     assert prefill.streamer.layers_sent > 0 and prefill.streamer.bytes_sent > 0
@@ -98,8 +100,8 @@ def test_pd_in_process_equals_colocated(prompts, colocated):
 
 def test_the_kv_stream_pays_the_prefill_sides_compute_link(prompts, colocated):
     budget = LinkBudget(compute_bps=20e6, chunk_bytes=16 << 10)
-    prefill = PrefillReplica("p", None, link_budget=budget, **OPTS)
-    decode = DecodeReplica("d", None, **OPTS)
+    prefill = PrefillReplica("p", None, ENGINE, link_budget=budget)
+    decode = DecodeReplica("d", None, ENGINE)
     outs = run_pd(prefill, decode, prompts)
     assert [o.token_ids for o in outs] == colocated
     sent = prefill.streamer.bytes_sent
@@ -110,7 +112,7 @@ def test_the_kv_stream_pays_the_prefill_sides_compute_link(prompts, colocated):
 
 
 def test_streamed_blocks_equal_the_prefill_cache(prompts):
-    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    prefill, decode = PrefillReplica("p", None, ENGINE), DecodeReplica("d", None, ENGINE)
     prompt = prompts[3]
     dest = decode.reserve("r", request("r", prompt))
     prefill.submit(PrefillTask("r", request("r", prompt), dest, NoAdmission()))
@@ -138,7 +140,7 @@ class NoAdmission:
 
 
 def test_first_token_may_finish_at_admission(prompts):
-    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    prefill, decode = PrefillReplica("p", None, ENGINE), DecodeReplica("d", None, ENGINE)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     outs = run_pd(prefill, decode, prompts[:1], one)
     assert len(outs[0].token_ids) == 1 and outs[0].finish_reason == "length"
@@ -159,7 +161,7 @@ def test_pd_hashes_each_block_once_across_prefill_and_decode(prompts, monkeypatc
         calls.append(tuple(tokens))
         return real(parent, tokens)
 
-    prefill, decode = PrefillReplica("p", None, **OPTS), DecodeReplica("d", None, **OPTS)
+    prefill, decode = PrefillReplica("p", None, ENGINE), DecodeReplica("d", None, ENGINE)
     monkeypatch.setattr(store.hashing, "block_hash", counting)
     prompt = prompts[3]
     req = decode.controller.request_builder().build(prompt, PARAMS, request_id="r")

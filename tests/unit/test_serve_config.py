@@ -208,7 +208,8 @@ def test_dualpath_keys_refuse_unknown_values_naming_the_choices(group, needle):
 
 
 def test_dualpath_keys_reach_the_cluster():
-    from actors.disagg.engine import cluster_args
+    from actors.disagg.conductor import ConductorOptions
+    from actors.serving.pd_group import pd_cluster_config
 
     g = ReplicaGroupConfig(
         num_prefill=2,
@@ -216,12 +217,13 @@ def test_dualpath_keys_reach_the_cluster():
         store={"read_path": "dual", "write_back": True, "ssd_bytes": 1, "ssd_dir": "/kv"},
         conductor={"scheduler": "dualpath", "ttft_slo": 5.0},
     )
-    args = cluster_args("m", g, "r1")
-    assert (args["read_path"], args["scheduler"]) == ("dual", "dualpath")
-    assert args["store"].write_back and args["store"].ssd_dir == "/kv/r1"
-    assert args["conductor_options"]["ttft_slo"] == 5.0
-    assert "scheduler" not in args["conductor_options"]
-    plain = cluster_args(None, ReplicaGroupConfig(num_prefill=1, num_decode=1), "r0")
-    assert (plain["read_path"], plain["scheduler"], plain["store"]) == ("prefill", "mooncake", None)
+    c = pd_cluster_config("m", g, "r1")
+    assert (c.read_path, c.scheduler) == ("dual", "dualpath")
+    assert (c.prefill.count, c.decode.count, c.model_dir) == (2, 1, "m")
+    assert c.store is not None and c.store.write_back and c.store.ssd_dir == "/kv/r1"
+    assert isinstance(c.conductor, ConductorOptions) and c.conductor.ttft_slo == 5.0
+    assert c.engine is g.engine  # built once, by the group
+    plain = pd_cluster_config(None, ReplicaGroupConfig(num_prefill=1, num_decode=1), "r0")
+    assert (plain.read_path, plain.scheduler, plain.store) == ("prefill", "mooncake", None)
     stored = ReplicaGroupConfig(num_prefill=1, num_decode=1, store={}).store
     assert stored is not None and (stored.read_path, stored.write_back) == ("prefill", False)

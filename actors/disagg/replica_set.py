@@ -1,0 +1,215 @@
+"""The prefill and decode replica actors of one ``PDCluster``, and how they are started.
+
+``ReplicaSet`` owns, per replica id (``p<i>``, ``d<j>``): the actor handle, the Conductor's
+view of it (``PrefillInstance`` / ``DecodeInstance``, updated from its reports), a prefill
+replica's node and the block hashes its own prefix cache holds, and one outstanding long
+poll (``report``) on every live replica. ``start_prefill`` / ``start_decode`` start a replica
+under its id, or a fresh actor in place of a dead one (``forget`` drops the old one first).
+
+Placement: replicas and store shards spread over the cluster's nodes (``placement.nodes``);
+with several nodes prefill and decode run apart and stream KV over TCP. On a GPU cluster
+each worker holds one GPU (a one-worker replica's worker runs in the replica actor, which
+then holds it); on CPU nothing is reserved. Actors are threaded: the Conductor's long poll
+waits in one thread while other calls are served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from actors.disagg.cluster_config import PDClusterConfig
+from actors.disagg.decode import DecodeReplica
+from actors.disagg.messages import DecodeStats, PrefillStats
+from actors.disagg.prefill import PrefillReplica
+from actors.disagg.store_view import DEAD, PDStore
+from actors.engine.config import EngineConfig
+from actors.engine.replica_loop import split_cores
+from actors.ray_nodes import alive_nodes, pinned
+from placement.nodes import Node, NodePlacement, ReplicaSpec, nodes_carrying
+from policies.conductor import DecodeInstance, PrefillInstance
+
+REPORT_WAIT_S = 0.25  # a replica's long poll returns at the latest after this long
+
+
+def call_replica(method: Any, *args: Any) -> bool:
+    """Call a replica's actor method and wait for it; False when the replica is gone (its
+    death is handled when its long poll fails)."""
+    try:
+        ray.get(method.remote(*args))
+    except DEAD:
+        return False
+    return True
+
+
+def plan_nodes(config: PDClusterConfig, on_gpu: bool) -> NodePlacement:
+    """Each replica's node (prefill ``p<i>``, decode ``d<j>``) on the live nodes the
+    cluster may use."""
+    plan = NodePlacement(cluster_nodes(config))
+    worker = {"GPU": 1.0} if on_gpu else {}
+    pw = _workers(config.side_engine(config.prefill))
+    dw = _workers(config.side_engine(config.decode))
+    plan.place(
+        [ReplicaSpec(f"p{i}", "prefill", pw, worker) for i in range(config.prefill.count)]
+        + [ReplicaSpec(f"d{j}", "decode", dw, worker) for j in range(config.decode.count)]
+    )
+    return plan
+
+
+def cluster_nodes(config: PDClusterConfig) -> list[Node]:
+    """The live nodes the cluster's actors may use (a region's, when pinned)."""
+    return nodes_carrying(alive_nodes(), config.node_resources)
+
+
+def _workers(engine: EngineConfig) -> int:
+    return engine.tp * engine.spp
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        config: PDClusterConfig,
+        model_dir: str,
+        plan: NodePlacement,
+        store: PDStore | None,
+        on_gpu: bool,
+        decode_reads_store: bool,
+    ) -> None:
+        """``decode_reads_store``: decode replicas read stored prefixes (DualPath's decode
+        read path), so they get the store shards even without write-back."""
+        self.config, self.model_dir, self.plan, self.store = config, model_dir, plan, store
+        self.prefill_engine = config.side_engine(config.prefill)
+        self.decode_engine = config.side_engine(config.decode)
+        self._prefill_cls = self._actor_class(PrefillReplica, self.prefill_engine, on_gpu)
+        self._decode_cls = self._actor_class(DecodeReplica, self.decode_engine, on_gpu)
+        self.prefill_ids = [f"p{i}" for i in range(config.prefill.count)]
+        self.decode_ids = [f"d{j}" for j in range(config.decode.count)]
+        one_node = len(plan.nodes) == 1
+        self._cores = (
+            split_cores(config.prefill.count, config.decode.count)
+            if config.pin_cores and one_node
+            else {}
+        )
+        self._decode_reads_store = decode_reads_store
+        self.prefills: dict[str, Any] = {}
+        self.decodes: dict[str, Any] = {}
+        self.prefill_views: dict[str, PrefillInstance] = {}
+        self.decode_views: dict[str, DecodeInstance] = {}
+        self.prefill_reports: dict[str, PrefillStats] = {}
+        self.local_cached: dict[str, set[int]] = {}  # prefill id -> its prefix cache's hashes
+        self.prefill_nodes: dict[str, str] = {}
+        self.polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
+
+    def start_all(self) -> None:
+        for pid in self.prefill_ids:
+            self.start_prefill(pid)
+        for did in self.decode_ids:
+            self.start_decode(did)
+
+    # -- starting and replacing -------------------------------------------------------------
+    def start_prefill(self, pid: str) -> None:
+        """Start prefill replica ``pid`` (a fresh actor if one ran under that id)."""
+        side = self.config.prefill
+        handle = self._pinned(self._prefill_cls, pid, restart=pid in self.prefills).remote(
+            pid,
+            self.model_dir,
+            self.prefill_engine,
+            store_shards=self.store.live() if self.store else {},
+            link_budget=side.link_budget,
+            record_loads=side.record_loads,
+            **self._pinning(pid),
+        )
+        self.prefills[pid] = handle
+        self.prefill_views[pid] = PrefillInstance(pid)
+        self.local_cached[pid] = set()
+        self.prefill_nodes[pid] = ray.get(handle.node.remote())
+        self.watch(pid, handle)
+
+    def start_decode(self, did: str) -> None:
+        """Start decode replica ``did`` (a fresh actor if one ran under that id)."""
+        side = self.config.decode
+        handle = self._pinned(self._decode_cls, did, restart=did in self.decodes).remote(
+            did,
+            self.model_dir,
+            self.decode_engine,
+            serve_tcp=self.plan.apart(did, self.prefill_ids),  # prefill elsewhere: over TCP
+            tcp_host=self.plan.tcp_host(did),
+            store_shards=self._decode_shards(),
+            write_back=bool(self.store and self.store.cfg.write_back),
+            link_budget=side.link_budget,
+            record_loads=side.record_loads,
+            **self._pinning(did),
+        )
+        self.decodes[did] = handle
+        self.decode_views[did] = DecodeInstance(did)
+        report = ray.get(handle.report.remote(0.0))
+        self.apply_stats(did, report.stats)
+        self.watch(did, handle)
+
+    def watch(self, rid: str, handle: Any) -> None:
+        """Keep one long poll outstanding on a live replica."""
+        self.polls[handle.report.remote(REPORT_WAIT_S)] = (rid, handle)
+
+    def forget(self, handle: Any) -> None:
+        """Stop watching a replica and kill its actor (if it still runs)."""
+        for ref in [r for r, (_, h) in self.polls.items() if h is handle]:
+            del self.polls[ref]
+        try:
+            ray.kill(handle)
+        except DEAD:
+            pass
+
+    def all_handles(self) -> list[Any]:
+        return [*self.prefills.values(), *self.decodes.values()]
+
+    # -- what the replicas report -----------------------------------------------------------
+    def apply_stats(self, rid: str, stats: PrefillStats | DecodeStats) -> None:
+        if isinstance(stats, PrefillStats):
+            self.prefill_reports[rid] = stats
+            self.prefill_views[rid].queued_tokens = stats.queued_tokens
+            return
+        view = self.decode_views[rid]
+        view.num_running = stats.num_running
+        view.used_blocks = stats.used_blocks
+        view.pending = stats.pending
+        view.pending_blocks = stats.pending_blocks
+        view.total_blocks = stats.total_blocks
+
+    def home_shard(self, pid: str) -> str | None:
+        """The live store shard prefill replica ``pid`` writes to and counts as its own:
+        one on its node (the node's prefill replicas spread over its shards), else any."""
+        if self.store is None:
+            return None
+        node = self.prefill_nodes[pid]
+        peers = sorted(p for p in self.prefills if self.prefill_nodes[p] == node)
+        return self.store.home_shard(node, peers.index(pid))
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _actor_class(self, cls: type, engine: EngineConfig, on_gpu: bool) -> Any:
+        gpus = 1.0 if on_gpu and _workers(engine) == 1 else 0
+        remote: Any = ray.remote  # its overloads do not name max_concurrency
+        return remote(
+            num_cpus=0,
+            num_gpus=gpus,
+            resources=self.config.node_resources,
+            max_restarts=0,
+            max_concurrency=4,
+        )(cls)
+
+    def _pinning(self, rid: str) -> dict[str, Any]:
+        cores = self._cores.get(rid)
+        return {"cpus": cores, "threads": len(cores)} if cores else {}
+
+    def _decode_shards(self) -> dict[str, Any] | None:
+        """The store shards a decode replica uses: to write back, or to read prefixes."""
+        if self.store is None or not (self.store.cfg.write_back or self._decode_reads_store):
+            return None
+        return self.store.live()
+
+    def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
+        """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
+        moves off a node that is gone)."""
+        if restart:
+            return pinned(cls, self.plan.replace(rid, cluster_nodes(self.config)), soft=True)
+        return pinned(cls, self.plan.node_id(rid))

@@ -1,0 +1,69 @@
+"""A disaggregated replica group's ``PDClusterConfig``: what one Serve replica of the group
+starts (``actors.disagg.engine.PDEngine``), from the group's validated sections.
+
+The group's ``engine`` section is every prefill and decode replica's ``EngineConfig``
+(each side's ``tp`` / ``spp`` from its ``prefill`` / ``decode`` section); the store's SSD
+files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a folder;
+the store section's ``read_path`` and ``write_back`` and the conductor section's
+``scheduler`` (DualPath) pass through; ``node_resources`` (a region's node resource) pins
+every actor of the cluster to the nodes that carry it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
+from actors.disagg.conductor import ConductorOptions
+from actors.disagg.store_view import StoreConfig
+from actors.serving.config import (
+    ConductorSectionConfig,
+    PDLayoutConfig,
+    ReplicaGroupConfig,
+    StoreSectionConfig,
+)
+from policies.dualpath import PREFILL_PATH
+
+
+def pd_cluster_config(
+    model: str | None,
+    group: ReplicaGroupConfig,
+    replica_id: str,
+    node_resources: dict[str, float] | None = None,
+) -> PDClusterConfig:
+    """The cluster of Serve replica ``replica_id`` of the disaggregated ``group``."""
+    if group.num_prefill is None or group.num_decode is None:
+        raise ValueError(f"group {group.name!r} is not disaggregated")
+    conductor = group.conductor or ConductorSectionConfig()
+    return PDClusterConfig(
+        model_dir=model,
+        engine=group.engine,
+        prefill=_side(group.num_prefill, group.prefill),
+        decode=_side(group.num_decode, group.decode),
+        store=_store(group.store, replica_id),
+        conductor=ConductorOptions(
+            admission=conductor.admission,
+            ttft_slo=conductor.ttft_slo,
+            tbt_slo=conductor.tbt_slo,
+            replication_threshold=conductor.replication_threshold,
+        ),
+        fit_costs=conductor.fit_costs,
+        read_path=group.store.read_path if group.store is not None else PREFILL_PATH,
+        scheduler=conductor.scheduler,
+        node_resources=dict(node_resources or {}),
+    )
+
+
+def _side(count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
+    if layout is None:
+        return PDSideConfig(count)
+    return PDSideConfig(count, tp=layout.tp, spp=layout.spp)
+
+
+def _store(section: StoreSectionConfig | None, replica_id: str) -> StoreConfig | None:
+    if section is None:
+        return None
+    ssd_dir = str(Path(section.ssd_dir) / replica_id) if section.ssd_dir else None
+    return StoreConfig(
+        section.dram_bytes, section.ssd_bytes, ssd_dir, section.num_shards, section.write_back
+    )
