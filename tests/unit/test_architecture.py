@@ -16,20 +16,14 @@ RUNTIME += ("sim", "actors")
 WHOLE_REPO = (*RUNTIME, "bench", "tests")
 
 # Known breaks of the rules that other work in progress removes, each with its owner:
-# (importer, the layer it may not import) and sets of modules a cycle may stay within. An
-# entry that no longer breaks a rule fails ``test_allowed_breaks_still_exist``: delete it.
+# (importing module or package, the layer it may not import) and sets of modules a cycle
+# may stay within. An entry that no longer breaks a rule fails
+# ``test_allowed_breaks_still_exist``: delete it.
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    # actors/disagg (issue 24, H-A): PDEngine reads the serving config and metrics
-    ("actors.disagg.engine", "actors.serving"): "H-A",
-    # actors/engine (issue 24, H-B1): the replica controller builds the MoE executor
-    ("actors.engine.replica_controller", "actors.moe"): "H-B1",
+    # actors/engine (issue 24, H-B1): the replica controller's wiring builds the MoE executor
+    ("actors.engine", "actors.moe"): "H-B1",
 }
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    # actors/disagg (issue 24, H-A): the P/D cluster's fault and placement parts
-    frozenset(
-        {"actors.disagg.cluster", "actors.disagg.cluster_faults", "actors.disagg.cluster_placement"}
-    ): "H-A",
-}
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 # -- reading the rules ---------------------------------------------------------------------
@@ -132,10 +126,15 @@ def imports(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
 # -- the checks ----------------------------------------------------------------------------
 
 
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
 def _layer(module: str, layers: Iterable[str]) -> str | None:
+    """The row ``module`` belongs to: the longest layer name it is under."""
     best = None
     for layer in layers:
-        if (module == layer or module.startswith(layer + ".")) and len(layer) > len(best or ""):
+        if _under(module, layer) and len(layer) > len(best or ""):
             best = layer
     return best
 
@@ -219,11 +218,13 @@ def _allowed_cycle(component: frozenset[str]) -> bool:
     return any(component <= allowed for allowed in ALLOWED_CYCLES)
 
 
+def _allowed_upward(module: str, layer: str) -> bool:
+    return any(_under(module, m) and layer == theirs for m, theirs in ALLOWED_UPWARD)
+
+
 def test_no_import_goes_up_a_layer():
     broken = upward_imports(GRAPH, RULES, EXTRA)
-    new = [
-        why for (a, _), (layer, why) in sorted(broken.items()) if (a, layer) not in ALLOWED_UPWARD
-    ]
+    new = [why for (a, _), (layer, why) in sorted(broken.items()) if not _allowed_upward(a, layer)]
     assert not new, "imports against docs/architecture.md's import rules:\n" + "\n".join(new)
 
 
@@ -236,7 +237,11 @@ def test_no_import_cycles():
 
 def test_allowed_breaks_still_exist():
     broken = {(a, layer) for (a, _), (layer, _) in upward_imports(GRAPH, RULES, EXTRA).items()}
-    stale = [f"{a} -> {layer}" for a, layer in ALLOWED_UPWARD if (a, layer) not in broken]
+    stale = [
+        f"{m} -> {layer}"
+        for m, layer in ALLOWED_UPWARD
+        if not any(_under(a, m) for a, theirs in broken if theirs == layer)
+    ]
     found = cycles(GRAPH)
     stale += [", ".join(sorted(c)) for c in ALLOWED_CYCLES if not any(f <= c for f in found)]
     assert not stale, f"fixed: delete from ALLOWED_UPWARD / ALLOWED_CYCLES: {stale}"

@@ -4,9 +4,11 @@ and the four tables built on it agree with what their callers accept."""
 from __future__ import annotations
 
 import sys
+from typing import get_args
 
 import pytest
 
+from actors.serving.config import RoutingPolicyName
 from policies.registry import Lazy, Registry
 from policies.routing import ROUTING_POLICIES, PowerOfTwoChoices, make_routing_policy
 from policies.slack import ORDERINGS, POLICIES
@@ -45,8 +47,9 @@ def test_unknown_transfer_backend_keeps_its_error_type():
         TRANSFER_BACKENDS.get("x")
 
 
-def test_the_simulator_and_the_router_share_policy_names():
+def test_the_simulator_the_router_and_the_config_share_policy_names():
     assert COLOCATED_POLICIES == ROUTING_POLICIES.names()
+    assert set(get_args(RoutingPolicyName)) <= set(ROUTING_POLICIES.names())
     assert isinstance(make_routing_policy("power-of-two"), PowerOfTwoChoices)
     with pytest.raises(ValueError, match="unknown routing policy 'p2c'; choose one of"):
         make_routing_policy("p2c")
