@@ -38,7 +38,7 @@ def run(folder: Path, prompt: list[int], args, **layout: int) -> tuple[list[int]
     kvp = layout.get("kvp", 1)
     per_rank = -(-(len(prompt) + args.new) // kvp)
     rank_tokens = -(-per_rank // BLOCK) * BLOCK
-    engine = ReplicaController(
+    engine = ReplicaController.build(
         folder,
         dtype=torch.float64,
         block_size=BLOCK,

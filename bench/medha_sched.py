@@ -126,7 +126,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = dict(MODEL, max_position_embeddings=max(8192, 2 * args.long))
         folder = write_tiny_model(Path(tmp) / "m", kind="dense", seed=0, **model)
-        engines = {name: ReplicaController(folder, **cfg) for name, cfg in configs.items()}
+        engines = {name: ReplicaController.build(folder, **cfg) for name, cfg in configs.items()}
         results: dict[str, list[dict]] = {name: [] for name in configs}
         t0 = time.monotonic()
         for rep in range(-WARMUP, args.repeats):  # warm-up pairs first (they fit ilrs)

@@ -61,7 +61,7 @@ def overlap_share(times: list[StageTime]) -> float:
 
 
 def run(model_dir: Path, m: int, requests: int, tokens: int) -> tuple[float, float]:
-    controller = ReplicaController(
+    controller = ReplicaController.build(
         model_dir, attention_workers=1, expert_workers=2, micro_batches=m, block_size=16
     )
     try:

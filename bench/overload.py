@@ -75,7 +75,7 @@ class Bench:
         self.args = args
         self.engines: dict[float | None, tuple[ColocatedEngine, EngineLoop]] = {}
         for slo in (None, args.slo):
-            engine = ColocatedEngine(
+            engine = ColocatedEngine.build(
                 model_dir,
                 block_size=16,
                 token_budget=args.token_budget,

@@ -97,7 +97,7 @@ class Bench:
         a = self.args
         out = {}
         for region in REGIONS:
-            engine = ColocatedEngine(
+            engine = ColocatedEngine.build(
                 self.model_dir,
                 block_size=16,
                 token_budget=a.token_budget,

@@ -188,7 +188,7 @@ class InProcess:
         from policies.request import SamplingParams
 
         config = cfg.groups[0].engine
-        self.engine = ColocatedEngine(model_dir, config)
+        self.engine = ColocatedEngine.build(model_dir, config)
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, config.cpu_cores)
         self.builder = self.engine.request_builder()
         self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

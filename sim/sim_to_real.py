@@ -113,7 +113,7 @@ def _add(engine: Any, prompt: list[int], params: Any, request_id: str) -> None:
 def _engine() -> Any:
     from actors.engine.replica_controller import ReplicaController
 
-    return ReplicaController(
+    return ReplicaController.build(
         block_size=BLOCK, num_blocks=NUM_BLOCKS, token_budget=BUDGET, max_num_seqs=MAX_SEQS
     )
 

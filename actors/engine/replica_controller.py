@@ -1,12 +1,13 @@
 """The replica controller: one model replica's scheduler, block tables and requests.
 
-Each ``step`` is schedule -> run -> postprocess. The controller takes requests as built at
-the edge (``RequestBuilder``: validated and hashed once), owns their detokenizers, builds
-each iteration's compact plan and hands it to its executor: in process for a single
-worker, or worker actors on Ray driven through a compiled graph for a ``tp x spp x kvp``
-layout. With pipeline stages it keeps up to ``spp`` steps in flight. When a worker dies,
-it rebuilds the worker group and recomputes the KV of every running request from its
-tokens, so no request is lost and no token changes.
+Each ``step`` is schedule -> run -> postprocess. The controller runs with the parts that
+``actors.engine.controller_builder`` wires (``ReplicaController.build``). It takes requests
+as built at the edge (``RequestBuilder``: validated and hashed once), owns their
+detokenizers, builds each iteration's compact plan and hands it to its executor: in
+process for a single worker, or worker actors on Ray driven through a compiled graph for a
+``tp x spp x kvp`` layout. With pipeline stages it keeps up to ``spp`` steps in flight.
+When a worker dies, it rebuilds the worker group and recomputes the KV of every running
+request from its tokens, so no request is lost and no token changes.
 """
 
 from __future__ import annotations
@@ -16,40 +17,26 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-import torch
-
-from actors.engine.collectives import Layout
 from actors.engine.config import EngineConfig
+from actors.engine.controller_builder import ControllerParts, build_parts
 from actors.engine.detokenizer import IncrementalDetokenizer
-from actors.engine.executor import Executor, LocalExecutor, WorkerFailure
+from actors.engine.executor import Executor, WorkerFailure
 from actors.engine.kv_cache import KVCache
 from actors.engine.outputs import RequestOutput, StreamDelta, TokenLogprob
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.step_plan import PlanEntry, StepPlan, StepResult
 from actors.engine.structured import GrammarCompiler, GrammarState
-from actors.engine.worker import WorkerSpec
 from actors.engine.worker_hooks import HooksFactory, WorkerHooks
 from errors import InvalidRequestError
-from kernels.kv_cache import kv_cache_bytes_per_block
-from models import load_tokenizer, tiny_model_dir
-from models.config import ModelConfig, read_model_config
-from models.sharding import kv_heads_per_rank
-from placement.runtime_predictor import RuntimePredictor
-from policies.batch_packer import BatchPacker, Packer
-from policies.chunking import FixedChunk
-from policies.dualpath import AttentionQuotaPacker
-from policies.kvp_balancer import choose_kvp_rank
+from models.config import ModelConfig
 from policies.request import Request, SampleSpec
-from policies.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from policies.scheduler import ScheduledStep
 from policies.sequence import FinishReason, Sequence
-from policies.slack import Deadlines, make_ordering
-from store.block_pool import BlockPool
 from store.hashing import extend_block_hashes
 from store.kv_manager import KVCacheManager
-from store.kv_sharded_manager import ShardedKVManager
 
 
 @dataclass
@@ -64,147 +51,25 @@ class _Request:
 
 
 class ReplicaController:
-    def __init__(
-        self,
-        model_dir: str | Path | None = None,
-        config: EngineConfig | None = None,
-        executor: Executor | None = None,
-        worker_hooks: WorkerHooks | HooksFactory | None = None,
-        **options: Any,
-    ) -> None:
-        """``config`` holds the engine options (``EngineConfig``); keyword ``options``
-        instead are converted through ``EngineConfig.from_options`` (not both)."""
-        if config is None:
-            config = EngineConfig.from_options(**options)
-        elif options:
-            raise ValueError(f"give config or keyword options, not both: {sorted(options)}")
-        self.engine_config = config
-        tp, spp, kvp = config.tp, config.spp, config.kvp
-        block_size = config.block_size
-        self.model_dir = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
-        self.layout = Layout(tp, spp, kvp)
-        self.device = torch.device(
-            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        on_gpu = self.device.type == "cuda"
-        self.dtype = config.torch_dtype(on_gpu)
-        self.config: ModelConfig = read_model_config(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        cfg = self.config
-        self.max_model_len = config.context_len(cfg.max_position_embeddings)
-        self.block_size = block_size
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            per_block = kv_cache_bytes_per_block(
-                -(-cfg.num_hidden_layers // spp),
-                block_size,
-                kv_heads_per_rank(cfg.num_key_value_heads, tp),
-                cfg.head_dim,
-                self.dtype,
-            )
-            # Enough for every running request at full context, within the memory budget.
-            wanted = config.max_num_seqs * -(-self.max_model_len // block_size)
-            num_blocks = max(1, min(wanted, config.kv_cache_memory // per_block))
-        self.num_blocks = num_blocks
-        self.pools = [BlockPool(num_blocks, block_size) for _ in range(kvp)]
-        self.kv: KVCache
-        self._one_rank_kv: KVCacheManager | None = None
-        if kvp == 1:
-            # Data-parallel MoE attention workers each hold only their requests' KV, so a
-            # prefix cached by one is not on another: no prefix caching across them.
-            prefix = config.enable_prefix_caching and config.attention_workers <= 1
-            self.kv = self._one_rank_kv = KVCacheManager(self.pools[0], prefix)
-        else:
-            kvp_rank_tokens = config.kvp_rank_tokens
-            if kvp_rank_tokens is None:
-                per_rank = -(-self.max_model_len // kvp)
-                kvp_rank_tokens = min(
-                    -(-per_rank // block_size) * block_size, num_blocks * block_size
-                )
-            self.kv = ShardedKVManager(
-                self.pools,
-                kvp_rank_tokens,
-                config.enable_prefix_caching,
-                choose_rank=choose_kvp_rank,  # Medha's KVP balancer
-            )
-        self.pool = self.pools[0]
-        # Medha's scheduling: a runtime predictor fitted from this replica's steps sizes
-        # chunks (``target_batch_time``) and predicts the prefill time deadlines rank by.
-        self.predictor: RuntimePredictor | None = None
-        ordering = config.ordering
-        packer: Packer | None = None
-        packing = config.target_batch_time is not None or config.attention_quota is not None
-        if config.scheduling != "fcfs" or packing:
-            self.predictor = RuntimePredictor(
-                chunk_size=config.chunk_size or 512, min_samples=8, refit_every=8
-            )
-        if config.scheduling != "fcfs":
-            assert self.predictor is not None
-            deadlines = Deadlines(
-                self.predictor,
-                config.default_ttft_slo,
-                config.ttft_slo_factor,
-                config.min_ttft_slo,
-            )
-            ordering = make_ordering(config.scheduling, deadlines)
-        if config.target_batch_time is not None:
-            assert self.predictor is not None
-            packer = BatchPacker(
-                self.predictor,
-                config.target_batch_time,
-                config.max_prefill_share,
-                max_chunk=config.chunk_size,
-            )
-        if config.attention_quota is not None:  # DualPath's intra-engine rule
-            assert self.predictor is not None
-            packer = AttentionQuotaPacker(
-                self.predictor, config.attention_quota, max_chunk=config.chunk_size
-            )
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.token_budget, config.max_num_seqs),
-            self.kv,
-            ordering=ordering,
-            chunk_rule=config.chunk_rule or FixedChunk(config.chunk_size),
-            packer=packer,
-        )
-        backend = config.attention_backend or ("flashinfer" if on_gpu else "torch")
-        self.worker_spec = WorkerSpec(
-            model_dir=str(self.model_dir),
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=self.device.type,
-            attention_backend=backend,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            layout=self.layout,
-            pack_weights=config.pack_weights,
-        )
-        if executor is None and config.attention_workers:
-            if worker_hooks is not None:
-                raise ValueError("attention/expert disaggregation takes no worker hooks")
-            from actors.moe.executor import build_moe_executor
-
-            executor = build_moe_executor(config, cfg, self.worker_spec)
-        if executor is None:
-            if self.layout.world_size == 1:
-                executor = LocalExecutor(self.worker_spec, worker_hooks)
-            else:
-                from actors.engine.ray_executor import RayExecutor
-
-                if isinstance(worker_hooks, WorkerHooks):
-                    raise ValueError(
-                        "a multi-worker layout takes worker hooks as a picklable factory "
-                        "(HooksFactory), built in each worker's process"
-                    )
-                executor = RayExecutor(
-                    self.worker_spec,
-                    use_compiled_graph=config.use_compiled_graph,
-                    hooks=worker_hooks,
-                    resources=config.worker_resources,
-                )
-        self.executor: Executor = executor
-        self.eos_token_ids = frozenset(
-            t for t in (cfg.eos_token_ids or [self.tokenizer.eos_token_id]) if t is not None
-        )
+    def __init__(self, parts: ControllerParts) -> None:
+        """Run with ``parts`` built by ``build_parts`` (or ``ReplicaController.build``)."""
+        self.engine_config = parts.engine_config
+        self.model_dir = parts.model_dir
+        self.layout = parts.layout
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.config: ModelConfig = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.block_size = parts.engine_config.block_size
+        self.num_blocks = parts.num_blocks  # per KV rank
+        self.kv: KVCache = parts.kv
+        self._one_rank_kv = parts.one_rank_kv
+        self.scheduler = parts.scheduler
+        self.predictor = parts.predictor
+        self.worker_spec = parts.worker_spec
+        self.executor: Executor = parts.executor
+        self.eos_token_ids = parts.eos_token_ids
         self._grammar_compiler: GrammarCompiler | None = None  # on first use
         self._requests: dict[str, _Request] = {}
         self._reserved: dict[str, _Request] = {}  # KV reserved, prompt computed elsewhere
@@ -214,6 +79,19 @@ class ReplicaController:
         self.step_timings: list[tuple[int, list[tuple[int, float, float]]]] = []
         self.record_timings = False
         self.hook_reports: list[Any] = []  # the workers' step-hook reports, until taken
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: str | Path | None = None,
+        config: EngineConfig | None = None,
+        executor: Executor | None = None,
+        worker_hooks: WorkerHooks | HooksFactory | None = None,
+        **options: Any,
+    ) -> Self:
+        """A controller over ``build_parts(model_dir, config, executor, worker_hooks,
+        **options)``: ``config`` or keyword ``options`` (``EngineConfig`` fields)."""
+        return cls(build_parts(model_dir, config, executor, worker_hooks, **options))
 
     # -- requests ---------------------------------------------------------------------------
     @property

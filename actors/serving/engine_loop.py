@@ -32,14 +32,19 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, Self
 
+from actors.engine.config import EngineConfig
+from actors.engine.controller_builder import ControllerParts, build_parts
 from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused, Verdict
+from actors.engine.executor import Executor
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.replica_loop import ReplicaLoop
 from actors.engine.request_limits import RequestLimits
 from actors.engine.step_plan import StepResult
+from actors.engine.worker_hooks import HooksFactory, WorkerHooks
 from actors.serving.loop_mailbox import mailbox_of
 from actors.serving.metrics import MetricsSnapshot, ReplicaMetrics
 from errors import (
@@ -111,8 +116,8 @@ class ColocatedEngine(ReplicaController):
     ``CostFitter`` refits from every measured step (its entries, decodes as one-token
     chunks, and the seconds between the ends of consecutive busy steps)."""
 
-    def __init__(self, *args: Any, ttft_slo: float | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, parts: ControllerParts, ttft_slo: float | None = None) -> None:
+        super().__init__(parts)
         self.admission: ColocatedAdmission | None = None
         self.fitter: CostFitter | None = None
         if ttft_slo is not None:
@@ -122,6 +127,20 @@ class ColocatedEngine(ReplicaController):
         self._busy_since: float | None = None  # end of the last step, while work remained
         self._last_step_seconds = 0.0
         self._predicted: dict[str, tuple[float, float]] = {}  # id: (predicted TTFT, since)
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: str | Path | None = None,
+        config: EngineConfig | None = None,
+        executor: Executor | None = None,
+        worker_hooks: WorkerHooks | HooksFactory | None = None,
+        *,
+        ttft_slo: float | None = None,
+        **options: Any,
+    ) -> Self:
+        """``ReplicaController.build`` with ``ttft_slo``."""
+        return cls(build_parts(model_dir, config, executor, worker_hooks, **options), ttft_slo)
 
     def add_request(self, request: Request, kv_dest: Any = None) -> str:
         if self.admission is not None:

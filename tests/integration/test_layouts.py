@@ -97,7 +97,7 @@ REFERENCE_LOGPROBS: list = []
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    controller = ReplicaController(tiny_model_dir("dense"), **OPTIONS)
+    controller = ReplicaController.build(tiny_model_dir("dense"), **OPTIONS)
     tokens = generate(controller, logprobs=REFERENCE_LOGPROBS)
     controller.shutdown()
     assert all(len(t) == MAX_TOKENS for t in tokens)
@@ -112,7 +112,9 @@ LAYOUTS = [(tp, spp, kvp) for tp in (1, 2) for spp in (1, 2, 3) for kvp in (1, 2
 def test_layout_matches_single_process(cluster, reference, tp, spp, kvp):
     if (tp, spp, kvp) == (1, 1, 1):
         pytest.skip("the single-process reference itself")
-    controller = ReplicaController(tiny_model_dir("dense"), tp=tp, spp=spp, kvp=kvp, **OPTIONS)
+    controller = ReplicaController.build(
+        tiny_model_dir("dense"), tp=tp, spp=spp, kvp=kvp, **OPTIONS
+    )
     shard_starts: set[int] = set()
 
     def watch(c, ids):
@@ -138,7 +140,7 @@ def test_tensor_parallel_beyond_kv_heads_matches_single_process(cluster):
     options = dict(dtype=torch.float64, chunk_size=20, num_blocks=16)
     outputs = []
     for tp in (1, 2):
-        controller = ReplicaController(model_dir, tp=tp, **options)
+        controller = ReplicaController.build(model_dir, tp=tp, **options)
         try:
             outputs.append(generate(controller, prompts=PROMPTS[:2], max_tokens=4))
         finally:
@@ -150,7 +152,7 @@ def test_tensor_parallel_beyond_kv_heads_matches_single_process(cluster):
 
 def test_sequence_pipeline_overlaps_prefill_chunks(cluster):
     """Chunk k+1 starts on stage 0 before chunk k leaves the last stage."""
-    controller = ReplicaController(
+    controller = ReplicaController.build(
         tiny_model_dir("dense"), spp=3, dtype=torch.float64, chunk_size=16, num_blocks=64
     )
     controller.record_timings = True
@@ -177,7 +179,7 @@ def test_sequence_pipeline_overlaps_prefill_chunks(cluster):
 
 def test_worker_killed_mid_generation_recovers(cluster, reference):
     """The controller rebuilds its workers and recomputes: same tokens, nothing lost."""
-    controller = ReplicaController(tiny_model_dir("dense"), tp=2, spp=1, **OPTIONS)
+    controller = ReplicaController.build(tiny_model_dir("dense"), tp=2, spp=1, **OPTIONS)
     killed = []
 
     def kill_once(c, ids):

@@ -84,7 +84,7 @@ def test_llm_with_attention_and_expert_workers_gives_the_single_process_tokens(
 def test_attention_and_expert_workers_overlap_with_three_micro_batches(cluster, model_dir):
     """Stage times of the decode steps: an expert round of micro-batch j runs while an
     attention round of another micro-batch runs (the ping-pong pipeline)."""
-    controller = ReplicaController(model_dir, dtype=torch.float64, block_size=4, **LAYOUT)
+    controller = ReplicaController.build(model_dir, dtype=torch.float64, block_size=4, **LAYOUT)
     try:
         builder = controller.request_builder()
         rng = random.Random(3)
@@ -114,7 +114,7 @@ def test_attention_and_expert_workers_overlap_with_three_micro_batches(cluster, 
 
 @pytest.mark.parametrize("victim", ["expert", "attention"])
 def test_worker_killed_mid_generation_is_replaced(cluster, model_dir, prompts, reference, victim):
-    controller = ReplicaController(
+    controller = ReplicaController.build(
         model_dir, dtype=torch.float64, block_size=4, chunk_size=8, **LAYOUT
     )
     try:

@@ -95,7 +95,7 @@ def test_a_replica_with_an_attention_quota_gives_the_same_tokens():
     prompts = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((21, 9, 14))]
     outs = []
     for extra in ({}, {"attention_quota": 1e-4}):
-        replica = ReplicaController(None, **opts, **extra)
+        replica = ReplicaController.build(None, **opts, **extra)
         if extra:
             assert isinstance(replica.scheduler.packer, AttentionQuotaPacker)
         build = replica.request_builder()

@@ -34,7 +34,7 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def reference(model_dir, toks: list[list[int]]) -> list[list[int]]:
-    engine = ReplicaController(model_dir, block_size=4)
+    engine = ReplicaController.build(model_dir, block_size=4)
     out = []
     for t in toks:
         req = engine.request_builder().build(t, GREEDY)
@@ -49,7 +49,7 @@ def make_regions(model_dir) -> tuple[Regions, list[EngineLoop], object]:
     loops, replicas = [], {}
     builder = None
     for region in ("us", "eu", "asia"):
-        engine = ColocatedEngine(model_dir, block_size=4, max_num_seqs=1)
+        engine = ColocatedEngine.build(model_dir, block_size=4, max_num_seqs=1)
         builder = builder or engine.request_builder()
         loop = EngineLoop(engine)
         loops.append(loop)

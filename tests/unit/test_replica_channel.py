@@ -37,7 +37,7 @@ def prompts(n: int) -> list[list[int]]:
 
 @pytest.fixture
 def channels(model_dir):
-    engine = ColocatedEngine(model_dir, block_size=4)
+    engine = ColocatedEngine.build(model_dir, block_size=4)
     loop = EngineLoop(engine)
     yield ReplicaChannels(loop, "r1"), engine.request_builder(), loop
     loop.shutdown()

@@ -65,7 +65,7 @@ def test_in_process_engine_hashes_each_block_once(model_dir, hashed):
 
 
 def test_serving_path_hashes_each_block_once_and_streams_typed_events(model_dir, hashed):
-    engine = ColocatedEngine(model_dir, EngineConfig(block_size=BS))
+    engine = ColocatedEngine.build(model_dir, EngineConfig(block_size=BS))
     builder = engine.request_builder()  # what the ingress holds: the replicas' limits
     loop = EngineLoop(engine)
     try:
@@ -97,7 +97,7 @@ def test_serving_path_hashes_each_block_once_and_streams_typed_events(model_dir,
 
 
 def test_limits_are_checked_once_at_the_edge(model_dir):
-    engine = ReplicaController(model_dir, block_size=BS, max_model_len=32)
+    engine = ReplicaController.build(model_dir, block_size=BS, max_model_len=32)
     builder = engine.request_builder()
     with pytest.raises(ContextLengthError, match="max_tokens <= 14"):
         builder.build(PROMPT, SamplingParams(max_tokens=15))

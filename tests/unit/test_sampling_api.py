@@ -275,9 +275,9 @@ def test_the_first_token_sampled_as_a_prefill_replica_does(model_dir):
         logprobs=3,
         response_format=rf,
     )
-    whole = ReplicaController(model_dir, block_size=4)
-    prefill = ReplicaController(model_dir, block_size=4)
-    decode = ReplicaController(model_dir, block_size=4)
+    whole = ReplicaController.build(model_dir, block_size=4)
+    prefill = ReplicaController.build(model_dir, block_size=4)
+    decode = ReplicaController.build(model_dir, block_size=4)
     try:
         outs = []
         for c, first_only in ((whole, False), (prefill, True)):
