@@ -69,6 +69,7 @@ def read_rules(text: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
                 seen.add(n)
                 todo.extend(direct[n])
         closed[layer] = seen
+        assert layer not in seen, f"layer {layer} may import itself through {seen}"
     extra = {_names(row[0])[0]: set(_names(row[1])) for row in exceptions_table}
     return closed, extra
 
@@ -144,7 +145,7 @@ def upward_imports(
 ) -> dict[tuple[str, str], tuple[str, str]]:
     """(importer, imported) -> (the imported module's layer, why it breaks the rules), for
     every import that does."""
-    out: dict[tuple[str, str], str] = {}
+    out: dict[tuple[str, str], tuple[str, str]] = {}
     for module, targets in graph.items():
         own = _layer(module, rules)
         if own is None:
