@@ -15,17 +15,6 @@ RUNTIME = ("errors.py", "serve_app.py", "policies", "kernels", "store", "models"
 RUNTIME += ("sim", "actors")
 WHOLE_REPO = (*RUNTIME, "bench", "tests")
 
-# Known breaks of the rules that other work in progress removes, each with its owner:
-# (importing module or package, the layer it may not import) and sets of modules a cycle
-# may stay within. An entry that no longer breaks a rule fails
-# ``test_allowed_breaks_still_exist``: delete it.
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    # actors/engine (issue 24, H-B1): the replica controller's wiring builds the MoE executor
-    ("actors.engine", "actors.moe"): "H-B1",
-}
-ALLOWED_CYCLES: dict[frozenset[str], str] = {}
-
-
 # -- reading the rules ---------------------------------------------------------------------
 
 
@@ -142,10 +131,9 @@ def _layer(module: str, layers: Iterable[str]) -> str | None:
 
 def upward_imports(
     graph: dict[str, dict[str, int]], rules: dict[str, set[str]], extra: dict[str, set[str]]
-) -> dict[tuple[str, str], tuple[str, str]]:
-    """(importer, imported) -> (the imported module's layer, why it breaks the rules), for
-    every import that does."""
-    out: dict[tuple[str, str], tuple[str, str]] = {}
+) -> dict[tuple[str, str], str]:
+    """(importer, imported) -> why it breaks the rules, for every import that does."""
+    out: dict[tuple[str, str], str] = {}
     for module, targets in graph.items():
         own = _layer(module, rules)
         if own is None:
@@ -156,8 +144,9 @@ def upward_imports(
         for target, line in targets.items():
             theirs = _layer(target, rules)
             if theirs is not None and theirs not in allowed:
-                why = f"{module} (line {line}, layer {own}) imports {target} (layer {theirs})"
-                out[(module, target)] = (theirs, why)
+                out[(module, target)] = (
+                    f"{module} (line {line}, layer {own}) imports {target} (layer {theirs})"
+                )
     return out
 
 
@@ -215,37 +204,18 @@ def test_every_runtime_module_has_a_layer():
     assert not missing, f"modules no row of docs/architecture.md's import rules covers: {missing}"
 
 
-def _allowed_cycle(component: frozenset[str]) -> bool:
-    return any(component <= allowed for allowed in ALLOWED_CYCLES)
-
-
-def _allowed_upward(module: str, layer: str) -> bool:
-    return any(_under(module, m) and layer == theirs for m, theirs in ALLOWED_UPWARD)
-
-
 def test_no_import_goes_up_a_layer():
     broken = upward_imports(GRAPH, RULES, EXTRA)
-    new = [why for (a, _), (layer, why) in sorted(broken.items()) if not _allowed_upward(a, layer)]
-    assert not new, "imports against docs/architecture.md's import rules:\n" + "\n".join(new)
-
-
-def test_no_import_cycles():
-    new = [c for c in cycles(GRAPH) if not _allowed_cycle(c)]
-    assert not new, "modules that import each other:\n" + "\n".join(
-        _describe(c, GRAPH) for c in new
+    assert not broken, "imports against docs/architecture.md's import rules:\n" + "\n".join(
+        why for _, why in sorted(broken.items())
     )
 
 
-def test_allowed_breaks_still_exist():
-    broken = {(a, layer) for (a, _), (layer, _) in upward_imports(GRAPH, RULES, EXTRA).items()}
-    stale = [
-        f"{m} -> {layer}"
-        for m, layer in ALLOWED_UPWARD
-        if not any(_under(a, m) for a, theirs in broken if theirs == layer)
-    ]
+def test_no_import_cycles():
     found = cycles(GRAPH)
-    stale += [", ".join(sorted(c)) for c in ALLOWED_CYCLES if not any(f <= c for f in found)]
-    assert not stale, f"fixed: delete from ALLOWED_UPWARD / ALLOWED_CYCLES: {stale}"
+    assert not found, "modules that import each other:\n" + "\n".join(
+        _describe(c, GRAPH) for c in found
+    )
 
 
 def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path):
