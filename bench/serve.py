@@ -451,7 +451,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", "--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--dataset", choices=("random", "sharegpt", "mtbench"), default="random")
-    ap.add_argument("--model-path", help="what Meridian serves (chat datasets): .gguf or folder")
+    ap.add_argument(
+        "--model-path", help="what Meridian serves (chat): a .gguf, a folder or a packaged name"
+    )
     ap.add_argument("--tokenizer", help="for ShareGPT's token counts (default: the model path)")
     ap.add_argument("--num-prompts", type=int, default=64, help="conversations per run (chat)")
     ap.add_argument("--max-output-tokens", type=int, default=128, help="cap per turn (chat)")
@@ -542,8 +544,10 @@ def main() -> None:
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env["RAY_CGRAPH_buffer_size_bytes"] = str(1 << 24)
     if chat:
-        model_name = Path(args.model_path).stem
-        app_args = app_config(args, str(Path(args.model_path).resolve()), model_name, engine_cores)
+        model_name = Path(args.model_path).stem  # a path's stem, or a packaged model's name
+        model = Path(args.model_path)
+        model_ref = str(model.resolve()) if model.exists() else args.model_path
+        app_args = app_config(args, model_ref, model_name, engine_cores)
         print(
             f"{args.dataset}: Meridian serves {args.model_path}; up to {args.max_output_tokens} "
             f"tokens a turn, greedy; token budget {args.token_budget}; torch threads "

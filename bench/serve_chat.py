@@ -203,9 +203,10 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
     per_run: int = args.num_prompts
     runs = len(args.concurrency) * args.repeats
     if args.dataset == "sharegpt":
+        from models.pretrained import resolve_model
         from models.tokenizer import load_tokenizer
 
-        encode = load_tokenizer(args.tokenizer or args.model_path).encode
+        encode = load_tokenizer(resolve_model(args.tokenizer or args.model_path)).encode
         convs = sharegpt_conversations(
             runs * per_run, encode, args.seed, args.max_output_tokens, not args.stop_at_eos
         )
