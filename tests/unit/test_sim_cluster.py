@@ -11,7 +11,7 @@ import pytest
 
 from policies.conductor import Conductor
 from policies.scheduler import Scheduler
-from sim.presets import ClusterConfig, build_cluster
+from sim.presets import COLOCATED_POLICIES, PD_POLICIES, ClusterConfig, build_cluster
 from sim.synthetic import SyntheticSpec, generate
 from store.block_pool import BlockPool
 from store.kv_manager import KVCacheManager
@@ -52,18 +52,8 @@ def workload(n=40, rate=4.0, seed=0):
     return generate(spec)
 
 
-CASES = [
-    ("colocated", p, "none")
-    for p in (
-        "random",
-        "round_robin",
-        "least_loaded",
-        "power_of_two",
-        "prefix_aware",
-        "consistent_hash",
-    )
-]
-CASES += [("pd", p, "none") for p in ("random", "least_loaded", "local", "conductor")]
+CASES = [("colocated", p, "none") for p in COLOCATED_POLICIES]  # the router's names
+CASES += [("pd", p, "none") for p in PD_POLICIES]
 CASES += [("pd", "conductor", a) for a in ("early", "predictive", "baseline")]
 
 
