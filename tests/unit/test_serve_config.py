@@ -227,3 +227,19 @@ def test_dualpath_keys_reach_the_cluster():
     assert (plain.read_path, plain.scheduler, plain.store) == ("prefill", "mooncake", None)
     stored = ReplicaGroupConfig(num_prefill=1, num_decode=1, store={}).store
     assert stored is not None and (stored.read_path, stored.write_back) == ("prefill", False)
+
+
+def test_every_deployment_gets_the_one_config_object():
+    """serve_app validates once and binds the ServeConfig itself, not a dump to validate again."""
+    from serve_app import build_app
+
+    raw = {"groups": [{"name": "main"}, {"name": "pd", "num_prefill": 1, "num_decode": 1}]}
+    ingress = build_app(raw)._bound_deployment
+    cfg = ingress.init_args[0]
+    assert isinstance(cfg, ServeConfig) and cfg == ServeConfig.from_args(raw)
+    replicas = ingress.init_args[2]
+    assert [r._bound_deployment.init_args[:2] for r in replicas.values()] == [
+        (cfg, "main"),
+        (cfg, "pd"),
+    ]
+    assert all(r._bound_deployment.init_args[0] is cfg for r in replicas.values())
