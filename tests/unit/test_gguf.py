@@ -47,8 +47,12 @@ def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(hf_dir, path, arch="llama", qtype=None, tokenizer_model="gpt2", extra=None):
-    """The folder ``hf_dir`` as a GGUF file; 2-D weights stored as ``qtype`` (default F32)."""
+def write_gguf(
+    hf_dir, path, arch="llama", qtype=None, tokenizer_model="gpt2", extra=None, sentencepiece=None
+):
+    """The folder ``hf_dir`` as a GGUF file; 2-D weights stored as ``qtype`` (default F32);
+    ``sentencepiece``: (tokens, scores, types) of a SentencePiece vocabulary instead of the
+    folder's byte-level one."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = {k: v.numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
     w = gguf.GGUFWriter(str(path), arch)
@@ -69,11 +73,19 @@ def write_gguf(hf_dir, path, arch="llama", qtype=None, tokenizer_model="gpt2", e
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.__getitem__)
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges([])
+    if sentencepiece is not None:
+        spm_tokens, scores, types = sentencepiece
+        w.add_tokenizer_model("llama")
+        w.add_token_list(spm_tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+    else:
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in special else 1 for t in tokens])
+        w.add_token_merges([])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
@@ -191,16 +203,48 @@ def test_converter_writes_a_folder_transformers_loads(tmp_path):
     assert torch.allclose(Runner(load_model(path)).step({"s": ids})["s"], theirs, atol=1e-4)
 
 
+SPM_TEXT = "the cat sat on the mat, then the hat. Zebra! ünï 42\nthe end"
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
+    """<unk>, <s>, </s>, 256 byte pieces, then characters and merged pieces of SPM_TEXT's
+    words (no 'Z' and no digits: those fall back to bytes)."""
+    space = "\u2581"
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    pieces = [space, *sorted(set(SPM_TEXT) - set(" \n\u00fc\u00efZ42"))]
+    pieces += ["he", "at", space + "t", space + "the", space + "c", space + "cat", "en", "end"]
+    pieces += [space + "s", space + "sat", space + "m", space + "mat", space + "th", "th"]
+    scores = [0.0] * len(tokens) + [-float(i) for i in range(len(pieces))]
+    return tokens + pieces, scores, types + [1] * len(pieces)
+
+
+def test_sentencepiece_tokenizer_matches_transformers_gguf_converter(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_model(tmp_path / "llama", "dense", seed=2, **NO_ROPE_SCALING)
+    path = write_gguf(folder, tmp_path / "spm.gguf", sentencepiece=sentencepiece_vocab())
+    ours = load_tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in (SPM_TEXT, "the hat", " leading space", "Zz", "a\n\nb"):
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ids[0] == 1  # BOS, as the file's default says
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    cat = ours.encode("the cat", add_special_tokens=False)
+    assert cat == [ours.token_to_id("\u2581the"), ours.token_to_id("\u2581cat")]  # by score
+    assert len(ours.encode("Z", add_special_tokens=False)) == 2  # "\u2581" + byte fallback
+
+
 def test_unsupported_files_are_refused_by_name(tmp_path):
     folder = write_tiny_model(tmp_path / "llama", "dense", seed=1, **NO_ROPE_SCALING)
     gpt2 = write_gguf(folder, tmp_path / "gpt2.gguf", arch="gpt2")
     with pytest.raises(ModelLoadError, match="architecture 'gpt2'"):
         load_model(gpt2)
-    spm = write_gguf(folder, tmp_path / "spm.gguf", tokenizer_model="llama")
-    with pytest.raises(ModelLoadError, match="tokenizer model 'llama'"):
-        load_tokenizer(spm)
-    with pytest.raises(ModelLoadError, match="tokenizer model 'llama'"):
-        convert_gguf(spm, tmp_path / "never")
+    t5 = write_gguf(folder, tmp_path / "t5.gguf", tokenizer_model="t5")
+    with pytest.raises(ModelLoadError, match="tokenizer model 't5'"):
+        load_tokenizer(t5)
+    with pytest.raises(ModelLoadError, match="tokenizer model 't5'"):
+        convert_gguf(t5, tmp_path / "never")
     assert not (tmp_path / "never").exists()
     ints = tmp_path / "ints.gguf"
     w = gguf.GGUFWriter(str(ints), "llama")
