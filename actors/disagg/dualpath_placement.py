@@ -1,4 +1,4 @@
-"""DualPath's inter-engine rules in the live Conductor (``PDCluster(scheduler="dualpath")``).
+"""DualPath's inter-engine rules in the live Conductor (``PDClusterConfig(scheduler="dualpath")``).
 
 The rules themselves are ``policies.dualpath.schedule`` (the simulator calls the same
 function): the prefill replica by the disk-read queue of its node and its unfinished

@@ -4,8 +4,8 @@ key, and the requests waiting to run again.
 Invariants:
 - ``by_key`` names exactly the live attempts (``PDRequest.key``) of requests in the table;
   a request waiting to run again, or ended, has no entry there.
-- ``retry`` holds ids of requests in the table, each at most once, in the order they are
-  to be placed again.
+- A request waits to run again (``retry_later``) only while it has no live attempt; the
+  queue keeps the order in which they are to be placed again.
 """
 
 from __future__ import annotations
