@@ -222,26 +222,35 @@ class GGUFCheckpoint:
 
     def tensor(self, hf_name: str) -> np.ndarray:
         """The tensor stored for ``hf_name``, float32, in Hugging Face's layout."""
+        name, expert = self._sources[hf_name]
+        if expert is not None:  # one expert of a stacked [E, rows, cols] tensor
+            return np.array(self._stacked(name)[expert], dtype=np.float32, order="C")
+        data = self._dequantized(name)
+        if self.architecture == "llama":
+            heads = int(self.arch_field("attention.head_count"))
+            if name.endswith(("attn_q.weight", "attn_q.bias")):
+                data = unpermute_rope_rows(data, heads)
+            elif name.endswith(("attn_k.weight", "attn_k.bias")):
+                data = unpermute_rope_rows(
+                    data, int(self.arch_field("attention.head_count_kv", heads))
+                )
+        return np.array(data, dtype=np.float32, order="C")  # a writable copy
+
+    def _dequantized(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
 
-        name, expert = self._sources[hf_name]
         stored = self._tensors[name]
         try:
             data = dequantize(stored.data, stored.tensor_type)
         except (NotImplementedError, ValueError) as exc:
             raise ModelLoadError(f"{self.path.name}: cannot dequantize {name}: {exc}") from exc
-        data = np.asarray(data, dtype=np.float32)
         # GGUF lists dimensions fastest first; numpy's shape is the reverse.
-        shape = tuple(int(d) for d in reversed(stored.shape))
-        data = data.reshape(shape)
-        if expert is not None:
-            data = data[expert]
-        if self.architecture == "llama":
-            if name.endswith("attn_q.weight") or name.endswith("attn_q.bias"):
-                data = unpermute_rope_rows(data, int(self.arch_field("attention.head_count")))
-            elif name.endswith("attn_k.weight") or name.endswith("attn_k.bias"):
-                heads = self.arch_field("attention.head_count")
-                data = unpermute_rope_rows(
-                    data, int(self.arch_field("attention.head_count_kv", heads))
-                )
-        return np.array(data, dtype=np.float32, order="C")  # a writable copy
+        return np.asarray(data, dtype=np.float32).reshape(
+            tuple(int(d) for d in reversed(stored.shape))
+        )
+
+    @lru_cache(maxsize=3)  # noqa: B019 (a checkpoint lives as long as its process's cache)
+    def _stacked(self, name: str) -> np.ndarray:
+        """A stacked experts tensor, dequantized once for all its experts (w1, w2, w3 of a
+        layer load in turn)."""
+        return self._dequantized(name)
