@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -rs --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/engine_cpu.py
