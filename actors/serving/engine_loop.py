@@ -101,13 +101,13 @@ class ServingEngine(Protocol):
         ...
 
     def check_blocks(self) -> dict[str, int]:
-        """Blocks in use per pool after its integrity check (all 0 when idle)."""
+        """Blocks in use per KV rank after the integrity check (all 0 when idle)."""
         ...
 
 
 class ColocatedEngine(ReplicaController):
-    """A ``ReplicaController`` as a ``ServingEngine`` (its pools summed over the KV-parallel
-    ranks).
+    """A ``ReplicaController`` as a ``ServingEngine`` (its KV counted over every KV-parallel
+    rank).
 
     ``ttft_slo`` (seconds): refuse (OverloadedError with Retry-After) a request whose
     predicted TTFT misses it: ``policies.admission.ColocatedAdmission`` on the exact queue
