@@ -14,7 +14,11 @@ token. Two deployments, interleaved (A, B, A, B, ...), the median of each figure
 Target: P/D p99 during the long prefill at most 1.3x its p50 before. The last line is
 ``isolation: <P/D p99 during / P/D p50 before>``.
 
-    python bench/pd_isolation.py [--repeats 3]
+``--model M --dataset sharegpt``: a real model (a ``.gguf``, a folder or a packaged name
+such as SmolLM2-135M-Instruct) and real prompts: ShareGPT first turns in its chat template
+as the short prompts, a 3,072-token window of MT-bench's reference answers as the long one.
+
+    python bench/pd_isolation.py [--repeats 3] [--model M --dataset sharegpt]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -49,10 +54,32 @@ SHORT_PARAMS = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 LONG_PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
-def prompts(seed: int) -> tuple[list[list[int]], list[int]]:
+Prompts = Callable[[int], tuple[list[list[int]], list[int]]]  # seed -> (short ones, long one)
+
+
+def random_prompts(seed: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     short = [[rng.randrange(3, 8000) for _ in range(SHORT_PROMPT)] for _ in range(SHORT)]
     return short, [rng.randrange(3, 8000) for _ in range(LONG_PROMPT)]
+
+
+def real_prompts(model: str) -> Prompts:
+    """ShareGPT first turns (chat template) as the short prompts; a window of MT-bench's
+    reference answers, starting where the seed says, as the long one."""
+    from real_prompts import short_prompts, tokenizer
+
+    from sim.datasets import mtbench_reference_text
+
+    tok = tokenizer(model)
+    text = tok.encode(mtbench_reference_text(), add_special_tokens=False)
+    if len(text) <= LONG_PROMPT:
+        raise ValueError(f"MT-bench's reference answers have only {len(text)} tokens")
+
+    def make(seed: int) -> tuple[list[list[int]], list[int]]:
+        start = random.Random(seed).randrange(len(text) - LONG_PROMPT)
+        return short_prompts(tok, SHORT, seed), text[start : start + LONG_PROMPT]
+
+    return make
 
 
 def gaps(times: list[list[float]], start: float, end: float) -> tuple[list[float], list[float]]:
@@ -72,7 +99,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def colocated_run(engine: ReplicaController, seed: int) -> tuple[list[float], list[float]]:
+def colocated_run(
+    engine: ReplicaController, prompts: Prompts, seed: int
+) -> tuple[list[float], list[float]]:
     engine.kv.evict_all_cached()
     short, long = prompts(seed)
     build = engine.request_builder()
@@ -95,7 +124,7 @@ def colocated_run(engine: ReplicaController, seed: int) -> tuple[list[float], li
     return gaps(list(times.values()), arrival, first)
 
 
-def pd_run(pd: PDCluster, seed: int) -> tuple[list[float], list[float]]:
+def pd_run(pd: PDCluster, prompts: Prompts, seed: int) -> tuple[list[float], list[float]]:
     short, long = prompts(seed)
     ids = [pd.submit(p, SHORT_PARAMS) for p in short]
     long_id, arrival, first = None, 0.0, None
@@ -116,8 +145,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pin-client", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--model", help="a .gguf, folder or packaged name (default: bench model)")
+    ap.add_argument(
+        "--dataset",
+        choices=("random", "sharegpt"),
+        default="random",
+        help="sharegpt: real prompts (ShareGPT first turns, MT-bench text), needs --model",
+    )
     args = ap.parse_args()
-    model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
+    if args.dataset != "random" and not args.model:
+        ap.error("--dataset sharegpt needs --model (a real tokenizer)")
+    if args.model:
+        from models.pretrained import resolve_model
+
+        model_dir = resolve_model(args.model)
+    else:
+        model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
+    prompts = real_prompts(args.model) if args.dataset != "random" else random_prompts
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     colocated = ReplicaController.build(model_dir, dtype=torch.float32, **ENGINE)
     engine = EngineConfig(dtype=torch.float32, **ENGINE)
@@ -127,11 +171,12 @@ def main() -> None:
         os.sched_setaffinity(0, split_cores(1, 1)["p0"])
     runs: dict[str, list[tuple[float, float, float, float]]] = {"colocated": [], "P/D": []}
     for seed in (98, 99):  # warm-up: first-use costs (new batch shapes) stay out of the figures
-        colocated_run(colocated, seed)
-        pd_run(pd, seed)
+        colocated_run(colocated, prompts, seed)
+        pd_run(pd, prompts, seed)
     for i in range(args.repeats):
         for name, run in (("colocated", colocated_run), ("P/D", pd_run)):
-            before, during = run(colocated if name == "colocated" else pd, i)  # type: ignore[arg-type]
+            target = colocated if name == "colocated" else pd
+            before, during = run(target, prompts, i)  # type: ignore[operator]
             figs = (pct(before, 0.5), pct(before, 0.99), pct(during, 0.5), pct(during, 0.99))
             runs[name].append(figs)
             print(f"run {i} {name:9s} " + " ".join(f"{x * 1e3:7.1f}" for x in figs), flush=True)
