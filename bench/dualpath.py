@@ -31,7 +31,14 @@ link. This is the link alone, not the engine's collectives (a tp=1 CPU replica h
 
 The last line is ``completion-time prefill-path/dual-path: <ratio>``.
 
-    python bench/dualpath.py [--repeats 3]
+``--model M --dataset sharegpt``: a real model (a ``.gguf``, a folder or a packaged name)
+and ShareGPT conversations with ``--turns`` user turns, each turn appended in the model's
+chat template after the model's own answer. A real model's KV is larger per token (46 KB
+for SmolLM2-135M against the tiny model's 1 KB): scale the links with it to keep the
+tiny run's reads-per-second regime (e.g. ``--storage-mbps 45 --compute-mbps 720``), and
+``--store-mib`` so that every conversation's prefix fits the store.
+
+    python bench/dualpath.py [--repeats 3] [--model M --dataset sharegpt]
 """
 
 from __future__ import annotations
@@ -58,6 +65,29 @@ from store.transfer.links import EXEC, KV, Link, LinkBudget  # noqa: E402
 ENGINE = dict(block_size=16, num_blocks=1024, chunk_size=256, token_budget=512)
 
 
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Each conversation's first prompt and its later user turns' tokens (turns 2..):
+    random ids, or with ``--dataset sharegpt`` ShareGPT conversations' user turns in the
+    model's chat template."""
+    rng = random.Random(args.seed)
+    if args.dataset == "random":
+        firsts = [
+            [rng.randrange(3, 500) for _ in range(args.first)] for _ in range(args.conversations)
+        ]
+        appends = [
+            [[rng.randrange(3, 500) for _ in range(args.append)] for _ in range(args.turns - 1)]
+            for _ in range(args.conversations)
+        ]
+        return firsts, appends
+    from real_prompts import chat_ids, dialogues, tokenizer, turn_ids
+
+    tok = tokenizer(args.model)
+    convs = dialogues(args.turns, args.conversations, args.seed)
+    firsts = [chat_ids(tok, c[0]) for c in convs]
+    appends = [[turn_ids(tok, t) for t in c[1:]] for c in convs]
+    return firsts, appends
+
+
 def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, list, dict]:
     """One deployment through the whole workload: (completion time of turns 2.., every
     answer, counters)."""
@@ -68,18 +98,16 @@ def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, l
     )
     pd = PDCluster(
         PDClusterConfig(
+            model_dir=args.model_dir,
             engine=EngineConfig(**ENGINE),
             prefill=PDSideConfig(link_budget=budget),
             decode=PDSideConfig(link_budget=budget),
-            store=StoreConfig(dram_bytes=256 << 20, write_back=True),
+            store=StoreConfig(dram_bytes=args.store_mib << 20, write_back=True),
             read_path=read_path,
             fit_costs=False,
         )
     )
-    rng = random.Random(args.seed)
-    contexts = [
-        [rng.randrange(3, 500) for _ in range(args.first)] for _ in range(args.conversations)
-    ]
+    contexts, appends = workload(args)
     params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
     answers: list[list[int]] = []
     cached = 0
@@ -94,8 +122,8 @@ def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, l
                 answers.append(out.token_ids)
                 if turn > 0:
                     cached += out.num_cached_tokens
-                append = [rng.randrange(3, 500) for _ in range(args.append)]
-                contexts[i] = contexts[i] + out.token_ids + append
+                if turn + 1 < args.turns:
+                    contexts[i] = contexts[i] + out.token_ids + appends[i][turn]
         seconds = time.perf_counter() - start
         decode_loaded = sum(
             ray.get(h.report.remote(0.0)).stats.loaded_blocks for h in pd.decodes.values()
@@ -151,7 +179,22 @@ def main() -> None:
     p.add_argument("--storage-mbps", type=float, default=1.0, help="MB/s per storage link")
     p.add_argument("--compute-mbps", type=float, default=16.0, help="MB/s per compute link")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--store-mib", type=int, default=256, help="the KV store's DRAM")
+    p.add_argument("--model", help="a .gguf, folder or packaged name (default: tiny model)")
+    p.add_argument(
+        "--dataset",
+        choices=("random", "sharegpt"),
+        default="random",
+        help="sharegpt: ShareGPT conversations' user turns (--first/--append unused)",
+    )
     args = p.parse_args()
+    if args.dataset != "random" and not args.model:
+        p.error("--dataset sharegpt needs --model (a real tokenizer)")
+    args.model_dir = None
+    if args.model:
+        from models.pretrained import resolve_model
+
+        args.model_dir = str(resolve_model(args.model))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     times: dict[str, list[float]] = {"prefill": [], "dual": []}
