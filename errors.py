@@ -29,6 +29,10 @@ class ModelLoadError(MeridianError):
     """A model folder is missing files or holds an architecture we do not support."""
 
 
+class PackageUnavailable(MeridianError):
+    """A package that ships a model or a dataset is not installed (or lacks its file)."""
+
+
 class OverloadedError(MeridianError):
     """The replica cannot take the request now; retry after a moment (HTTP 429).
     ``retry_after``: seconds the engine suggests (None: the server's default)."""

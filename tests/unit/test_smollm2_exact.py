@@ -23,7 +23,7 @@ from test_models_hf import BLOCK, Runner
 
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
-from errors import ModelLoadError
+from errors import PackageUnavailable
 from models import load_model, load_tokenizer
 from models.pretrained import resolve_model
 
@@ -45,7 +45,7 @@ QUESTIONS = [
 def gguf_path():
     try:
         return resolve_model(MODEL)
-    except ModelLoadError as exc:
+    except PackageUnavailable as exc:
         pytest.skip(str(exc))
 
 
@@ -151,10 +151,11 @@ def prompt_nll(model, ids: list[int], chunk: int) -> float:
 
 
 def test_prompt_perplexity_matches_transformers(gguf_path, hf):
-    datasets = pytest.importorskip("sim.datasets")
+    from sim import datasets
+
     try:
         text = datasets.mtbench_reference_text()
-    except datasets.DatasetUnavailable as exc:
+    except PackageUnavailable as exc:
         pytest.skip(str(exc))
     model, tok = hf
     ids = tok(text, add_special_tokens=False).input_ids[:384]
@@ -175,10 +176,11 @@ def test_tokenizer_equals_transformers_on_sharegpt(gguf_path, hf):
     (" \n2": ours and the model's tokenizer one token " \n", transformers' GGUF two)."""
     from tokenizers import Tokenizer, pre_tokenizers
 
-    datasets = pytest.importorskip("sim.datasets")
+    from sim import datasets
+
     try:
         pairs = datasets.sharegpt_pairs()
-    except datasets.DatasetUnavailable as exc:
+    except PackageUnavailable as exc:
         pytest.skip(str(exc))
     _, tok = hf
     reference = Tokenizer.from_str(tok.backend_tokenizer.to_str())  # a copy: the fixture is shared
