@@ -55,6 +55,8 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from real_prompts import add_model_options, chosen_model  # noqa: E402
+
 from actors.disagg.cluster import PDCluster  # noqa: E402
 from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig  # noqa: E402
 from actors.disagg.store_view import StoreConfig  # noqa: E402
@@ -180,21 +182,10 @@ def main() -> None:
     p.add_argument("--compute-mbps", type=float, default=16.0, help="MB/s per compute link")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-mib", type=int, default=256, help="the KV store's DRAM")
-    p.add_argument("--model", help="a .gguf, folder or packaged name (default: tiny model)")
-    p.add_argument(
-        "--dataset",
-        choices=("random", "sharegpt"),
-        default="random",
-        help="sharegpt: ShareGPT conversations' user turns (--first/--append unused)",
-    )
+    add_model_options(p, "sharegpt: ShareGPT conversations' user turns (--first/--append unused)")
     args = p.parse_args()
-    if args.dataset != "random" and not args.model:
-        p.error("--dataset sharegpt needs --model (a real tokenizer)")
-    args.model_dir = None
-    if args.model:
-        from models.pretrained import resolve_model
-
-        args.model_dir = str(resolve_model(args.model))
+    chosen = chosen_model(p, args)
+    args.model_dir = None if chosen is None else str(chosen)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     times: dict[str, list[float]] = {"prefill": [], "dual": []}

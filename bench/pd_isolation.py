@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import write_bench_model  # noqa: E402
+from real_prompts import add_model_options, chosen_model  # noqa: E402
 
 from actors.disagg.cluster import PDCluster  # noqa: E402
 from actors.disagg.cluster_config import PDClusterConfig  # noqa: E402
@@ -145,22 +146,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pin-client", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--model", help="a .gguf, folder or packaged name (default: bench model)")
-    ap.add_argument(
-        "--dataset",
-        choices=("random", "sharegpt"),
-        default="random",
-        help="sharegpt: real prompts (ShareGPT first turns, MT-bench text), needs --model",
+    add_model_options(
+        ap, "sharegpt: real prompts (ShareGPT first turns, MT-bench text), needs --model"
     )
     args = ap.parse_args()
-    if args.dataset != "random" and not args.model:
-        ap.error("--dataset sharegpt needs --model (a real tokenizer)")
-    if args.model:
-        from models.pretrained import resolve_model
-
-        model_dir = resolve_model(args.model)
-    else:
-        model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
+    model_dir = chosen_model(ap, args) or write_bench_model(Path(tempfile.mkdtemp()) / "bench")
     prompts = real_prompts(args.model) if args.dataset != "random" else random_prompts
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     colocated = ReplicaController.build(model_dir, dtype=torch.float32, **ENGINE)

@@ -9,9 +9,30 @@ model's own tokenizer and chat template over ShareGPT and MT-bench text
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
 from sim.datasets import load_sharegpt, sample_sharegpt
+
+
+def add_model_options(parser: argparse.ArgumentParser, sharegpt_help: str) -> None:
+    """``--model`` (a .gguf, folder or packaged name) and ``--dataset random|sharegpt``."""
+    parser.add_argument("--model", help="a .gguf, folder or packaged name (default: bench model)")
+    parser.add_argument(
+        "--dataset", choices=("random", "sharegpt"), default="random", help=sharegpt_help
+    )
+
+
+def chosen_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path | None:
+    """The path of ``--model`` (None: the bench's own model); sharegpt needs a real one."""
+    if args.dataset != "random" and not args.model:
+        parser.error("--dataset sharegpt needs --model (a real tokenizer)")
+    if not args.model:
+        return None
+    from models.pretrained import resolve_model
+
+    return resolve_model(args.model)
 
 
 def tokenizer(model: str) -> Any:

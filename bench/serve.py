@@ -87,7 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import MODEL, write_bench_model  # noqa: E402
 from serve_chat import ChatClient, run_chat  # noqa: E402
-from serve_records import Run, Sample, print_table  # noqa: E402
+from serve_records import Run, Sample, TokenClock, print_table  # noqa: E402
 
 APP = "bench-serve"
 MODEL_NAME = "bench"
@@ -142,10 +142,7 @@ class HttpClient:
         }
         if self.token_ids:  # every token's chunk, even one that completes no character
             body["return_token_ids"] = True
-        t0 = time.perf_counter()
-        first: float | None = None
-        last = t0
-        itls: list[float] = []
+        clock = TokenClock()
         tokens = 0
         async with self.client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -156,7 +153,6 @@ class HttpClient:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                now = time.perf_counter()
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
@@ -165,17 +161,13 @@ class HttpClient:
                 choices = chunk.get("choices") or ()
                 if not any(c.get("text") or c.get("token_ids") for c in choices):
                     continue
-                if first is None:
-                    first = now
-                else:
-                    itls.append(now - last)
-                last = now
+                clock.tick()
         end = time.perf_counter()
-        if first is None:
+        if clock.first is None:
             raise RuntimeError("the stream carried no tokens")
         if not tokens:
             raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
-        return Sample(first - t0, end - t0, itls, tokens)
+        return Sample(clock.first - clock.start, end - clock.start, clock.itls, tokens)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serve_records import Sample
+from serve_records import Sample, TokenClock
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class ChatClient:
     ) -> tuple[Sample, str]:
         """One streamed chat completion: its timings and the answer's text."""
         extra: dict[str, Any] = {"ignore_eos": True} if ignore_eos else {}
-        t0 = time.perf_counter()
+        clock = TokenClock()
         stream = await self.client.chat.completions.create(
             model=self.model,
             messages=messages,  # type: ignore[arg-type]
@@ -96,29 +96,22 @@ class ChatClient:
             stream_options={"include_usage": True},
             extra_body=extra,
         )
-        first: float | None = None
-        last = t0
-        itls: list[float] = []
         parts: list[str] = []
         usage = None
         async for chunk in stream:
-            now = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage
             text = "".join(c.delta.content or "" for c in chunk.choices if c.delta)
             if not text:
                 continue
+            clock.tick()
             parts.append(text)
-            if first is None:
-                first = now
-            else:
-                itls.append(now - last)
-            last = now
         end = time.perf_counter()
         if usage is None:
             raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
-        if first is None:  # an answer with no text (EOS at once): its end is its first token
-            first = end
+        # an answer with no text (EOS at once): its end is its first token
+        first = end if clock.first is None else clock.first
+        t0, itls = clock.start, clock.itls
         sample = Sample(
             first - t0,
             end - t0,

@@ -10,6 +10,7 @@ carry the first turn and its answer as a prefix, which a prefix cache can skip."
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 
@@ -33,6 +34,24 @@ class Sample:
     def meets(self, ttft_slo: float, tpot_slo: float) -> bool:
         tpot = self.tpot
         return self.ttft <= ttft_slo and (tpot is None or tpot <= tpot_slo)
+
+
+class TokenClock:
+    """Arrival times of one stream's chunks that carried tokens: the first, then the gaps."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last = self.start
+        self.itls: list[float] = []
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.itls.append(now - self.last)
+        self.last = now
 
 
 @dataclass
