@@ -234,7 +234,8 @@ class GGUFCheckpoint:
                 data = unpermute_rope_rows(
                     data, int(self.arch_field("attention.head_count_kv", heads))
                 )
-        return np.array(data, dtype=np.float32, order="C")  # a writable copy
+        # copied only where needed: an F32 tensor is a read-only view of the mapped file
+        return np.require(data, dtype=np.float32, requirements=["C", "W"])
 
     def _dequantized(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
