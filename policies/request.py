@@ -101,6 +101,9 @@ class SamplingParams:
     # seconds from arrival to the first token this request asks for: the deadline that
     # deadline-aware scheduling (EDF, LRS, ILRS) orders prefills by; None: derived
     ttft_slo: float | None = None
+    # seconds the KV store keeps this request's blocks ahead of LRU eviction after its turn
+    # ends (sessions: the next turn after a tool pause); 0: ordinary LRU blocks
+    kv_retention_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -155,6 +158,11 @@ class SamplingParams:
         if self.ttft_slo is not None and not _number("ttft_slo", self.ttft_slo) > 0:
             raise InvalidRequestError(
                 f"ttft_slo must be a positive number of seconds, got {self.ttft_slo}", "ttft_slo"
+            )
+        if not _number("kv_retention_s", self.kv_retention_s) >= 0:
+            raise InvalidRequestError(
+                f"kv_retention_s must be >= 0 seconds, got {self.kv_retention_s}",
+                "kv_retention_s",
             )
         rf = self.response_format
         if rf is not None:

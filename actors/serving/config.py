@@ -79,6 +79,9 @@ class StoreSectionConfig(_Strict):
     num_shards: int = Field(1, ge=1)
     read_path: str = "prefill"
     write_back: StrictBool = False
+    # sessions: the share of a shard's blocks (DRAM + SSD) one tenant's retained blocks may
+    # hold; past it that tenant's oldest retained blocks lose retention first
+    tenant_retained_share: float = Field(0.5, gt=0, le=1)
 
     @field_validator("read_path")
     @classmethod
@@ -351,6 +354,42 @@ class ApiKeyConfig(_Strict):
         return KeyRateLimits(self.requests_per_minute, self.tokens_per_minute)
 
 
+class SessionsConfig(_Strict):
+    """KV retention of sessions (``store.retention``): a request's ``kv_retention_s`` (else
+    its tenant's entry in ``tenant_kv_retention_s``, else ``default_kv_retention_s``) is how
+    long the KV store keeps the turn's blocks ahead of LRU eviction after the turn ends.
+    A request asking for more than ``max_kv_retention_s`` gets 400 naming the field."""
+
+    default_kv_retention_s: float = Field(0.0, ge=0)
+    max_kv_retention_s: float = Field(600.0, ge=0)
+    tenant_kv_retention_s: dict[str, float] = Field(default_factory=dict)  # tenant -> default
+
+    @model_validator(mode="after")
+    def _check(self) -> SessionsConfig:
+        defaults = {"default_kv_retention_s": self.default_kv_retention_s}
+        defaults |= {
+            f"tenant_kv_retention_s[{t!r}]": v for t, v in self.tenant_kv_retention_s.items()
+        }
+        for name, value in defaults.items():
+            if not 0 <= value <= self.max_kv_retention_s:
+                raise ValueError(
+                    f"sessions.{name} must be in [0, max_kv_retention_s = "
+                    f"{self.max_kv_retention_s}], got {value}"
+                )
+        return self
+
+    def retention_s(self, asked: float | None, tenant: str | None) -> float:
+        """The retention a request gets; ValueError (a 400 on ``kv_retention_s``) above
+        the bound."""
+        if asked is None:
+            return self.tenant_kv_retention_s.get(tenant or "", self.default_kv_retention_s)
+        if asked > self.max_kv_retention_s:
+            raise ValueError(
+                f"kv_retention_s must be at most {self.max_kv_retention_s} seconds, got {asked}"
+            )
+        return asked
+
+
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024)  # larger bodies get 413
     max_tokens: int = Field(1024, ge=1)  # upper bound a request may ask for
@@ -460,6 +499,7 @@ class ServeConfig(_Strict):
     report_interval_s: float = Field(0.1, gt=0)  # replica -> router event/stat pushes
     ingress_replicas: int = Field(1, ge=1)
     regions: RegionsSectionConfig | None = None  # None: one global router
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig)
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

@@ -189,7 +189,7 @@ class Ingress:
         try:
             prep = await self._prepare(request, chat, tenant.tenant if tenant else None)
             self._reserve(tenant, prep)
-            session = prep.req.session_id or prep.req.user
+            session = prep.req.session_id or request.headers.get("x-session-id") or prep.req.user
             region = request.headers.get("x-meridian-region")
             streams = [self.relay.start(choices, session, region) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.
@@ -224,6 +224,11 @@ class Ingress:
             req = model_cls.model_validate(raw)
         except ValidationError as e:
             raise oai.validation_error(e) from None
+        try:  # the turn's KV retention: asked, else the tenant's or the server's default
+            retention = self.cfg.sessions.retention_s(req.kv_retention_s, salt)
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "kv_retention_s") from None
+        req = req.model_copy(update={"kv_retention_s": retention})
         if req.model != self.cfg.model_name:
             raise oai.APIError(
                 404,

@@ -8,7 +8,8 @@ Extensions beyond the OpenAI API, as vLLM spells them: ``top_k``, ``ignore_eos``
 ``repetition_penalty``, ``min_tokens``, ``return_token_ids`` (each choice carries
 ``token_ids``), ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:<id>"``),
 ``logprobs_mode`` ("raw", the default, or "processed": see ``SamplingParams``) and
-``session_id`` (the key of consistent-hash routing).
+``session_id`` (a session's turns: the routing tie-break, also sent as the ``X-Session-Id``
+header) and ``kv_retention_s`` (seconds the KV store keeps the turn's blocks).
 
 Logprobs come in OpenAI's shapes: completions ``{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}`` (``logprobs: k``), chat ``{"content": [{"token",
@@ -127,6 +128,7 @@ class _Sampling(_Req):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     session_id: str | None = None
+    kv_retention_s: float | None = Field(None, ge=0)  # None: the key's or server's default
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -165,6 +167,7 @@ class _Sampling(_Req):
             logprobs_mode=self.logprobs_mode,
             response_format=self.response_format.as_dict() if self.response_format else None,
             ttft_slo=self.ttft_slo,
+            kv_retention_s=self.kv_retention_s or 0.0,
         )
 
 
