@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-ADMISSION_MODES = ("early", "predictive", "none")
+ADMISSION_MODES = ("predictive", "early", "none")
 
 
 def slo_load(ttft: float, tbt: float, ttft_slo: float, tbt_slo: float) -> float:
@@ -67,6 +67,17 @@ def prefill_done_by(queued_requests: float, queue_time: float, dt: float) -> flo
     if queue_time <= 0:
         return float(queued_requests)
     return queued_requests * min(1.0, dt / queue_time)
+
+
+def prefill_done_within(times: Sequence[float], dt: float) -> int:
+    """How many requests of a prefill queue, served in order and each taking ``times[i]``
+    seconds, have finished within ``dt``: the longest prefix whose sum is at most ``dt``."""
+    spent = 0.0
+    for k, t in enumerate(times):
+        spent += t
+        if spent > dt:
+            return k
+    return len(times)
 
 
 def time_until_finished(

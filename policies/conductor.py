@@ -4,7 +4,9 @@ Prefill (Algorithm 1, KVCache-centric). For request R with block keys K and each
 instance p with local prefix ``l_p`` blocks (leading keys of K that p holds), and the best
 holder b with ``best_len`` blocks:
 
-    T_queue(p)  = p.queue_time if given, else prefill_time(p.queued_tokens, 0)
+    T_queue(p)  = p.queue_time if given, else sum over p's queued requests q of
+                  prefill_time(new(q), context(q))        (p.queued, each its own length)
+                  else prefill_time(p.queued_tokens, 0)   (only a token count is known)
     local(p)    = prefill_time(new(l_p), cached(l_p))
     remote(p)   = transfer_time(best_len - l_p) + prefill_time(new(best_len), cached(best_len))
     TTFT(p)     = T_queue(p) + min(local(p), remote(p))      (remote only if best_len > l_p)
@@ -30,7 +32,7 @@ yet, and this TBT is what admission judges. The instance is the one whose *commi
 then given order), so a burst of arrivals spreads. No room anywhere: reject
 ``decode_full``.
 
-Admission (``admission``):
+Admission (``admission``, default ``"predictive"``):
   - ``"none"``: only ``decode_full`` rejects; predictions are still reported.
   - ``"early"``: at arrival, reject when TTFT > ttft_slo or TBT(now) > tbt_slo (the larger
     of prefill and decode load), so no prefill is spent on a request decode would refuse.
@@ -38,6 +40,13 @@ Admission (``admission``):
     (see ``policies.admission``): running(d) and context_blocks(d) shrink by the decodes
     that end by ``at`` and grow by the requests prefill finishes by ``at``: the same share
     of each instance's ``pending`` requests (an even split when no view reports pending).
+    A running decode ends at its ``finish_times`` entry when given, else after its
+    ``remaining_tokens`` at the instance's predicted TBT now, ``decode_tbt(running(d),
+    context_blocks(d))``; with neither, decodes last a uniform t_d: ``decode_duration``
+    when set, else this request's ``max_tokens`` at that TBT. Decode is priced by the
+    step-time predictor (refitted from measured decode steps live), never by a constant.
+    With ``p.queued`` known, the requests prefill delivers by ``at`` are those whose
+    cumulative prefill time in queue order ends by then.
 
 Pure: no clock, no Ray; the runtime injects fitted regressions, the simulator its cost model.
 """
@@ -63,6 +72,9 @@ class PrefillInstance:
     # paper's T_queue), and how many requests the queue holds (for the predictive mode).
     queue_time: float | None = None
     queued_requests: int | None = None
+    # Optional: each queued request's (uncomputed tokens, context tokens), in serving order;
+    # T_queue is then the sum of their own prefill times.
+    queued: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -74,6 +86,9 @@ class DecodeInstance:
     # Optional predicted finish times of the running requests (for the prediction variant);
     # when given, one per running request.
     finish_times: list[float] = field(default_factory=list)
+    # Optional tokens each running request may still generate (its max_tokens left; EOS may
+    # end it sooner), one per running request: finish times priced at the predicted TBT.
+    remaining_tokens: list[int] = field(default_factory=list)
     # Requests assigned here whose prefill (or KV transfer) is not done, and the lifetime
     # blocks reserved for them: room is taken now, decode load comes later.
     pending: int = 0
@@ -130,13 +145,14 @@ class Conductor:
         ttft_slo: float,
         tbt_slo: float,
         replication_threshold: float = 2.0,
-        admission: str = "early",
-        decode_duration: float = 10.0,
+        admission: str = "predictive",
+        decode_duration: float | None = None,
         min_retry_after: float = 1.0,
     ) -> None:
         """``prefill_time(new tokens, cached tokens)`` and ``transfer_time(blocks)`` are in
         seconds; ``decode_tbt(batch size, total context blocks)`` is seconds per token;
-        ``decode_duration`` is the uniform decode length t_d of the prediction variant;
+        ``decode_duration`` is the uniform decode length t_d of the prediction variant
+        (None: a request's ``max_tokens`` at the predicted TBT, ``decode_time``);
         ``min_retry_after`` is the floor of every Retry-After."""
         if admission not in adm.ADMISSION_MODES:
             raise ValueError(f"admission must be one of {adm.ADMISSION_MODES}, not {admission!r}")
@@ -156,6 +172,8 @@ class Conductor:
     def queue_time(self, p: PrefillInstance) -> float:
         if p.queue_time is not None:
             return p.queue_time
+        if p.queued is not None:
+            return sum(self.prefill_time(n, c) for n, c in p.queued)
         return self.prefill_time(p.queued_tokens, 0) if p.queued_tokens > 0 else 0.0
 
     def _prefill_cost(self, request: ConductorRequest, blocks: int) -> float:
@@ -199,6 +217,26 @@ class Conductor:
         return choice
 
     # -- decode ------------------------------------------------------------------------------
+    def decode_time(self, request: ConductorRequest, d: DecodeInstance) -> float:
+        """t_d: ``decode_duration`` when set, else ``request.max_tokens`` steps at ``d``'s
+        predicted TBT with the request joining its running decodes."""
+        if self.decode_duration is not None:
+            return self.decode_duration
+        prompt_blocks = -(-request.num_prompt_tokens // request.block_size)
+        tbt = self.decode_tbt(d.num_running + 1, d.used_blocks + prompt_blocks)
+        return request.max_tokens * tbt
+
+    def finish_times(self, d: DecodeInstance, now: float) -> list[float]:
+        """When each running decode on ``d`` ends: ``d.finish_times`` if kept, else its
+        ``remaining_tokens`` at the predicted TBT of the batch now; [] when neither matches
+        ``num_running`` (then t_d applies)."""
+        if d.finish_times:
+            return d.finish_times
+        if d.num_running == 0 or len(d.remaining_tokens) != d.num_running:
+            return []
+        tbt = self.decode_tbt(d.num_running, d.used_blocks)
+        return [now + r * tbt for r in d.remaining_tokens]
+
     @staticmethod
     def decode_blocks(request: ConductorRequest) -> int:
         """KV blocks for the request's whole life: ``ceil((prompt + max_tokens) / bs)``."""
@@ -237,7 +275,11 @@ class Conductor:
                 )
             else:
                 running = adm.running_at(
-                    d.num_running, d.finish_times, now, arrive_at, self.decode_duration
+                    d.num_running,
+                    self.finish_times(d, now),
+                    now,
+                    arrive_at,
+                    self.decode_time(request, d),
                 )
                 context = float(d.used_blocks)
                 if d.num_running > 0:
@@ -262,7 +304,9 @@ class Conductor:
         """(requests, blocks) each decode instance receives from prefill within ``dt``.
 
         Pool-wide: everything queued on the chosen prefill instance finishes before this
-        request (FIFO); on the others ``prefill_done_by``. A queue of unknown request count
+        request (FIFO); on the others, with ``queued`` known, the requests whose cumulative
+        prefill time ends within ``dt`` (``adm.prefill_done_within``), else
+        ``prefill_done_by``. A queue of unknown request count
         is taken to hold requests as long as this one; each brings its queued tokens' share
         of blocks. Per decode instance: when the views report ``pending`` requests, each
         instance gets the pool-wide done share of its own pending requests and blocks (the
@@ -271,6 +315,13 @@ class Conductor:
         requests = blocks = 0.0
         queued = 0.0
         for i, p in enumerate(prefills):
+            if p.queued is not None and p.queue_time is None:
+                times = [self.prefill_time(n, c) for n, c in p.queued]
+                k = len(times) if i == chosen else adm.prefill_done_within(times, dt)
+                queued += len(times)
+                requests += k
+                blocks += sum(n + c for n, c in p.queued[:k]) / request.block_size
+                continue
             if p.queued_tokens <= 0 and not p.queued_requests:
                 continue
             count = p.queued_requests
@@ -309,11 +360,12 @@ class Conductor:
 
             k = adm.finishes_needed(fits, d.num_running)
             if k is not None:
-                wait = adm.time_until_finished(
-                    k, d.num_running, d.finish_times, now, self.decode_duration
-                )
-                best = min(best, wait)
-        return self.decode_duration if math.isinf(best) else best
+                t_d = self.decode_time(request, d)
+                ends = self.finish_times(d, now)
+                best = min(best, adm.time_until_finished(k, d.num_running, ends, now, t_d))
+        if math.isinf(best):
+            return max(self.decode_time(request, d) for d in decodes)
+        return best
 
     # -- the decision ------------------------------------------------------------------------
     def schedule(
@@ -404,6 +456,8 @@ def apply_decision(
         p.queue_time = decision.predicted_ttft
     if p.queued_requests is not None:
         p.queued_requests += 1
+    if p.queued is not None:
+        p.queued.append((n - cached, cached))
     p.cached.update(request.block_hashes)
     p.cached.update(decision.replicate_blocks)
     d.pending += 1

@@ -31,11 +31,12 @@ class RequestRejected(OverloadedError):
 @dataclass(frozen=True)
 class ConductorOptions:
     """The Conductor's SLOs in seconds (TTFT, time between tokens), its admission mode
-    ("none": reject only when no decode replica has room; "early": also when a predicted
-    TTFT or TBT misses its SLO at arrival; "predictive": judge decode load when the request
-    would reach it) and its hot-block replication threshold."""
+    ("predictive", the default: reject when the predicted TTFT, or the TBT of the decode
+    load expected when the request would reach decode, misses its SLO; "early": judge
+    decode load at arrival; "none": reject only when no decode replica has room) and its
+    hot-block replication threshold."""
 
-    admission: str = "none"
+    admission: str = "predictive"
     ttft_slo: float = 60.0
     tbt_slo: float = 10.0
     replication_threshold: float = 2.0
@@ -43,8 +44,10 @@ class ConductorOptions:
 
 def default_conductor(block_bytes: int, options: ConductorOptions | None = None) -> Conductor:
     """CPU-scale starting estimates (refitted from measured steps unless ``fit_costs`` is
-    off) and generous SLOs unless given; ``admission`` "early" or "predictive" rejects by
-    the SLOs (429), "none" only when decode has no room."""
+    off) and generous SLOs unless given; ``admission`` "predictive" (default) or "early"
+    rejects by the SLOs (429), "none" only when decode has no room. Decode is priced by the
+    fitted TBT model (each running request's remaining tokens at the predicted TBT), never
+    by a fixed decode length."""
     o = options or ConductorOptions()
     return Conductor(
         prefill_time=LinearPrefillTime(base=2e-3, per_new_token=2e-4, per_cached_token=1e-6),

@@ -370,6 +370,9 @@ class DecodeReplica(LoopedReplica):
             total_blocks=c.num_blocks,
             stored_blocks=self.stored_blocks,
             loaded_blocks=self.loaded_blocks,
+            remaining=tuple(
+                max(0, q.max_tokens - len(q.output_token_ids)) for q in c.scheduler.running
+            ),
         )
 
 

@@ -79,6 +79,8 @@ class PrefillStats:
     bytes_streamed: int
     layers_streamed: int
     backends: dict[str, str]  # decode endpoint -> transfer backend (shm / tcp)
+    # (uncomputed tokens, computed tokens) of each queued request, in serving order
+    queued: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class DecodeStats:
     total_blocks: int
     stored_blocks: int = 0  # full blocks written back to the KV store
     loaded_blocks: int = 0  # blocks read from the store for prefill replicas (decode path)
+    remaining: tuple[int, ...] = ()  # tokens each running request may still generate
 
 
 @dataclass(frozen=True)

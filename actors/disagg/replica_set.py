@@ -167,7 +167,10 @@ class ReplicaSet:
     def apply_stats(self, rid: str, stats: PrefillStats | DecodeStats) -> None:
         if isinstance(stats, PrefillStats):
             self.prefill_reports[rid] = stats
-            self.prefill_views[rid].queued_tokens = stats.queued_tokens
+            pview = self.prefill_views[rid]
+            pview.queued_tokens = stats.queued_tokens
+            pview.queued_requests = stats.queued_requests
+            pview.queued = list(stats.queued)
             return
         view = self.decode_views[rid]
         view.num_running = stats.num_running
@@ -175,6 +178,7 @@ class ReplicaSet:
         view.pending = stats.pending
         view.pending_blocks = stats.pending_blocks
         view.total_blocks = stats.total_blocks
+        view.remaining_tokens = list(stats.remaining)
 
     def home_shard(self, pid: str) -> str | None:
         """The live store shard prefill replica ``pid`` writes to and counts as its own:

@@ -101,15 +101,16 @@ class StoreSectionConfig(_Strict):
 
 class ConductorSectionConfig(_Strict):
     """Mooncake's Conductor of a disaggregated group (``policies.conductor``): SLOs in
-    seconds (TTFT, and time between tokens), the admission mode ("none": reject only when
-    no decode replica has room; "early": also when a predicted TTFT or TBT misses its SLO
-    at arrival; "predictive": judge decode load when the request would reach it), the
+    seconds (TTFT, and time between tokens), the admission mode ("predictive", the
+    default: reject when the predicted TTFT, or the TBT of the decode load expected when
+    the request would reach decode, misses its SLO; "early": judge decode load at arrival;
+    "none": reject only when no decode replica has room), the
     hot-block replication threshold, and whether its runtime estimates are refitted from
     the group's measured steps."""
 
     ttft_slo: float = Field(60.0, gt=0)
     tbt_slo: float = Field(10.0, gt=0)
-    admission: Literal["none", "early", "predictive"] = "none"
+    admission: Literal["none", "early", "predictive"] = "predictive"
     replication_threshold: float = Field(2.0, ge=1)
     fit_costs: bool = True
     # "dualpath": DualPath's rules place requests instead (``actors.disagg.dualpath_placement``)

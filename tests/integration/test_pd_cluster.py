@@ -239,6 +239,24 @@ def test_conductor_estimates_are_refitted_from_measured_steps():
     assert isinstance(pd.conductor.prefill_time, LinearPrefillTime)
     assert pd.conductor.prefill_time.chunk_size == OPTS["chunk_size"]
     assert isinstance(pd.conductor.decode_tbt, LinearDecodeTBT)
+    # predictive admission by default, decode priced by that fit: each running request's
+    # remaining tokens (reported by its decode replica) at the predicted TBT
+    assert pd.conductor.admission == "predictive" and pd.conductor.decode_duration is None
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    rid = pd.submit(tokens(80, 12), long)
+    (pview,) = pd.prefill_views.values()
+    assert pview.queued is not None and pview.queued[-1] == (12, 0)  # its own length
+    (dview,) = pd.decode_views.values()
+    while dview.num_running == 0:
+        pd.poll()
+    assert len(dview.remaining_tokens) == 1 and 0 < dview.remaining_tokens[0] < 40
+    (end,) = pd.conductor.finish_times(dview, now=0.0)
+    assert end == pytest.approx(
+        dview.remaining_tokens[0] * pd.conductor.decode_tbt(1, dview.used_blocks)
+    )
+    while pd.has_unfinished():
+        pd.poll()
+    pd.release(rid)
     finish(pd)
 
 

@@ -35,6 +35,7 @@ def fast_transfer(blocks: int) -> float:
 def conductor(transfer=slow_transfer, **kw) -> Conductor:
     kw.setdefault("ttft_slo", 10.0)
     kw.setdefault("tbt_slo", 1.0)
+    kw.setdefault("admission", "early")  # judged at arrival unless a test says otherwise
     return Conductor(prefill_time, decode_tbt, transfer, **kw)
 
 
@@ -261,3 +262,68 @@ def test_admission_arithmetic():
     assert adm.finishes_needed(lambda k: k >= 7, 10) == 7
     assert adm.finishes_needed(lambda k: False, 10) is None
     assert adm.slo_load(2.0, 0.01, 1.0, 0.1) == pytest.approx(2.0)
+
+
+def test_predictive_admission_is_the_default_everywhere():
+    from actors.disagg.conductor import ConductorOptions, default_conductor
+    from actors.serving.config import ConductorSectionConfig
+
+    c = Conductor(prefill_time, decode_tbt, slow_transfer, ttft_slo=1.0, tbt_slo=1.0)
+    assert c.admission == "predictive" and c.decode_duration is None
+    assert ConductorOptions().admission == "predictive"
+    assert ConductorSectionConfig().admission == "predictive"
+    assert default_conductor(1024).admission == "predictive"
+
+
+def test_queue_time_sums_each_queued_requests_own_prefill_time():
+    def per_step(new: int, cached: int) -> float:
+        return 0.1 + 0.001 * new + 0.0001 * cached  # each prompt pays its own 0.1 s step
+
+    c = Conductor(per_step, decode_tbt, slow_transfer, ttft_slo=10.0, tbt_slo=1.0)
+    p = PrefillInstance("p0", queued_tokens=300, queued=[(100, 0), (150, 40), (50, 0)])
+    assert c.queue_time(p) == pytest.approx(per_step(100, 0) + per_step(150, 40) + per_step(50, 0))
+    # the whole queue as one prompt would miss two of the three per-request costs
+    assert c.queue_time(PrefillInstance("p0", queued_tokens=300)) == pytest.approx(per_step(300, 0))
+    # an accepted request joins the queue with its own length
+    r = request(n_blocks=2, tokens=40)
+    d = c.schedule(r, [p], decodes(1), now=0.0)
+    apply_decision(d, r, [p], decodes(1), now=0.0)
+    assert p.queued[-1] == (40, 0) and c.queue_time(p) == pytest.approx(d.predicted_ttft)
+
+
+def test_prefill_done_within_counts_the_queue_prefix_that_fits():
+    assert adm.prefill_done_within([0.5, 0.5, 1.0], 0.99) == 1
+    assert adm.prefill_done_within([0.5, 0.5, 1.0], 1.0) == 2
+    assert adm.prefill_done_within([0.5, 0.5, 1.0], 5.0) == 3
+    assert adm.prefill_done_within([], 1.0) == 0
+
+
+def test_running_decodes_end_after_their_remaining_tokens_at_the_predicted_tbt():
+    c = conductor(admission="predictive", ttft_slo=5.0, tbt_slo=0.05)
+    d = DecodeInstance("d0", total_blocks=1000, num_running=3, used_blocks=30)
+    d.remaining_tokens = [1, 10, 100]
+    tbt = decode_tbt(3, 30)
+    assert c.finish_times(d, now=2.0) == pytest.approx([2.0 + tbt, 2.0 + 10 * tbt, 2.0 + 100 * tbt])
+    d.remaining_tokens = [1, 10]  # stale (one per running request is needed): t_d applies
+    assert c.finish_times(d, now=2.0) == []
+    # t_d without a fixed decode_duration: this request's max_tokens at the predicted TBT
+    r = request(max_tokens=64)
+    assert c.decode_time(r, d) == pytest.approx(64 * decode_tbt(4, 30 + 13))
+
+
+def test_predictive_prices_decode_from_the_step_time_predictor():
+    # 100 decodes at ~0.11 s per token: they all end within the request's ~1 s prefill when
+    # each has 5 tokens left, none do when each has 500 left.
+    prefills = [PrefillInstance("p0", queued=[(800, 0)])]
+    c = conductor(admission="predictive", ttft_slo=5.0, tbt_slo=0.05)
+    pool = decodes(1, num_running=100, used_blocks=200)
+    pool[0].remaining_tokens = [5] * 100
+    assert c.schedule(request(), prefills, pool, now=0.0).accepted
+    pool[0].remaining_tokens = [500] * 100
+    d = c.schedule(request(), prefills, pool, now=0.0)
+    assert not d.accepted and d.reason == "tbt_slo"
+    # a predictor measuring 10x faster steps: the same 500 tokens end in time
+    fast = Conductor(prefill_time, lambda b, k: decode_tbt(b, k) / 10, slow_transfer, 5.0, 0.05)
+    pool[0].remaining_tokens = [50] * 100
+    assert fast.schedule(request(), prefills, pool, now=0.0).accepted
+    assert not c.schedule(request(), prefills, pool, now=0.0).accepted
