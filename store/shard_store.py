@@ -4,7 +4,8 @@ No Ray, no transfers: ``actors/kvstore/shard.py`` wraps this with a shared-memor
 (the DRAM buffer) and a transfer engine. API (hashes are 64-bit ints from store.hashing; a
 block's bytes are any contiguous buffer of at most ``block_bytes`` bytes):
 
-    store = ShardStore(block_bytes, dram_bytes, ssd_bytes=0, ssd_dir=None, dram_buffer=None)
+    store = ShardStore(block_bytes, dram_bytes, ssd_bytes=0, ssd_dir=None, dram_buffer=None,
+                       tenant_retained_share=1.0, clock=time.monotonic)
     store.put(h, data, parent=None) -> bool          # False: already stored or being written
     store.begin_put(h, nbytes, parent=None) -> np.ndarray | None   # writable, invisible view
     store.commit_put(h) / store.abort_put(h)        # visible only after commit
@@ -14,9 +15,12 @@ block's bytes are any contiguous buffer of at most ``block_bytes`` bytes):
     store.acquire(request_id, hashes) -> list[BlockLocation]   # pins + promotes to DRAM
     store.pin(request_id, hashes) -> int / store.release(request_id) -> int
     store.remove(h) -> bool / change_replica(hashes, target, move=False) -> list[int]
+    store.retain(hashes, tenant, seconds) -> int      # kept ahead of LRU (store.retention)
     store.drain_events() -> list[("stored" | "removed", h)]   # feed a BlockDirectory
     store.stats() -> dict[str, int]   # occupancy, and reads by tier: dram_hit_blocks,
-                                      # ssd_hit_blocks, miss_blocks (since the shard started)
+                                      # ssd_hit_blocks, miss_blocks (since the shard started);
+                                      # retention: retained_blocks, retention_hit_blocks,
+                                      # expired_retentions, revoked_retentions
 
 Invariants:
 - every visible block is in exactly one tier (DRAM or SSD: tiers are exclusive);
@@ -29,6 +33,10 @@ Invariants:
 - DRAM is full -> the LRU unpinned DRAM block is demoted to SSD (SSD full -> its LRU
   unpinned block is dropped); no SSD tier -> it is dropped. A get of an SSD block promotes
   it back into DRAM.
+- retention (``store.retention``): a victim is the LRU unpinned *unretained* block of its
+  tier, and a retained one only when no unretained one is left; an unretained block being
+  demoted never displaces a retained SSD block (it is dropped instead). So within its
+  retention a block leaves DRAM for SSD before anything is dropped for it.
 - ``stored`` and ``removed`` events describe exactly the changes in what this shard holds
   (demotion and promotion are not changes), so a directory replaying them stays exact.
 """
@@ -36,6 +44,8 @@ Invariants:
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +55,7 @@ from store.block_key import as_byte_view, check_block_hash
 from store.dram_tier import DramTier
 from store.kv_store_errors import InvalidBlockError, StoreFullError, WriteStateError
 from store.pin_table import PinTable
+from store.retention import RetentionTable
 from store.ssd_tier import SsdTier
 
 
@@ -67,7 +78,12 @@ class ShardStore:
         ssd_dir: str | os.PathLike[str] | None = None,
         dram_buffer: np.ndarray | None = None,
         ssd_fsync: bool = False,
+        tenant_retained_share: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``tenant_retained_share``: of the shard's blocks (DRAM slots + SSD files of a
+        full block), the share one tenant's retained blocks may hold. ``clock``: the
+        retention deadlines' clock."""
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise InvalidBlockError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if ssd_bytes < 0:
@@ -78,6 +94,15 @@ class ShardStore:
         self.dram = DramTier(dram_bytes, block_bytes, dram_buffer)
         self.ssd = SsdTier(ssd_dir, ssd_bytes, ssd_fsync) if ssd_bytes > 0 and ssd_dir else None
         self.pins = PinTable()
+        if not 0 < tenant_retained_share <= 1:
+            raise InvalidBlockError(
+                f"tenant_retained_share must be in (0, 1], got {tenant_retained_share}"
+            )
+        ssd = self.ssd
+        ssd_blocks = ssd.capacity_bytes // ssd.file_bytes(block_bytes) if ssd is not None else 0
+        bound = max(1, int(tenant_retained_share * (self.dram.num_slots + ssd_blocks)))
+        self.retention = RetentionTable(bound, clock)
+        self.retention_hit_blocks = 0  # blocks read or acquired while retained
         self._parent: dict[int, int | None] = {}  # every visible block -> its parent
         self._pending_parent: dict[int, int | None] = {}
         self._busy: set[int] = set()  # blocks mid-promotion: not victims
@@ -205,6 +230,7 @@ class ShardStore:
         else:
             np.copyto(dst, self.dram.view(h))
             self.dram_hit_blocks += 1
+        self._count_retention_hits([h])
         self._touch_chain(h)
         return True
 
@@ -232,6 +258,7 @@ class ShardStore:
             offset, nbytes = self.dram.location(h)
             out.append(BlockLocation(h, offset, nbytes, self._parent[h]))
         self.miss_blocks += len(hashes) - len(out)
+        self._count_retention_hits([loc.block_hash for loc in out])
         if out:
             self._touch_chain(out[-1].block_hash)
         return out
@@ -241,6 +268,12 @@ class ShardStore:
         n = self.match_prefix(hashes)
         self.pins.pin(request_id, [int(h) for h in hashes[:n]])
         return n
+
+    def retain(self, hashes: list[int], tenant: str | None, seconds: float) -> int:
+        """Keep the blocks of ``hashes`` visible here ahead of LRU eviction for ``seconds``
+        (``tenant``'s, within its bound); returns how many were retained."""
+        held = [h for h in (check_block_hash(x) for x in hashes) if h in self._parent]
+        return self.retention.retain(held, tenant, seconds)
 
     def release(self, request_id: str) -> int:
         """Drop every pin of ``request_id``; returns how many distinct blocks it held."""
@@ -287,6 +320,7 @@ class ShardStore:
         return events
 
     def stats(self) -> dict[str, int]:
+        self.retention.expire()
         ssd = self.ssd
         return {
             "dram_blocks": len(self.dram),
@@ -301,16 +335,32 @@ class ShardStore:
             "dram_hit_blocks": self.dram_hit_blocks,
             "ssd_hit_blocks": self.ssd_hit_blocks,
             "miss_blocks": self.miss_blocks,
+            "retained_blocks": self.retention.num_retained,
+            "retention_hit_blocks": self.retention_hit_blocks,
+            "expired_retentions": self.retention.expired,
+            "revoked_retentions": self.retention.revoked,
         }
 
     # -- internals -------------------------------------------------------------------------
-    def _victim(self, order: Any) -> int | None:
+    def _victim(self, order: Any, retained_ok: bool = True) -> int | None:
+        """The first unpinned, not busy, unretained block of ``order``; else (with
+        ``retained_ok``) the first such retained one."""
+        retained = None
         for h in order:
-            if h not in self._busy and not self.pins.is_pinned(h):
+            if h in self._busy or self.pins.is_pinned(h):
+                continue
+            if not self.retention.is_retained(h):
                 return int(h)
-        return None
+            if retained is None:
+                retained = int(h)
+        return retained if retained_ok else None
+
+    def _count_retention_hits(self, hashes: list[int]) -> None:
+        self.retention.expire()
+        self.retention_hit_blocks += sum(map(self.retention.is_retained, hashes))
 
     def _make_dram_room(self) -> None:
+        self.retention.expire()
         while self.dram.num_free_slots == 0:
             victim = self._victim(self.dram.lru_order())
             if victim is None:
@@ -327,7 +377,7 @@ class ShardStore:
         if ssd is not None and ssd.file_bytes(nbytes) <= ssd.capacity_bytes:
             self._busy.add(h)
             try:
-                self._make_ssd_room(nbytes)
+                self._make_ssd_room(nbytes, self.retention.is_retained(h))
                 ssd.write(h, self.dram.view(h), self._parent[h])
             except (StoreFullError, OSError):  # no unpinned room or a failing disk: drop
                 self._drop(h)
@@ -338,13 +388,15 @@ class ShardStore:
             return
         self._drop(h)
 
-    def _make_ssd_room(self, nbytes: int) -> None:
+    def _make_ssd_room(self, nbytes: int, retained: bool) -> None:
+        """Room for a block demoted from DRAM; only a ``retained`` one may displace
+        retained SSD blocks."""
         ssd = self.ssd
         assert ssd is not None
         while not ssd.has_room(nbytes):
-            victim = self._victim(ssd.lru_order())
+            victim = self._victim(ssd.lru_order(), retained_ok=retained)
             if victim is None:
-                raise StoreFullError("every SSD block of this shard is pinned")
+                raise StoreFullError("every SSD block of this shard is pinned or retained")
             self._drop(victim)
 
     def _promote(self, h: int) -> bool:
@@ -375,6 +427,7 @@ class ShardStore:
     def _forget(self, h: int) -> None:
         if self._parent.pop(h, _MISSING) is not _MISSING:
             self._events.append(("removed", h))
+            self.retention.forget(h)
 
     def _touch_chain(self, h: int | None) -> None:
         """Refresh ``h`` then each visible ancestor, so ancestors end more recent."""
