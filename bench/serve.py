@@ -62,6 +62,17 @@ requests per second that met ``--ttft-slo`` and ``--tpot-slo``.
 
 Last line, with a peer: ``sharegpt goodput meridian/vllm at 32 streams: <ratio>``
 (``mtbench second-turn TTFT meridian/vllm at N streams: <ratio>`` for MT-bench).
+
+``--defaults``: the server as a new user starts it (``bench/serve_defaults.py``): ``serve
+run`` with the environment of the Makefile's ``serve`` recipe on a config of only the model
+(``--model-dir``: the bench model; ``--model-path`` for chat) and one group, none of this
+bench's engine options; sides Meridian and ``--peer-url``. ``--cpu-hog`` adds a side that
+runs the same Meridian app beside a CPU-bound process at nice 0. Prints Meridian's req/s
+per concurrency and whether it ever falls as streams rise; last line ``defaults
+meridian/peer at <top> streams: <ratio>``, or with ``--cpu-hog`` ``cpu-hog/alone at 8
+streams: <ratio>`` (issue 25: >= 0.7).
+
+    python bench/serve.py --defaults --model-dir DIR --peer-url http://host:8001 [--cpu-hog]
 """
 
 from __future__ import annotations
@@ -69,15 +80,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import random
 import socket
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,90 +96,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import MODEL, write_bench_model  # noqa: E402
 from serve_chat import ChatClient, run_chat  # noqa: E402
-from serve_records import Run, Sample, TokenClock, print_table  # noqa: E402
+from serve_http import (  # noqa: E402
+    HttpClient,
+    Side,
+    http_side,
+    itl_totals,
+    load,
+    median_rate,
+    no_itl,
+    paired_ratio,
+    run_sides,
+)
+from serve_records import Sample  # noqa: E402
 
 APP = "bench-serve"
 MODEL_NAME = "bench"
-
-
-def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(length)] for _ in range(count)]
-
-
-async def closed_loop(
-    one: Callable[[list[int]], Awaitable[Sample]], prompts: list[list[int]], concurrency: int
-) -> tuple[float, list[Sample]]:
-    """``concurrency`` clients, each sending its next prompt as soon as its last one ends."""
-    todo = iter(prompts)
-    samples: list[Sample] = []
-
-    async def client() -> None:
-        for prompt in todo:  # one shared iterator: each prompt goes to one client
-            samples.append(await one(prompt))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return time.perf_counter() - t0, samples
-
-
-# -- the HTTP side --------------------------------------------------------------------------
-class HttpClient:
-    def __init__(
-        self, base_url: str, model: str, new_tokens: int, api_key: str | None, token_ids: bool
-    ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            timeout=httpx.Timeout(600.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
-            headers=headers,
-        )
-        self.model = model
-        self.new_tokens = new_tokens
-        self.token_ids = token_ids
-
-    async def one(self, prompt: list[int]) -> Sample:
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": self.new_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.token_ids:  # every token's chunk, even one that completes no character
-            body["return_token_ids"] = True
-        clock = TokenClock()
-        tokens = 0
-        async with self.client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                choices = chunk.get("choices") or ()
-                if not any(c.get("text") or c.get("token_ids") for c in choices):
-                    continue
-                clock.tick()
-        end = time.perf_counter()
-        if clock.first is None:
-            raise RuntimeError("the stream carried no tokens")
-        if not tokens:
-            raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
-        return Sample(clock.first - clock.start, end - clock.start, clock.itls, tokens)
-
-    async def close(self) -> None:
-        await self.client.aclose()
 
 
 # -- the in-process side ----------------------------------------------------------------------
@@ -277,64 +217,15 @@ def serve_app(app_args: dict[str, Any], env: dict[str, str], direct: bool) -> It
         ray.shutdown()
 
 
-ITL_METRIC = "meridian:inter_token_latency_seconds"
-
-
-def itl_totals(lines: Iterable[tuple[str, float]]) -> tuple[float, float]:
-    """(sum, count) of the engine's inter-token latency histogram, over every replica."""
-    total, count = 0.0, 0.0
-    for name, value in lines:
-        if name == ITL_METRIC + "_sum":
-            total += value
-        elif name == ITL_METRIC + "_count":
-            count += value
-    return total, count
-
-
-async def http_itl(client: httpx.AsyncClient) -> tuple[float, float]:
-    r = await client.get("/metrics")
-    pairs = []
-    for line in r.text.splitlines():
-        if line.startswith(ITL_METRIC):
-            name, _, value = line.rpartition(" ")
-            pairs.append((name.split("{")[0], float(value)))
-    return itl_totals(pairs)
-
-
-def mean_between(a: tuple[float, float], b: tuple[float, float]) -> float:
-    return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else float("nan")
-
-
-def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load {one:.1f} {five:.1f} {fifteen:.1f}"
-
-
-# -- main -------------------------------------------------------------------------------------
-def requests_at(args: argparse.Namespace, concurrency: int) -> int:
-    return max(args.min_requests, args.per_stream * concurrency)
-
-
 async def run_http_only(args: argparse.Namespace) -> None:
-    client = HttpClient(
-        args.base_url, args.model, args.new_tokens, args.api_key, not args.no_token_ids
-    )
+    token_ids = not args.no_token_ids
+    client = HttpClient(args.base_url, args.model, args.new_tokens, args.api_key, token_ids)
     try:
-        await closed_loop(client.one, prompts_for(-1, 2, args.prompt_len), 2)  # warm-up
-        results: dict[int, list[Run]] = {c: [] for c in args.concurrency}
-        for rep in range(args.repeats):
-            for c in args.concurrency:
-                prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
-                run = Run("http", c, input_tokens=sum(map(len, prompts)))
-                run.duration, run.samples = await closed_loop(client.one, prompts, c)
-                results[c].append(run)
-                print(f"[rep {rep}] {c:>3} streams http {run.throughput:.2f} req/s ({load()})")
-        for c in args.concurrency:
-            print_table(f"{c} streams", {"http": results[c]})
-        for c in args.concurrency:
-            print(f"{c} streams: {statistics.median(r.throughput for r in results[c]):.2f} req/s")
+        results = await run_sides(args, [Side("http", client.one, no_itl)])
     finally:
         await client.close()
+    for c in args.concurrency:
+        print(f"{c} streams: {median_rate(results, 'http', c):.2f} req/s")
 
 
 async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> None:
@@ -343,53 +234,18 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
     async def inproc_itl() -> tuple[float, float]:
         return inproc.itl()
 
+    sides = [http_side("http", client), Side("in-process", inproc.one, inproc_itl)]
     peer = None
     if args.peer_url:
         token_ids = not args.no_token_ids
         peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
-
-    async def no_itl() -> tuple[float, float]:
-        return (0.0, 0.0)
-
+        sides.append(Side("peer", peer.one, no_itl))
     try:
-        warm = prompts_for(-1, 4, args.prompt_len)
-        await closed_loop(client.one, warm, 4)
-        await closed_loop(inproc.one, warm, 4)
-        sides = [
-            ("http", client.one, lambda: http_itl(client.client)),
-            ("in-process", inproc.one, inproc_itl),
-        ]
-        if peer is not None:
-            await closed_loop(peer.one, warm, 4)
-            sides.append(("peer", peer.one, no_itl))
-        results: dict[tuple[str, int], list[Run]] = {}
-        for c in args.concurrency:
-            for rep in range(args.repeats):
-                # The sides take turns; the one that goes first rotates with the repeat.
-                k = rep % len(sides)
-                for side, one, itl in sides[k:] + sides[:k]:
-                    prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
-                    run = Run(side, c, input_tokens=sum(map(len, prompts)))
-                    before = await itl()
-                    run.duration, run.samples = await closed_loop(one, prompts, c)
-                    # An idle replica pushes its last metrics within its 2 s heartbeat.
-                    await asyncio.sleep(2.2 if side == "http" else 0.3)
-                    run.engine_itl = mean_between(before, await itl())
-                    results.setdefault((side, c), []).append(run)
-                    print(
-                        f"[rep {rep}] {c:>3} streams {side:>10} {run.throughput:5.2f} req/s, "
-                        f"median ITL {run.metrics()['median_itl']:.0f} ms, engine ITL "
-                        f"{run.engine_itl * 1e3:.0f} ms ({load()})",
-                        flush=True,
-                    )
+        results = await run_sides(args, sides)
     finally:
         await client.close()
         if peer is not None:
             await peer.close()
-    print()
-    for c in args.concurrency:
-        print_table(f"{c} streams", {side: results[(side, c)] for side, _, _ in sides})
-    print()
     head = ("streams", "http req/s", "in-proc req/s", "ratio", "ratio range")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (7, 11, 14, 6, 12), strict=True)))
     ratio_at: dict[int, float] = {}
@@ -398,16 +254,11 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
         ratios = [a.throughput / b.throughput for a, b in zip(h, p, strict=True)]
         ratio_at[c] = statistics.median(ratios)
         rng = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        hm = statistics.median(r.throughput for r in h)
-        pm = statistics.median(r.throughput for r in p)
+        hm, pm = median_rate(results, "http", c), median_rate(results, "in-process", c)
         print(f"{c:>7} {hm:>11.2f} {pm:>14.2f} {ratio_at[c]:>6.2f} {rng:>12}")
     if peer is not None:
-        vs_peer = []
-        for c in args.concurrency:
-            pairs = zip(results[("http", c)], results[("peer", c)], strict=True)
-            ratio = statistics.median(a.throughput / b.throughput for a, b in pairs)
-            vs_peer.append(f"{ratio:.2f} at {c}")
-        print(f"http/peer ({args.peer_model}) req/s: " + ", ".join(vs_peer) + " streams")
+        vs = [f"{paired_ratio(results, 'http', 'peer', c):.2f} at {c}" for c in args.concurrency]
+        print(f"http/peer ({args.peer_model}) req/s: " + ", ".join(vs) + " streams")
     top = max(args.concurrency)
     print(f"http/in-process at {top} streams: {ratio_at[top]:.2f}")
 
@@ -494,6 +345,16 @@ def main() -> None:
     ap.add_argument("--peer-url", help="a peer OpenAI server on the same weights, interleaved")
     ap.add_argument("--peer-model", default="bench", help="the model name the peer serves")
     ap.add_argument("--peer-name", default="vllm", help="the peer's column (chat datasets)")
+    ap.add_argument(
+        "--defaults",
+        action="store_true",
+        help="start the app as `make serve` does, on a config of only model and one group",
+    )
+    ap.add_argument(
+        "--cpu-hog",
+        action="store_true",
+        help="with --defaults: a side that runs beside a CPU-bound process at nice 0",
+    )
     args = ap.parse_args()
     chat = args.dataset != "random"
     if args.kv_cache_mib is None:
@@ -509,6 +370,11 @@ def main() -> None:
             ap.error("--dataset sharegpt with --base-url needs --tokenizer")
     elif args.peer_url and not args.model_dir:
         ap.error("--peer-url needs --model-dir: the folder the peer serves")
+    if args.cpu_hog and (chat or not args.defaults):
+        ap.error("--cpu-hog needs --defaults and the random dataset")
+    if args.defaults:
+        main_defaults(args, chat)
+        return
     if chat and args.base_url:
         if not args.model:
             ap.error("--base-url needs --model")
@@ -572,6 +438,38 @@ def main() -> None:
                 asyncio.run(run_both(args, url, inproc))
             finally:
                 inproc.close()
+
+
+def main_defaults(args: argparse.Namespace, chat: bool) -> None:
+    """``--defaults``: nothing of this bench's own tuning (cores, threads, budget, KV size)
+    reaches the server; it runs as ``make serve`` runs it (``bench/serve_defaults.py``)."""
+    from serve_defaults import make_serve_env, run_defaults, serve_run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if chat:
+            path = Path(args.model_path)
+            model = str(path.resolve()) if path.exists() else args.model_path
+        elif args.model_dir:
+            model = str(Path(args.model_dir).resolve())
+            if not (Path(model) / "config.json").exists():
+                write_bench_model(Path(model))
+        else:
+            model = str(write_bench_model(Path(tmp) / "bench"))
+        log = Path(tmp) / "serve.log"
+        print(
+            f"--defaults: `serve run` as `make serve` ({make_serve_env()}) on {{model: "
+            f"{model}, groups: [{{name: main}}]}}; {args.dataset} workload; {load()}",
+            flush=True,
+        )
+        try:
+            with serve_run(model, log) as (url, name):
+                if chat:
+                    asyncio.run(run_chat_sides(args, url, name))
+                else:
+                    asyncio.run(run_defaults(args, url, name))
+        except BaseException:
+            print(log.read_text()[-4000:], file=sys.stderr)
+            raise
 
 
 if __name__ == "__main__":

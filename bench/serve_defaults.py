@@ -1,0 +1,202 @@
+"""The server as a new user starts it, for ``bench/serve.py --defaults``: the README's first
+command (``make serve``: the environment its Makefile recipe sets, then ``serve run
+CONFIG``) on a config holding only ``model`` and one group named ``main``; nothing else
+(no core pinning, no token budget, no Ray system config).
+
+Two things differ from a user's shell, neither of them a setting of the server: the config
+file names a free HTTP port (other work on this machine may hold 8000), and ``RAY_TMPDIR``
+points at a private folder, so ``serve run`` starts its own Ray cluster rather than joining
+one that another process started, and stopping it stops only what it started.
+
+``cpu_hog`` is the co-located load of issue 25: one CPU-bound process at nice 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from serve_http import HttpClient, Side, http_side, median_rate, no_itl, paired_ratio, run_sides
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_serve_env(makefile: Path = ROOT / "Makefile") -> dict[str, str]:
+    """The ``VAR=value`` words before ``serve run`` in the Makefile's ``serve`` recipe."""
+    lines = makefile.read_text().splitlines()
+    start = lines.index("serve: $(STAMP)")
+    for line in lines[start + 1 :]:
+        if not line.startswith("\t"):
+            break
+        words = shlex.split(line.strip())
+        if "run" in words and any(w.endswith("/serve") for w in words):
+            env = {}
+            for word in words:
+                if "=" not in word or word.startswith("-"):
+                    break
+                key, _, value = word.partition("=")
+                env[key] = value
+            return env
+    raise ValueError(f"{makefile}: no `serve run` line in the serve recipe")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def defaults_yaml(model: str, port: int) -> str:
+    """A Ray Serve config file as ``serve_config.yaml``'s, with only model and one group."""
+    return (
+        "proxy_location: EveryNode\n"
+        f"http_options: {{host: 127.0.0.1, port: {port}}}\n"
+        "applications:\n"
+        "  - name: meridian\n"
+        "    route_prefix: /\n"
+        "    import_path: serve_app:build_app\n"
+        "    args:\n"
+        f"      model: {model}\n"
+        "      groups: [{name: main}]\n"
+    )
+
+
+def served_model(url: str) -> str | None:
+    """The model id the app serves, once it answers ``/health`` and ``/v1/models``."""
+    try:
+        if httpx.get(url + "/health", timeout=5).status_code != 200:
+            return None
+        r = httpx.get(url + "/v1/models", timeout=5)
+        return str(r.json()["data"][0]["id"]) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def serve_run(model: str, log: Path) -> Iterator[tuple[str, str]]:
+    """``serve run`` in its own session on a defaults config; yields (URL, model id) once
+    the app answers, then stops it (SIGINT, as Ctrl-C; then the whole session)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mrd-", dir="/tmp"))  # short: Ray's socket paths
+    port = free_port()
+    config = tmp / "config.yaml"
+    config.write_text(defaults_yaml(model, port))
+    env = os.environ | make_serve_env() | {"RAY_TMPDIR": str(tmp / "ray")}
+    serve = str(Path(sys.executable).parent / "serve")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [serve, "run", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while (name := served_model(url)) is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {proc.returncode}; see {log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the app did not answer within 900 s; see {log}")
+            time.sleep(1.0)
+        yield url, name
+    finally:
+        stop_session(proc)
+        stop_leftovers(tmp)
+
+
+def stop_session(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT to ``serve run`` (it shuts Serve and its Ray cluster down), then SIGKILL to
+    whatever of its session is left."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def stop_leftovers(tmp: Path) -> None:
+    """SIGKILL to every process whose command line names ``tmp`` (Ray's processes of this
+    cluster name their session folder under it, whatever session they run in)."""
+    mark = str(tmp).encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if mark in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def cpu_hog() -> Iterator[None]:
+    """One CPU-bound process (a Python busy loop) at nice 0 while the block runs."""
+    hog = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"],
+        preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, 0),
+    )
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+async def run_defaults(args: argparse.Namespace, url: str, model: str) -> None:
+    """``--defaults``: the app as ``serve run`` starts it, against the peer and/or itself
+    beside a CPU hog. Prints whether its req/s ever falls as streams rise."""
+    client = HttpClient(url, model, args.new_tokens, None, True)
+    sides = [http_side("meridian", client)]
+    if args.cpu_hog:
+        sides.append(http_side("with-hog", client, hog=True))
+    peer = None
+    if args.peer_url:
+        token_ids = not args.no_token_ids
+        peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
+        sides.append(Side("peer", peer.one, no_itl))
+    try:
+        results = await run_sides(args, sides)
+    finally:
+        await client.close()
+        if peer is not None:
+            await peer.close()
+    rates = [median_rate(results, "meridian", c) for c in args.concurrency]
+    rises = all(b >= a for a, b in zip(rates, rates[1:], strict=False))
+    steps = " -> ".join(f"{r:.2f}" for r in rates)
+    print(f"meridian req/s over {args.concurrency} streams: {steps} (never falls: {rises})")
+    last = ""
+    if peer is not None:
+        vs = [
+            f"{paired_ratio(results, 'meridian', 'peer', c):.2f} at {c}" for c in args.concurrency
+        ]
+        print(f"defaults meridian/peer ({args.peer_model}) req/s: " + ", ".join(vs) + " streams")
+        top = max(args.concurrency)
+        last = f"defaults meridian/peer at {top} streams: "
+        last += f"{paired_ratio(results, 'meridian', 'peer', top):.2f}"
+    if args.cpu_hog:
+        vs = [
+            f"{paired_ratio(results, 'with-hog', 'meridian', c):.2f} at {c}"
+            for c in args.concurrency
+        ]
+        print("req/s with a CPU hog / without: " + ", ".join(vs) + " streams")
+        c = 8 if 8 in args.concurrency else max(args.concurrency)
+        last = (
+            f"cpu-hog/alone at {c} streams: {paired_ratio(results, 'with-hog', 'meridian', c):.2f}"
+        )
+    if last:
+        print(last)
