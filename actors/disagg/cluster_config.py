@@ -31,21 +31,22 @@ from store.transfer.links import LinkBudget
 
 @dataclass(frozen=True)
 class PDSideConfig:
-    """The prefill (or decode) side: ``count`` replicas, each of ``tp`` x ``spp`` workers
-    (None: the engine config's degree). ``link_budget``: the replica's store reads (and a
-    decode replica's writes) pay this emulated per-node link; ``record_loads``: it keeps
-    its store-load timeline (benches and tests)."""
+    """The prefill (or decode) side: ``count`` replicas, each of ``tp`` x ``spp`` (x
+    ``kvp``, decode only) workers (None: the engine config's degree). ``link_budget``: the
+    replica's store reads (and a decode replica's writes) pay this emulated per-node link;
+    ``record_loads``: it keeps its store-load timeline (benches and tests)."""
 
     count: int = 1
     tp: int | None = None
     spp: int | None = None
+    kvp: int | None = None
     link_budget: LinkBudget | None = None
     record_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ValueError("need at least one prefill and one decode replica")
-        for name in ("tp", "spp"):
+        for name in ("tp", "spp", "kvp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -109,6 +110,8 @@ class PDClusterConfig:
             changes["tp"] = side.tp
         if side.spp is not None:
             changes["spp"] = side.spp
+        if side.kvp is not None:
+            changes["kvp"] = side.kvp
         if self.node_resources:
             pinned = self.engine.worker_resources or {}
             changes["worker_resources"] = {**pinned, **self.node_resources}

@@ -21,6 +21,11 @@ full (its KV computed: prompt tail and generated tokens) is written to a store s
 on this node if any), so a later turn of the conversation finds its own previous answer
 in the store. Blocks of the prompt the prefill replica stored are not written again. A
 dead shard drops out; the block is then simply not stored.
+
+Retention (sessions): when a request with ``params.kv_retention_s > 0`` finishes, its full
+blocks (the whole chain with write-back, else the prompt's) are retained on every live
+shard for that long as its tenant's (``store.retention``), so the session's next turn
+after a tool pause still finds them in the store.
 """
 
 from __future__ import annotations
@@ -79,13 +84,10 @@ class DecodeReplica(LoopedReplica):
         ``tcp_host`` (this node's address); same-node ones always use shared memory.
         ``cpus`` / ``threads``: cores the replica's loop runs on, torch threads. ``config``'s
         ``tp`` / ``spp`` spread it over worker actors on this node, each holding its share
-        of the cache in its own segment."""
+        of the cache in its own segment; with ``kvp`` > 1 each KV rank's workers hold that
+        rank's pool, and a request's blocks lie on the ranks its reservation spans
+        (``KVDestination.ranks``), as a colocated KV-parallel replica lays them out."""
         self.replica_id = replica_id
-        if config.kvp != 1:
-            raise ValueError(
-                "a decode replica holds each request's KV on one KV rank: set kvp=1 "
-                "(KV-parallel decode replicas are not supported)"
-            )
         folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
         model = read_model_config(folder)
         caches = SharedCacheWorkers(
@@ -96,6 +98,8 @@ class DecodeReplica(LoopedReplica):
         self.client: KVStoreClient | None = None
         self.load_client: KVStoreClient | None = None
         self._written: dict[str, int] = {}  # request -> leading blocks the store holds
+        # request -> (tenant, retention seconds, prompt hashes): retained when it finishes
+        self._retention: dict[str, tuple[str | None, float, list[int]]] = {}
         self.stored_blocks = 0  # blocks this replica wrote back
         if store_shards:
             if not isinstance(self.controller.executor, LocalExecutor):
@@ -262,8 +266,15 @@ class DecodeReplica(LoopedReplica):
         if blocks is None:
             return None
         self._reserved_blocks[key] = len(blocks)
+        if request.params.kv_retention_s > 0 and self.client is not None:
+            hint = (request.tenant, request.params.kv_retention_s, request.block_hashes)
+            self._retention[key] = hint
         self.stats = self._stats()
-        return KVDestination(self.targets, tuple(blocks))
+        ranks: tuple[int, ...] = ()
+        if self.controller.kv.kvp > 1:  # token order over its shards, as reserve_prefilled
+            shards = self.controller.kv.shards(key)
+            ranks = tuple(rank for rank, _, ids in shards for _ in ids)
+        return KVDestination(self.targets, tuple(blocks), ranks=ranks)
 
     def _admit(self, key: str, first_token: int, first_logprob: Any = None) -> None:
         if self._reserved_blocks.pop(key, None) is None:
@@ -283,6 +294,7 @@ class DecodeReplica(LoopedReplica):
 
     def _abort(self, key: str) -> None:
         self._written.pop(key, None)
+        self._retention.pop(key, None)
         if not self._cancel(key) and self.controller.has_request(key):
             self.controller.abort(key)
             self.controller.release(key)
@@ -299,6 +311,7 @@ class DecodeReplica(LoopedReplica):
             deltas = c.step()
             self.loop.emit(DecodeStep(batch, blocks, time.perf_counter() - start))
             self._write_back([d.request_id for d in deltas], tables)
+            self._retain([d.request_id for d in deltas if d.finished], tables)
             self._emit(deltas)
             if c.num_recoveries != self._recoveries:
                 self._lose_reservations()
@@ -340,6 +353,19 @@ class DecodeReplica(LoopedReplica):
                 continue
             self.stored_blocks += len(stored)
 
+    def _retain(self, keys: list[str], tables: dict[str, list[int]]) -> None:
+        """Finished requests with a retention hint: their blocks kept on the shards
+        (before ``_emit`` releases them, so the chain's hashes are still known)."""
+        client = self.client
+        for key in keys:
+            hint = self._retention.pop(key, None)
+            if hint is None or client is None:
+                continue
+            tenant, seconds, hashes = hint
+            if key in tables:
+                hashes = self.controller.computed_full_blocks(key, tables[key])[0] or hashes
+            client.retain(hashes, tenant, seconds)
+
     def _store_shard(self) -> str | None:
         """A live shard on this node, else any live shard."""
         client = self.client
@@ -367,7 +393,7 @@ class DecodeReplica(LoopedReplica):
             used_blocks=c.kv.num_used_blocks - reserved,
             pending=len(self._reserved_blocks),
             pending_blocks=reserved,
-            total_blocks=c.num_blocks,
+            total_blocks=c.num_blocks * c.kv.kvp,  # num_blocks is per KV rank
             stored_blocks=self.stored_blocks,
             loaded_blocks=self.loaded_blocks,
             remaining=tuple(

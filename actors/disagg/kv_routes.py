@@ -32,6 +32,7 @@ class KVTarget:
     num_blocks: int
     block_size: int
     head_bytes: int  # one token of one head: head_dim * element size
+    kvp_rank: int = 0  # the KV-parallel rank whose pool this cache holds
 
     @property
     def piece_bytes(self) -> int:

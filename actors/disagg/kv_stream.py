@@ -41,11 +41,16 @@ from store.transfer.links import BudgetedTransfer
 class KVDestination:
     """Where one request's KV goes: every decode worker's share of the cache, and the
     request's blocks there in token order (block i holds tokens ``[i * bs, (i + 1) * bs)``;
-    the same block ids on every decode worker)."""
+    the same block ids on every decode worker of the KV rank ``ranks[i]`` that holds it,
+    and only there: a KV-parallel decode replica holds each block on one rank's pool)."""
 
     targets: tuple[KVTarget, ...]
     block_ids: tuple[int, ...]
     held_blocks: int = 0  # leading blocks the decode side loaded itself: never streamed
+    ranks: tuple[int, ...] = ()  # KV rank of each block (empty: rank 0 holds every block)
+
+    def rank_of(self, i: int) -> int:
+        return self.ranks[i] if self.ranks else 0
 
 
 def blocks_to_stream(first_block: int, end: int, block_size: int) -> range:
@@ -69,12 +74,14 @@ class SharedKVCache:
         heads: tuple[int, int],
         serve_tcp: bool = False,
         tcp_host: str = "127.0.0.1",
+        kvp_rank: int = 0,
     ) -> None:
-        """``layers`` / ``heads``: the global layers and KV heads the worker holds.
-        ``serve_tcp``: also serve the cache over TCP on ``tcp_host`` (an address other
-        nodes reach), for prefill replicas on other nodes."""
+        """``layers`` / ``heads``: the global layers and KV heads the worker holds;
+        ``kvp_rank``: the KV-parallel rank whose pool it holds. ``serve_tcp``: also serve
+        the cache over TCP on ``tcp_host`` (an address other nodes reach), for prefill
+        replicas on other nodes."""
         self._where = (endpoint_id, node_id, serve_tcp, tcp_host)
-        self.layers, self.heads = layers, heads
+        self.layers, self.heads, self.kvp_rank = layers, heads, kvp_rank
         self.geometry: CacheGeometry | None = None
         self.kv_caches: KVCaches = []
         self.segment: SharedSegment | None = None
@@ -117,7 +124,13 @@ class SharedKVCache:
             raise RuntimeError("the shared cache is allocated when its worker starts")
         head_bytes = g.head_dim * torch.empty((), dtype=g.dtype).element_size()
         return KVTarget(
-            engine.endpoint, self.layers, self.heads, g.num_blocks, g.block_size, head_bytes
+            engine.endpoint,
+            self.layers,
+            self.heads,
+            g.num_blocks,
+            g.block_size,
+            head_bytes,
+            self.kvp_rank,
         )
 
     def close(self) -> None:
@@ -148,6 +161,7 @@ class _Item:
     dest: KVDestination
     src: list[int]  # prefill-side block ids
     dst: list[int]  # decode-side block ids, same order
+    ranks: list[int]  # the decode-side KV rank of each, same order
 
 
 class LayerStreamer:
@@ -189,7 +203,8 @@ class LayerStreamer:
                 if dest.held_blocks <= i < len(dest.block_ids)
             ]
             src, dst = [blocks[i] for i in idx], [dest.block_ids[i] for i in idx]
-            self._items.append(_Item(e.request_id, dest, src, dst))
+            ranks = [dest.rank_of(i) for i in idx]
+            self._items.append(_Item(e.request_id, dest, src, dst, ranks))
 
     def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         if not self._items:
@@ -201,9 +216,11 @@ class LayerStreamer:
         v_base = local.starts[1]
         for item in self._items:
             for target in item.dest.targets:
-                ranges = piece_ranges(
-                    target, layer, self.held, self.sent, piece, v_base, item.src, item.dst
-                )
+                src, dst = item.src, item.dst
+                if item.dest.ranks:  # only the blocks this target's KV rank holds
+                    mine = [k for k, r in enumerate(item.ranks) if r == target.kvp_rank]
+                    src, dst = [src[k] for k in mine], [dst[k] for k in mine]
+                ranges = piece_ranges(target, layer, self.held, self.sent, piece, v_base, src, dst)
                 if ranges:
                     future = self._threads.submit(
                         self.engine.write_ranges, target.endpoint, local, ranges
@@ -294,5 +311,6 @@ class SharedCacheWorkers:
             kv_head_range(self.num_kv_heads, layout.tp, tp_rank),
             self.serve_tcp,
             self.tcp_host,
+            kvp_rank,
         )
         return WorkerHooks(kv_cache=cache)

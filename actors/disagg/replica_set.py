@@ -63,7 +63,7 @@ def cluster_nodes(config: PDClusterConfig) -> list[Node]:
 
 
 def _workers(engine: EngineConfig) -> int:
-    return engine.tp * engine.spp
+    return engine.tp * engine.spp * engine.kvp
 
 
 class ReplicaSet:

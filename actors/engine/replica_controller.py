@@ -156,17 +156,16 @@ class ReplicaController:
     # -- disaggregated decode: requests whose prompt KV is computed elsewhere ----------------
     def reserve_prefilled(self, request: Request) -> list[int] | None:
         """Reserve KV blocks for a request's whole life (prompt + max_tokens) and return
-        their ids, or None if they are not free now. The request is not scheduled until
-        ``admit_prefilled``: a prefill replica writes its prompt KV into these blocks first.
-        Single KV-parallel rank only."""
-        if self.kv.kvp > 1:
-            raise InvalidRequestError("disaggregated decode needs kvp=1")
+        their ids in token order (block i holds tokens ``[i * bs, (i + 1) * bs)``; on a
+        KV-parallel replica over its shards, ``kv.shards`` says each one's rank), or None
+        if they are not free now. The request is not scheduled until ``admit_prefilled``:
+        a prefill replica writes its prompt KV into these blocks first."""
         r = self._new_request(request)
         if not self.kv.allocate(r.seq, request.num_prompt_tokens + request.params.max_tokens):
             self.kv.free(r.seq)
             return None
         self._reserved[request.request_id] = r
-        return list(self.kv.block_table(request.request_id))
+        return [b for _, _, ids in self.kv.shards(request.request_id) for b in ids]
 
     def cancel_reservation(self, request_id: str) -> bool:
         """Free a reservation whose prefill will not deliver (its prefill replica died)."""

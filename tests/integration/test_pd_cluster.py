@@ -332,3 +332,19 @@ def test_prefill_and_decode_with_different_layouts_equal_colocated():
     assert [o.token_ids for o in outs] == colocated(prompts)
     assert sum(s.layers_streamed for s in pd.prefill_stats().values()) > 0
     finish(pd)
+
+
+def test_kv_parallel_decode_equals_colocated():
+    # decode: two KV-parallel ranks of at most 16 tokens each, so a 26-token prompt's blocks
+    # are split over both ranks' pools; the prefill replica streams each block to its rank
+    prompts = [tokens(92, 26), tokens(93, 9)]
+    engine = EngineConfig(**{**OPTS, "kvp_rank_tokens": 16})
+    pd = PDCluster(
+        pd_config(engine=engine, decode=PDSideConfig(kvp=2), fit_costs=False, pin_cores=False)
+    )
+    assert pd.replicas.decode_engine.kvp == 2 and pd.replicas.prefill_engine.kvp == 1
+    outs = pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert [o.token_ids for o in outs] == colocated(prompts)
+    # two ranks' pools: the Conductor sees both
+    assert pd.decode_views["d0"].total_blocks == 2 * OPTS["num_blocks"]
+    finish(pd)
