@@ -273,16 +273,33 @@ class ReplicaController:
         except WorkerFailure:
             self._recover()
             return []
-        if self.predictor is not None and self.executor.depth == 1:
-            # one step in flight: it ran from ``began`` (its scheduling included) to now
+        seconds = self._step_seconds(result, began)
+        if self.predictor is not None and seconds is not None:
             batch = [
                 (n, at) for (_, n), at in zip(scheduled.entries, scheduled.starts, strict=True)
             ]
-            self.predictor.observe(batch, time.monotonic() - began)
+            self.predictor.observe(batch, seconds)
         if self.record_timings:
             self.step_timings.append((result.step_id, result.timings))
         self.hook_reports += result.hook_reports
         return self._postprocess(scheduled, result)
+
+    def _step_seconds(self, result: StepResult, began: float) -> float | None:
+        """The measured time of one step, what the runtime predictor fits ``batch_time`` to.
+
+        One step in flight: it ran from ``began`` (its scheduling included) to now. Pipelined
+        (``depth > 1``, SPP): steps overlap, so the wall time from submit to result counts
+        other steps' stages; the step's time is its own stages' compute, summed over the
+        stages (``StepResult.compute_seconds``). Invariant: for one batch both measure the
+        whole model's pass over it (SPP splits the layers, not the work), so the fitted
+        model means the same with or without SPP, and ``target_batch_time`` bounds a
+        decode's time between tokens in both: a decode is in at most one step in flight,
+        so its next token comes no sooner than its step's last stage ends, and the steps
+        in between (other requests' chunks) fill the stages meanwhile. None: a pipelined
+        step that reported no stage timings (not measured)."""
+        if self.executor.depth == 1:
+            return time.monotonic() - began
+        return result.compute_seconds() if result.timings else None
 
     def take_hook_reports(self) -> list[Any]:
         """The workers' step-hook reports since the last take (``StepHook.end_step``)."""

@@ -80,3 +80,9 @@ class StepResult:
     hook_reports: list[Any] = field(default_factory=list)
     # request id -> the sampled token's logprobs, for requests that asked for them
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+
+    def compute_seconds(self) -> float:
+        """Seconds the step's stages computed, summed over its pipeline stages: each stage's
+        ``end - start`` on its own clock (so no two workers' clocks are compared), the
+        waits between stages not counted."""
+        return sum(end - start for _, start, end in self.timings)
