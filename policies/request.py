@@ -96,7 +96,8 @@ class SamplingParams:
     logprobs: int | None = None  # None, or 0..MAX_LOGPROBS top tokens besides the sampled
     logprobs_mode: str = "raw"
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"schema":
-    # {...}, ...}}; compiled (and checked) by actors/engine/structured.py at the edge
+    # {...}, ...}}, or {"type": "grammar", "grammar": <lark>} (tool calls); compiled (and
+    # checked) by actors/engine/structured.py at the edge
     response_format: dict[str, Any] | None = None
     # seconds from arrival to the first token this request asks for: the deadline that
     # deadline-aware scheduling (EDF, LRS, ILRS) orders prefills by; None: derived
@@ -167,7 +168,7 @@ class SamplingParams:
         rf = self.response_format
         if rf is not None:
             kind = rf.get("type") if isinstance(rf, dict) else None
-            if kind not in ("text", "json_object", "json_schema"):
+            if kind not in ("text", "json_object", "json_schema", "grammar"):
                 raise InvalidRequestError(
                     'response_format must be {"type": "text" | "json_object" | '
                     f'"json_schema"}}, got {rf!r}',

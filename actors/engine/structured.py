@@ -2,7 +2,10 @@
 
 ``grammar_of(response_format)`` turns an OpenAI ``response_format`` into an llguidance
 grammar and checks it: the edge (``RequestBuilder``) calls it, so an invalid JSON schema is
-a 400 naming ``response_format`` before anything runs. JSON is generated compactly (no
+a 400 naming ``response_format`` before anything runs. Besides OpenAI's types, an internal
+``{"type": "grammar", "grammar": <lark>}`` carries a Lark grammar whose JSON parts are
+``json_rule(schema)`` (tool calls: ``actors/serving/tool_parsers.py`` wraps each function's
+arguments schema in its template family's call syntax). JSON is generated compactly (no
 whitespace between tokens, ``,`` and ``:`` separators), as vLLM does with
 ``disable_any_whitespace``: a free whitespace rule lets a weak model emit blanks forever.
 
@@ -34,11 +37,52 @@ def _llguidance() -> Any:
     return llguidance
 
 
+def json_rule(schema: dict[str, Any] | bool) -> str:
+    """A Lark rule body matching one compact JSON value of ``schema`` (its own root, so
+    its ``$ref``s resolve against it)."""
+    return "%json " + json.dumps({**_as_object(schema), "x-guidance": _JSON_OPTIONS})
+
+
+def schema_error(schema: Any) -> str | None:
+    """Why ``schema`` is not a JSON schema llguidance can compile (None: it is)."""
+    if not isinstance(schema, dict | bool):
+        return f"a JSON schema is an object, got {type(schema).__name__}"
+    ll = _llguidance()
+    try:
+        grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+    except Exception as e:  # the Rust side raises ValueError / plain Exception
+        return str(e)
+    error = ll.LLMatcher.validate_grammar(grammar)
+    return error if error and not error.startswith("WARNING") else None
+
+
+def _as_object(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    if schema is True:
+        return {}
+    if schema is False:
+        return {"not": {}}
+    return schema
+
+
 def grammar_of(response_format: dict[str, Any]) -> str:
-    """The llguidance grammar of a ``json_object`` / ``json_schema`` response format;
-    InvalidRequestError (param ``response_format``) if it is malformed or unsupported."""
+    """The llguidance grammar of a ``json_object`` / ``json_schema`` / ``grammar``
+    response format; InvalidRequestError (param ``response_format``) if it is malformed or
+    unsupported."""
     ll = _llguidance()
     kind = response_format.get("type")
+    if kind == "grammar":
+        lark = response_format.get("grammar")
+        if not isinstance(lark, str):
+            raise InvalidRequestError(
+                'response_format: grammar needs {"grammar": "<lark text>"}', "response_format"
+            )
+        grammar = ll.LLMatcher.grammar_from_lark(lark)
+        error = ll.LLMatcher.validate_grammar(grammar)
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(
+                f"response_format: invalid grammar: {error}", "response_format"
+            )
+        return str(grammar)
     if kind == "json_object":
         schema: Any = {"type": "object"}
     elif kind == "json_schema":
@@ -55,18 +99,12 @@ def grammar_of(response_format: dict[str, Any]) -> str:
             f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
             "response_format",
         )
-    try:
-        grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
-    except Exception as e:  # the Rust side raises ValueError / plain Exception
-        raise InvalidRequestError(
-            f"response_format: invalid JSON schema: {e}", "response_format"
-        ) from None
-    error = ll.LLMatcher.validate_grammar(grammar)
-    if error and not error.startswith("WARNING"):
+    error = schema_error(schema)
+    if error is not None:
         raise InvalidRequestError(
             f"response_format: invalid JSON schema: {error}", "response_format"
         )
-    return str(grammar)
+    return str(ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS))
 
 
 class GrammarCompiler:

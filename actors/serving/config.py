@@ -500,6 +500,9 @@ class ServeConfig(_Strict):
     report_interval_s: float = Field(0.1, gt=0)  # replica -> router event/stat pushes
     ingress_replicas: int = Field(1, ge=1)
     regions: RegionsSectionConfig | None = None  # None: one global router
+    # how chat answers spell tool calls (actors/serving/tool_parsers.py); None: detected
+    # from the model's chat template
+    tool_parser: Literal["hermes", "llama3_json"] | None = None
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
 
     @model_validator(mode="after")

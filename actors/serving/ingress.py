@@ -12,6 +12,7 @@ response ends.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -34,6 +35,8 @@ from actors.serving import openai_protocol as oai
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
 from actors.serving.relay import ReplicaRelay, retry_after_header
+from actors.serving.tool_calls import ToolPlan, plan_tools, template_messages
+from actors.serving.tool_parsers import ToolFormat, ToolStream, detect_format, parse
 from errors import (
     ContextLengthError,
     EngineUnavailableError,
@@ -51,12 +54,16 @@ app = FastAPI(title="Meridian", docs_url=None, redoc_url=None)
 
 
 class _Prepared:
-    """One validated HTTP request: per prompt, the built request of each choice."""
+    """One validated HTTP request: per prompt, the built request of each choice; the
+    tool-call family its answers are parsed with (None: no parsing)."""
 
-    def __init__(self, req: oai._Sampling, prompts: list[list[Request]]) -> None:
+    def __init__(
+        self, req: oai._Sampling, prompts: list[list[Request]], tools: ToolFormat | None
+    ) -> None:
         self.req = req
         self.prompts = prompts
         self.n = req.n
+        self.tools = tools
         self.reserved = 0  # tokens taken from the key's tokens_per_minute, settled at the end
 
 
@@ -73,6 +80,7 @@ class Ingress:
         self.relay = ReplicaRelay(self.cfg, router, replicas, balancers)
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
+        self.tool_format = self.cfg.tool_parser or detect_format(self.tokenizer.chat_template)
         positions = read_model_config(model_dir).max_position_embeddings
         self.max_model_len = min(g.engine.context_len(positions) for g in self.cfg.groups)
         self._builder: RequestBuilder | None = None  # from the replicas' limits, on first use
@@ -242,11 +250,14 @@ class Ingress:
         stop = req.stop_list()
         if len(stop) > oai.MAX_STOP_SEQUENCES or any(not s for s in stop):
             raise oai.APIError(400, "stop takes at most 4 non-empty strings", "stop")
+        tools: ToolPlan | None = None
         if chat:
             assert isinstance(req, oai.ChatCompletionRequest)
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            tools = plan_tools(req, self.tool_format)
+            msgs = template_messages(req)
+            extra = {"tools": tools.template_tools} if tools is not None else {}
             try:
-                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **extra)
             except InvalidRequestError as e:
                 raise oai.APIError(400, str(e), "messages") from None
             prompts = [self.tokenizer.encode(text, add_special_tokens=False)]
@@ -271,6 +282,8 @@ class Ingress:
             params = [req.sampling_params(max_tokens, i) for i in range(req.n)]
         except InvalidRequestError as e:  # a sampling field out of its range
             raise oai.APIError(400, str(e), e.param) from None
+        if tools is not None and tools.response_format is not None:  # a required call
+            params = [dataclasses.replace(p, response_format=tools.response_format) for p in params]
         built = []
         for tokens in prompts:
             try:
@@ -281,7 +294,7 @@ class Ingress:
                 message = str(e) if param in str(e) else f"{param}: {e}"
                 code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
                 raise oai.APIError(400, message, param, code) from None
-        return _Prepared(req, built)
+        return _Prepared(req, built, tools.fmt if tools is not None else None)
 
     async def _request_builder(self) -> RequestBuilder:
         """The builder of this ingress's requests: the tightest limits of every replica
@@ -352,7 +365,13 @@ class Ingress:
                 ids = out.token_ids if want_ids else None
                 reason = oai.finish_reason(out.finish_reason)
                 lps = self._logprobs(prep, out.logprobs, chat)
-                choices.append(oai.choice(pi * n + j, out.text, reason, chat, ids, lps))
+                text: str | None = out.text
+                calls = None
+                if prep.tools is not None:
+                    text, calls = parse(prep.tools, out.text)
+                    reason = "tool_calls" if calls and reason == "stop" else reason
+                choice = oai.choice(pi * n + j, text, reason, chat, ids, lps, calls)
+                choices.append(choice)
         prompt_tokens = sum(p[0].num_prompt_tokens for p in prep.prompts)
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         use = oai.usage(prompt_tokens, completion, cached)
@@ -392,6 +411,7 @@ class Ingress:
         per_chunk = opts is not None and opts.usage_per_chunk()
         generated: Counter[int] = Counter()  # per choice: tokens streamed so far
         started: set[int] = set()
+        tool_streams: dict[int, ToolStream] = {}  # per choice, when its calls are parsed
         offsets: dict[int, int] = {}  # per choice: text offset of its next logprob token
         completion, cached, live = 0, 0, len(streams)
         try:
@@ -409,13 +429,19 @@ class Ingress:
                         idx, d = pi * n + item.index, item.delta
                         generated[idx] += len(d.token_ids)
                         first = idx not in started
-                        if not (first or d.text or d.finished or want_ids or d.logprobs):
+                        reason = oai.finish_reason(d.finish_reason) if d.finished else None
+                        text: str | None = d.text
+                        calls = None
+                        if prep.tools is not None:  # content and call deltas, no markup
+                            text, calls, reason = self._tool_delta(
+                                tool_streams, prep.tools, idx, d.text, d.finished, reason
+                            )
+                        if not (first or text or calls or d.finished or want_ids or d.logprobs):
                             continue  # a token that completes no character yet: nothing to send
                         started.add(idx)
-                        reason = oai.finish_reason(d.finish_reason) if d.finished else None
                         ids = d.token_ids if want_ids else None
                         lps = self._logprobs(prep, d.logprobs, chat, offsets, idx)
-                        choice = oai.chunk_choice(idx, d.text, reason, chat, ids, first, lps)
+                        choice = oai.chunk_choice(idx, text, reason, chat, ids, first, lps, calls)
                         use = None
                         if per_chunk:
                             prompt_len = prep.prompts[pi][0].num_prompt_tokens
@@ -442,6 +468,27 @@ class Ingress:
             for s in streams:
                 with contextlib.suppress(Exception):
                     await s.aclose()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _tool_delta(
+        streams: dict[int, ToolStream],
+        fmt: ToolFormat,
+        idx: int,
+        text: str | None,
+        finished: bool,
+        reason: str | None,
+    ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+        """A choice's streamed text read for tool calls: its content, its
+        ``delta.tool_calls`` and its finish reason (``tool_calls`` when it called)."""
+        stream = streams.setdefault(idx, ToolStream(fmt))
+        got = stream.feed(text or "")
+        if finished:
+            rest = stream.finish()
+            got.content += rest.content
+            got.calls += rest.calls
+            reason = "tool_calls" if stream.calls and reason == "stop" else reason
+        calls = [c.as_dict() for c in got.calls] or None
+        return got.content or None, calls, reason
 
     def _logprobs(
         self,

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string where a number belongs is an error, not coerced).
 A field this server does not implement is refused with 400 naming it, never ignored: an
-OpenAI field we lack (``best_of``, ``echo``, ``suffix``, ``tools``, ...) is accepted only
+OpenAI field we lack (``best_of``, ``echo``, ``suffix``, ``functions``, ...) is accepted only
 with the value that asks for nothing (``NEUTRAL``), and an unknown field never.
 Extensions beyond the OpenAI API, as vLLM spells them: ``top_k``, ``ignore_eos``,
 ``repetition_penalty``, ``min_tokens``, ``return_token_ids`` (each choice carries
@@ -15,17 +15,31 @@ Logprobs come in OpenAI's shapes: completions ``{"tokens", "token_logprobs",
 "top_logprobs", "text_offset"}`` (``logprobs: k``), chat ``{"content": [{"token",
 "logprob", "bytes", "top_logprobs"}]}`` (``logprobs: true`` and ``top_logprobs: k``).
 
+Chat requests take OpenAI's tools (``tools``, ``tool_choice``, ``parallel_tool_calls``;
+assistant ``tool_calls`` and ``tool`` messages); ``actors/serving/tool_calls.py`` checks
+what needs more than a field's own value (a ``tool_choice`` naming a declared function).
+
 Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; ``param``
 names the offending field.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from actors.engine.outputs import TokenLogprob
 from actors.engine.sampling import SamplingParams
@@ -33,6 +47,7 @@ from errors import InvalidRequestError
 from policies.request import MAX_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # OpenAI fields this server does not implement, with the values that ask for nothing: such
 # a value is dropped; any other value (and any field not listed nor modelled) is a 400.
@@ -184,10 +199,98 @@ class TextPart(_Req):
     text: str
 
 
+class FunctionDef(_Req):
+    """A tool's function. ``name`` and ``function`` are checked by validators (not as
+    missing fields), so that a bad tool definition is a 400 naming its field."""
+
+    name: str | None = Field(None, validate_default=True)
+    description: str | None = None
+    parameters: Any = None  # a JSON schema of an object; None: no arguments
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str:
+        if v is None:
+            raise ValueError("a function needs a name")
+        if not FUNCTION_NAME.fullmatch(v):
+            raise ValueError(f"function names are 1-64 of a-z, A-Z, 0-9, _ and -; got {v!r}")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v: Any) -> Any:
+        if v is not None and (not isinstance(v, dict) or v.get("type", "object") != "object"):
+            raise ValueError('parameters must be a JSON schema of an object ({"type": "object"})')
+        return v
+
+
+class ToolDef(_Req):
+    type: Literal["function"]
+    function: FunctionDef | None = Field(None, validate_default=True)
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, v: FunctionDef | None) -> FunctionDef:
+        if v is None:
+            raise ValueError('a tool needs "function": {"name": ..., "parameters": {...}}')
+        return v
+
+
+class FunctionName(_Req):
+    name: str
+
+
+class NamedToolChoice(_Req):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Req):
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments(cls, v: str) -> str:
+        try:
+            value = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"arguments must be a JSON object in a string: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be a JSON object in a string")
+        return v
+
+
+class MessageToolCall(_Req):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Req):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, v: list[MessageToolCall] | None, info: ValidationInfo) -> Any:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        tool = info.data.get("role") == "tool"
+        if tool and v is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if not tool and v is not None:
+            raise ValueError("only tool messages carry a tool_call_id")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -200,6 +303,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI's default
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -322,15 +428,19 @@ def completion_body(
 
 def choice(
     index: int,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     chat: bool,
     token_ids: list[int] | None,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """``text`` None: a chat message of tool calls alone (``content: null``)."""
     c: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         c["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            c["message"]["tool_calls"] = tool_calls
     else:
         c["text"] = text
     if token_ids is not None:
@@ -346,12 +456,15 @@ def chunk_choice(
     token_ids: list[int] | None,
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     c: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         c["delta"] = delta
     else:
         c["text"] = text or ""

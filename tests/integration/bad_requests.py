@@ -194,6 +194,13 @@ BAD = [
     # fields this server does not implement: refused, never ignored
     ("best_of", "/v1/completions", dict(GOOD, best_of=3), 400, "best_of"),
     ("echo", "/v1/completions", dict(GOOD, echo=True), 400, "echo"),
-    ("tools", "/v1/chat/completions", dict(CHAT, tools=[{"type": "function"}]), 400, "tools"),
+    ("tools", "/v1/completions", dict(GOOD, tools=[{"type": "function"}]), 400, "tools"),
+    (
+        "tool without a function",
+        "/v1/chat/completions",
+        dict(CHAT, tools=[{"type": "function"}]),
+        400,
+        "tools.0.function",
+    ),
     ("unknown field", "/v1/completions", dict(GOOD, frobnicate=1), 400, "frobnicate"),
 ]

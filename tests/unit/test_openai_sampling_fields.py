@@ -83,8 +83,9 @@ def test_fields_become_sampling_params():
         (oai.CompletionRequest, dict(BASE, best_of=2), "best_of"),
         (oai.CompletionRequest, dict(BASE, echo=True), "echo"),
         (oai.CompletionRequest, dict(BASE, suffix="end"), "suffix"),
-        (oai.ChatCompletionRequest, dict(CHAT, tools=[{"type": "function"}]), "tools"),
-        (oai.ChatCompletionRequest, dict(CHAT, tool_choice="required"), "tool_choice"),
+        (oai.CompletionRequest, dict(BASE, tools=[{"type": "function"}]), "tools"),
+        (oai.CompletionRequest, dict(BASE, tool_choice="required"), "tool_choice"),
+        (oai.ChatCompletionRequest, dict(CHAT, tools=[{"type": "function"}]), "tools.0.function"),
         (oai.CompletionRequest, dict(BASE, made_up_field=1), "made_up_field"),
         (
             oai.CompletionRequest,
