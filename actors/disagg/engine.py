@@ -111,6 +111,7 @@ class PDEngine:
         reports = list(self.cluster.prefill_reports.values())
         store = self.cluster.store
         tiers = store.tier_counts() if store is not None else {}
+        kept = store.retention_counts() if store is not None else {}
         return PDCounters(
             kv_transfer_bytes=sum(r.bytes_streamed for r in reports),
             kv_transfer_layers=sum(r.layers_streamed for r in reports),
@@ -122,6 +123,9 @@ class PDEngine:
             store_dram_hit_blocks=tiers.get("dram_hit_blocks", 0),
             store_ssd_hit_blocks=tiers.get("ssd_hit_blocks", 0),
             store_miss_blocks=tiers.get("miss_blocks", 0),
+            store_retained_blocks=kept.get("retained_blocks", 0),
+            store_retention_hit_blocks=kept.get("retention_hit_blocks", 0),
+            store_expired_retentions=kept.get("expired_retentions", 0),
         )
 
     def cached_block_hashes(self) -> list[int]:

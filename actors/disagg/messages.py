@@ -164,3 +164,8 @@ class PDCounters:
     store_dram_hit_blocks: int = 0
     store_ssd_hit_blocks: int = 0
     store_miss_blocks: int = 0
+    # sessions (store.retention): blocks retained now, blocks served while retained, and
+    # retentions that reached their deadline, summed over the shards
+    store_retained_blocks: int = 0
+    store_retention_hit_blocks: int = 0
+    store_expired_retentions: int = 0

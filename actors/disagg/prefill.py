@@ -20,7 +20,9 @@ Around that, the KV store:
   unpublishes its blocks and every request that may have read them starts again, reading
   from another holder or recomputing; a dead shard reads as a miss;
 - after the step that completes a prompt, its full blocks that no shard holds yet are
-  written to the store shard the Conductor chose (a dead shard drops out of the map).
+  written to the store shard the Conductor chose (a dead shard drops out of the map);
+  with ``params.kv_retention_s > 0`` they are then retained for that long
+  (``store.retention``; the decode replica retains the whole chain again at the turn's end).
 """
 
 from __future__ import annotations
@@ -511,6 +513,8 @@ class PrefillReplica(LoopedReplica):
                 self.stored_blocks += len(stored)
                 if shard in client.endpoints:
                     break  # written (or the shard is full): done with this request
+            params = task.request.params
+            client.retain(hashes, task.request.tenant, params.kv_retention_s)
 
     def _stats(self) -> PrefillStats:
         s = self.controller.scheduler

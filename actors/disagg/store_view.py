@@ -9,7 +9,8 @@ the cluster-wide block -> shards map, and what the Conductor asks of them:
 - ``copy_blocks``: put blocks the Conductor wants on an instance into its home shard, shard
   to shard (``change_replica``) where a shard holds them, else through ``export`` (the
   holder replica writes them out of its own cache);
-- ``tier_counts``: blocks the shards served from DRAM and from SSD, and misses, summed.
+- ``tier_counts``: blocks the shards served from DRAM and from SSD, and misses, summed;
+  ``retention_counts``: their sessions' retained blocks, retention hits, expired retentions.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from actors.kvstore.shard import KVStoreClient, kv_store_shard_actor
 from actors.ray_nodes import pinned
 from placement.nodes import NodePlacement
 
+RETENTION_KEYS = ("retained_blocks", "retention_hit_blocks", "expired_retentions")
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)  # an actor that is gone
 
 
@@ -42,6 +44,9 @@ class StoreConfig:
     # decode replicas write each block back as it fills (DualPath), so a later turn of a
     # conversation hits its own previous answer; needs decode replicas with tp=spp=1
     write_back: bool = False
+    # sessions: the share of a shard's blocks one tenant's retained blocks may hold
+    # (``store.retention``; past it the tenant's oldest retained blocks lose retention)
+    tenant_retained_share: float = 1.0
 
 
 class PDStore:
@@ -76,6 +81,7 @@ class PDStore:
             cfg.ssd_bytes,
             ssd_dir,
             tcp_host=self.placement.tcp_host(sid),
+            tenant_retained_share=cfg.tenant_retained_share,
         )
 
     def restart(self, shard_id: str) -> Any:
@@ -126,6 +132,10 @@ class PDStore:
                 self._stats_calls.setdefault(sid, handle.stats.remote())
         keys = ("dram_hit_blocks", "ssd_hit_blocks", "miss_blocks")
         return {k: sum(st.get(k, 0) for st in self._stats.values()) for k in keys}
+
+    def retention_counts(self) -> dict[str, int]:
+        """``RETENTION_KEYS`` summed over the shards' stats ``tier_counts`` last read."""
+        return {k: sum(st.get(k, 0) for st in self._stats.values()) for k in RETENTION_KEYS}
 
     def refresh(self) -> list[str]:
         """Apply shard events to the map; returns shards found dead."""

@@ -7,7 +7,8 @@ by mapping it, to other nodes over TCP). Deploy it with ``kv_store_shard_actor()
 endpoints. KV bytes move through the transfer layer, one copy, never through Ray.
 
     shard = KVStoreShard(shard_id, block_bytes, dram_bytes, ssd_bytes=0, ssd_dir=None,
-                         node_id=None, serve_tcp=True, tcp_host="127.0.0.1")
+                         node_id=None, serve_tcp=True, tcp_host="127.0.0.1",
+                         tenant_retained_share=1.0)
     shard.endpoint() -> Endpoint
     shard.begin_put(hashes, nbytes, parents=None) -> list[int | None]  # offsets to write
     shard.commit_put(hashes) -> list[int] / shard.abort_put(hashes)
@@ -15,6 +16,7 @@ endpoints. KV bytes move through the transfer layer, one copy, never through Ray
     shard.release(request_id) -> int
     shard.pull(source: Endpoint, blocks: list[BlockLocation]) -> list[int]  # replica copy
     shard.match_prefix(hashes) -> int; remove(hashes) -> int; stats()
+    shard.retain(hashes, tenant, seconds) -> int     # a session's turn ended (store.retention)
     shard.events_since(cursor) -> (cursor, events, snapshot | None)   # directory feed
 
 ``KVStoreClient`` runs where a worker or the Conductor runs. It keeps the ``BlockDirectory``
@@ -29,6 +31,7 @@ of the directory and its blocks read as misses, so the caller recomputes:
     client.store_chain_from(shard_id, hashes, kv_caches, block_ids, start)  # a prefix's tail
     client.load_into_cache(request_id, hashes, kv_caches, block_ids) -> int
     client.change_replica(hashes, src_shard, dst_shard, move=False) -> list[int]
+    client.retain(hashes, tenant, seconds)         # on every live shard, not awaited
     client.refresh() (apply shard events) ; client.mark_dead(shard_id)
 Calls block on ``ray.get``; from async code run them in a thread (``asyncio.to_thread``).
 """
@@ -86,13 +89,19 @@ class KVStoreShard:
         tcp_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         shm_dir: str = DEFAULT_SHM_DIR,
+        tenant_retained_share: float = 1.0,
     ) -> None:
         if block_bytes <= 0 or dram_bytes < block_bytes:
             raise InvalidBlockError("need block_bytes > 0 and dram_bytes >= block_bytes")
         self.shard_id = shard_id
         self.segment = SharedSegment.create((dram_bytes // block_bytes) * block_bytes, shm_dir)
         self.store = ShardStore(
-            block_bytes, dram_bytes, ssd_bytes, ssd_dir, dram_buffer=self.segment.array
+            block_bytes,
+            dram_bytes,
+            ssd_bytes,
+            ssd_dir,
+            dram_buffer=self.segment.array,
+            tenant_retained_share=tenant_retained_share,
         )
         self.engine = TransferEngine(
             shard_id,
@@ -151,6 +160,9 @@ class KVStoreShard:
 
     def match_prefix(self, hashes: list[int]) -> int:
         return self.store.match_prefix(hashes)
+
+    def retain(self, hashes: list[int], tenant: str | None, seconds: float) -> int:
+        return self.store.retain(hashes, tenant, seconds)
 
     # -- replicas ---------------------------------------------------------------------------
     def pull(self, source: Endpoint, blocks: list[BlockLocation]) -> list[int]:
@@ -258,6 +270,16 @@ class KVStoreClient:
                 events = [("stored", h) for h in snapshot]
             self.directory.apply_events(shard_id, events)
         return dead
+
+    def retain(self, hashes: list[int], tenant: str | None, seconds: float) -> None:
+        """Retain ``hashes`` for ``seconds`` on every live shard (each keeps those it
+        holds). Not awaited: a shard handles calls from one caller in order, so blocks this
+        client wrote before are retained; a dead shard's blocks are gone anyway."""
+        if seconds <= 0 or not hashes:
+            return
+        hashes = [int(h) for h in hashes]
+        for handle in self.handles.values():
+            handle.retain.remote(hashes, tenant, float(seconds))
 
     # -- writes ----------------------------------------------------------------------------
     def put_blocks(

@@ -51,6 +51,21 @@ _PD_FAMILIES = {
     "prefill_restarts": ("pd_prefill_restarts", "Prefill replicas restarted after a failure"),
     "decode_restarts": ("pd_decode_restarts", "Decode replicas restarted after a failure"),
     "store_miss_blocks": ("kv_store_miss_blocks", "Blocks asked of the KV store it did not hold"),
+    "store_retention_hit_blocks": (
+        "kv_store_retention_hit_blocks",
+        "Blocks the KV store served while a session's retention kept them",
+    ),
+    "store_expired_retentions": (
+        "kv_store_expired_retentions",
+        "Retained KV store blocks whose retention reached its deadline",
+    ),
+}
+# PDCounters' gauges: (family name without the prefix, help)
+_PD_GAUGES = {
+    "store_retained_blocks": (
+        "kv_store_retained_blocks",
+        "KV store blocks kept ahead of LRU eviction by a session's retention",
+    ),
 }
 # PDCounters' per-tier fields, as one counter labelled ``tier``
 _TIER_FAMILY = ("kv_store_hit_blocks", "Blocks the KV store served, by the tier they were in")
@@ -209,6 +224,10 @@ class ReplicaMetrics:
             for tier, attr in _TIER_FIELDS.items():
                 tiers.add_metric([tier], getattr(c, attr))
             families.append(tiers)
+            for attr, (name, help_) in _PD_GAUGES.items():
+                gauge = GaugeMetricFamily(PREFIX + name, help_)
+                gauge.add_metric([], getattr(c, attr))
+                families.append(gauge)
         snap = MetricsSnapshot(tuple(families))
         self._last = (now, snap)
         return snap

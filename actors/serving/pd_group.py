@@ -65,5 +65,10 @@ def _store(section: StoreSectionConfig | None, replica_id: str) -> StoreConfig |
         return None
     ssd_dir = str(Path(section.ssd_dir) / replica_id) if section.ssd_dir else None
     return StoreConfig(
-        section.dram_bytes, section.ssd_bytes, ssd_dir, section.num_shards, section.write_back
+        section.dram_bytes,
+        section.ssd_bytes,
+        ssd_dir,
+        section.num_shards,
+        section.write_back,
+        section.tenant_retained_share,
     )
