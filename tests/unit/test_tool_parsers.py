@@ -12,6 +12,7 @@ from tool_template import HERMES_TEMPLATE, hermes_model_dir
 
 from actors.engine.structured import GrammarCompiler
 from actors.serving import openai_protocol as oai
+from actors.serving.config import ConfigError, ServeConfig
 from actors.serving.tool_calls import plan_tools, template_messages
 from actors.serving.tool_parsers import FORMATS, Function, ToolStream, detect_format, parse
 from models import load_tokenizer, tiny_model_dir
@@ -321,3 +322,10 @@ def test_a_tool_round_trip_renders_through_the_chat_template(tmp_path):
     assert call in text
     assert "<tool_response>\nsunny, 24C\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_tool_parser_config_is_typed():
+    assert ServeConfig.parse({"tool_parser": "llama3_json"}).tool_parser == "llama3_json"
+    assert ServeConfig.parse({}).tool_parser is None
+    with pytest.raises(ConfigError, match="tool_parser"):
+        ServeConfig.parse({"tool_parser": "xml"})
