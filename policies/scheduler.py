@@ -79,7 +79,8 @@ def _plus(a: list[int], b: list[int]) -> list[int]:
 
 @dataclass
 class SchedulerConfig:
-    token_budget: int = 2048  # tokens computed per iteration, all requests together
+    token_budget: int  # tokens computed per iteration, all requests together (the engine's
+    # default: actors/engine/defaults.py)
     max_num_seqs: int = 256  # requests running at once
     max_prefills: int = 16  # prefills a batch packer sizes per iteration (the most urgent)
 

@@ -24,6 +24,7 @@ from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.disagg.store_view import StoreConfig
 from actors.engine.config import EngineConfig
+from actors.engine.defaults import PIN_CORES
 from policies.conductor import Conductor
 from policies.dualpath import PREFILL_PATH
 from store.transfer.links import LinkBudget
@@ -59,9 +60,11 @@ class PDClusterConfig:
     ``store``: KV store shards (None: no store). ``conductor``: Mooncake's Conductor by its
     options, or a ready one. ``fit_costs``: refit the Conductor's estimates from measured
     steps. ``max_prefill_attempts``: a request runs at most this often before it ends
-    without text. ``pin_cores``: on a one-node cluster, bind prefill and decode replicas to
-    disjoint cores with one torch thread each. ``read_path`` (with a store): where a stored
-    prefix is read, ``"prefill"``, ``"decode"`` or ``"dual"`` (the shorter read queue).
+    without text. ``pin_cores`` (default on, ``actors.engine.defaults``): on a one-node
+    cluster of two or more cores, bind prefill replicas to one half of the cores and decode
+    replicas to the other, as many torch threads as cores each; False: the OS places them.
+    ``read_path`` (with a store): where a stored prefix is read, ``"prefill"``,
+    ``"decode"`` or ``"dual"`` (the shorter read queue).
     ``scheduler``: ``"mooncake"`` (the Conductor's TTFT/TBT choice) or ``"dualpath"``
     (DualPath's rules); ``dualpath_thresholds``: its (alpha, beta) in tokens (None: from
     the fitted cost model). ``node_resources``: a region's node resource; every actor of
@@ -75,7 +78,7 @@ class PDClusterConfig:
     conductor: ConductorOptions | Conductor = field(default_factory=ConductorOptions)
     fit_costs: bool = True
     max_prefill_attempts: int = 3
-    pin_cores: bool = False
+    pin_cores: bool = PIN_CORES
     read_path: str = PREFILL_PATH
     scheduler: str = "mooncake"
     dualpath_thresholds: tuple[int, int] | None = None

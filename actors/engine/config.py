@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from actors.engine.defaults import CHUNK_SIZE, TOKEN_BUDGET
 from policies.chunking import ChunkRule
 from policies.ordering import Ordering
 from policies.slack import POLICIES
@@ -49,9 +50,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
-    token_budget: int = 2048
+    token_budget: int = TOKEN_BUDGET  # these defaults' measurements: actors/engine/defaults.py
     max_num_seqs: int = 256
-    chunk_size: int | None = None
+    chunk_size: int | None = CHUNK_SIZE
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     ordering: Ordering | None = None

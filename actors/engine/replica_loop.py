@@ -19,8 +19,11 @@ a ``stop`` still runs.
 
 Cores: ``cpu_cores`` pins the loop thread (and the threads it starts, torch's included,
 which inherit the set) and no other thread of the process; ``torch_threads`` caps torch's
-intra-op threads. ``split_cores`` gives prefill and decode replicas on one node cores
-of their own.
+intra-op threads. ``disjoint_cores`` splits a node's cores among its replicas;
+``split_cores`` gives prefill and decode replicas on one node cores of their own.
+
+Priority: the loop thread runs at nice 0 whatever the process's niceness and carries its
+``name`` in ``/proc`` (``thread_priority``).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
+
+from actors.engine.thread_priority import name_this_thread, run_at_normal_priority
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +51,27 @@ def pin_this_thread(cpu_cores: Sequence[int] | None, torch_threads: int | None) 
         os.sched_setaffinity(0, set(cpu_cores))  # 0: the calling thread
 
 
+def disjoint_cores(count: int, cores: Collection[int] | None = None) -> list[list[int]]:
+    """``cores`` (default: the ones this process may run on) as ``count`` disjoint runs of
+    consecutive ids, sizes differing by at most one (the first runs take the remainder).
+    Empty when there are fewer cores than ``count`` or no affinity API (not Linux)."""
+    if cores is None:
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    ids = sorted(cores)
+    if count < 1 or len(ids) < count:
+        return []
+    size, extra = divmod(len(ids), count)
+    out, start = [], 0
+    for i in range(count):
+        end = start + size + (1 if i < extra else 0)
+        out.append(ids[start:end])
+        start = end
+    return out
+
+
 def split_cores(num_prefill: int, num_decode: int) -> dict[str, list[int]]:
     """Cores of this machine for each replica when they share one node: prefill replicas
-    on the lower half, decode replicas on the upper half, so a prefill never takes a
+    share the lower half, decode replicas the upper half, so a prefill never takes a
     decode's core. Empty when the machine has one core."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) < 2:
@@ -152,6 +175,8 @@ class ReplicaLoop:
 
     def _run(self) -> None:
         try:
+            name_this_thread(self._thread.name)
+            run_at_normal_priority()
             pin_this_thread(*self._pin)
             while not self._stop:
                 self._wake.clear()

@@ -35,6 +35,7 @@ import torch
 
 from actors.engine.sampling import sample_tokens
 from actors.engine.step_plan import StepPlan
+from actors.engine.thread_priority import once_on_this_thread
 from actors.engine.worker_inputs import WorkerInputs, build_worker_inputs
 from actors.moe.messages import (
     AttentionResult,
@@ -116,6 +117,7 @@ class AttentionWorker:
     def attention_round(
         self, layer: int, micro_batch: int, *inputs: StepPlan | ExpertReply
     ) -> tuple[ExpertBatch, ...] | AttentionResult:
+        once_on_this_thread()  # the thread running the rounds: nice 0 (thread_priority)
         began = time.time()
         part = self.part
         assert part is not None, "call setup() first"
@@ -249,6 +251,7 @@ class ExpertWorker:
     def expert_round(
         self, layer: int, micro_batch: int, *batches: ExpertBatch
     ) -> tuple[ExpertReply, ...]:
+        once_on_this_thread()  # the thread running the rounds: nice 0 (thread_priority)
         began = time.time()
         part = self.part
         assert part is not None, "call setup() first"

@@ -24,6 +24,7 @@ from pydantic import (
 from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
+from actors.engine.defaults import PIN_CORES
 from actors.serving.engine_section import EngineSection
 from policies.rate_limit import KeyRateLimits
 
@@ -251,6 +252,9 @@ class ReplicaGroupConfig(_Strict):
     autoscaling: AutoscalingSectionConfig | None = None  # colocated groups; sets the count
     prefill: PDLayoutConfig | None = None
     decode: PDLayoutConfig | None = None
+    # on one node, replicas (P/D: prefill and decode sides) take disjoint cores
+    # (actors/engine/defaults.py); false leaves the engine threads to the OS
+    pin_cores: StrictBool = PIN_CORES
 
     @model_validator(mode="before")
     @classmethod

@@ -240,8 +240,11 @@ class EngineLoop:
         engine: ServingEngine,
         max_waiting: int = 256,
         cpu_cores: Sequence[int] | None = None,
+        torch_threads: int | None = None,
     ) -> None:
-        """``cpu_cores``: the engine thread runs only on these cores (``EngineConfig``)."""
+        """``cpu_cores``: the engine thread runs only on these cores (``EngineConfig``, or
+        the Serve app's default, ``core_plan``); ``torch_threads``: torch's intra-op
+        threads (None: as the process has them)."""
         self.engine = engine
         self.max_waiting = max_waiting
         # a disaggregated engine (PDEngine) also reports its transfer and store counters
@@ -258,7 +261,11 @@ class EngineLoop:
         self._last_publish = 0.0
         self._idle_since: float | None = None  # engine thread only
         self._loop = ReplicaLoop(
-            self._iterate, "meridian-engine", cpu_cores=cpu_cores, on_exit=self._stopped
+            self._iterate,
+            "meridian-engine",
+            cpu_cores=cpu_cores,
+            torch_threads=torch_threads,
+            on_exit=self._stopped,
         )
 
     # -- any thread -----------------------------------------------------------------------

@@ -51,6 +51,7 @@ def pd_cluster_config(
         read_path=group.store.read_path if group.store is not None else PREFILL_PATH,
         scheduler=conductor.scheduler,
         node_resources=dict(node_resources or {}),
+        pin_cores=group.pin_cores,
     )
 
 

@@ -30,7 +30,9 @@ from actors.engine.config import EngineConfig
 from actors.engine.events import Verdict
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
+from actors.ray_nodes import alive_nodes
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
+from actors.serving.core_plan import replica_cores
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
 from actors.serving.messages import AbortPrompt, OpenChannel, ReplicaCall, StartPrompt
 from actors.serving.replica_channel import ReplicaChannels
@@ -81,13 +83,16 @@ class ReplicaServer:
 
         (g,) = [x for x in cfg.groups if x.name == group]
         self.group = group
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
         pin = cfg.regions.group_resources(group) if cfg.regions is not None else {}
         engine_config = cfg.group_engine_config(g)
         self.engine = _engine(cfg.model, g, self.replica_id, engine_config, pin)
-        self.loop = EngineLoop(
-            self.engine, cfg.limits.max_waiting_per_replica, engine_config.cpu_cores
+        cores = engine_config.cpu_cores or replica_cores(
+            cfg, g, context.rank.local_rank, len(alive_nodes())
         )
+        threads = len(cores) if cores and engine_config.cpu_cores is None else None
+        self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, cores, threads)
         self.channels = ReplicaChannels(self.loop, self.replica_id)
         self.router = router
         self.interval = cfg.report_interval_s

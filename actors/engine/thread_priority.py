@@ -1,0 +1,78 @@
+"""An engine thread as the OS sees it: normal priority (nice 0) and a name.
+
+Ray starts its worker processes at nice ``worker_niceness`` (15 by default) and a thread
+inherits its creator's nice value, so without this a replica's engine thread gives its core
+to any nice-0 process on the node. Every engine thread (the replica loop of colocated,
+prefill and decode replicas; the MoE attention and expert workers' rounds) calls
+``run_at_normal_priority()`` first; threads it starts later (torch's intra-op pool) inherit
+nice 0. Only the engine thread is raised: the replica's other threads (Serve's request
+handling, reporters) stay below it.
+
+Linux only (elsewhere a no-op). Lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE of
+20 (``ulimit -e``); where neither holds the thread keeps its priority and one line per
+process says how to fix it (``FIX``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+from actors.engine.defaults import ENGINE_NICE
+
+log = logging.getLogger(__name__)
+
+FIX = (
+    "the engine thread runs at nice {nice} (Ray's worker_niceness) and may not raise its "
+    "priority: start Ray with RAY_worker_niceness=0, or give its processes CAP_SYS_NICE "
+    "or an RLIMIT_NICE of 20 (ulimit -e 20)"
+)
+_warned = threading.Event()
+_done = threading.local()
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "setpriority")
+
+
+def run_at_normal_priority() -> int | None:
+    """Set the calling thread to nice ``ENGINE_NICE`` (0) unless it already runs there or
+    better; returns the nice value it runs at now (None where unsupported). A refusal is
+    logged once per process (``FIX``), never raised."""
+    if not supported():
+        return None
+    tid = threading.get_native_id()
+    nice = os.getpriority(os.PRIO_PROCESS, tid)
+    if nice <= ENGINE_NICE:
+        return nice
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, ENGINE_NICE)
+    except PermissionError:
+        if not _warned.is_set():
+            _warned.set()
+            log.warning(FIX.format(nice=nice))
+        return nice
+    return ENGINE_NICE
+
+
+def once_on_this_thread() -> None:
+    """``run_at_normal_priority()`` the first time a thread calls this; later calls cost a
+    thread-local lookup (for methods a thread that we do not start runs, e.g. a compiled
+    graph's execution loop)."""
+    if not getattr(_done, "set", False):
+        _done.set = True
+        run_at_normal_priority()
+
+
+def name_this_thread(name: str) -> None:
+    """Give the calling thread ``name`` (its first 15 characters) in ``/proc``, ``top -H``
+    and ``ps -L``, so an engine thread can be found from outside its process."""
+    if not supported():
+        return
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:  # no /proc: the name is only cosmetic
+        pass
