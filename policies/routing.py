@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import takewhile
@@ -77,9 +77,10 @@ class PrefixRankingPolicy(RoutingPolicy, Protocol):
     ) -> list[str]: ...
 
 
-# Fields of ``PrefixAware``'s sort key ``(-counted prefix, load, -prefix, cached, position)``.
-_load_of = itemgetter(1)
-_fallback_key = itemgetter(1, 0, 2, 3, 4)  # load first: the order after an overload
+# Fields of ``PrefixAware``'s sort key
+# ``(-counted prefix, not the session's replica, load, -prefix, cached, position)``.
+_load_of = itemgetter(2)
+_fallback_key = itemgetter(2, 0, 1, 3, 4, 5)  # load first: the order after an overload
 
 
 def cached_prefix_blocks(block_hashes: Sequence[int], cached: Set[int]) -> int:
@@ -176,12 +177,18 @@ class PrefixAware:
     LLM's prefix-aware router): a shared system prompt alone then does not pull every new
     conversation onto the few replicas that hold it. Normal order, by ascending key:
 
-        ``(-counted prefix, load, -prefix, cached blocks, position)``
+        ``(-counted prefix, not the session's replica, load, -prefix, cached blocks,
+        position)``
 
-    i.e. the longest counted prefix; then the least loaded; then the longest prefix even
-    if it does not count; then the smallest cache footprint (spreads new prefixes, so no
-    replica's cache churns while others sit empty); then the given order. The first of that
-    order is the best holder. It is *overloaded* when both
+    i.e. the longest counted prefix; then, for a request with a ``session_id`` (with
+    ``session_affinity``), the session's replica: the one this policy ranked first for the
+    session's last request, else the session's owner on a consistent-hash ring; then the
+    least loaded; then the longest prefix even if it does not count; then the smallest
+    cache footprint (spreads new prefixes, so no replica's cache churns while others sit
+    empty); then the given order. So a session only breaks ties of the prefix match (or
+    stands in when nothing matches); it is never a hard pin. The first of that order is
+    the best holder. It is *overloaded* (only a best holder with a counted prefix or the
+    session's replica can be) when both
 
         ``load(best) - min_load > max_imbalance``  and  ``load(best) > max_imbalance_ratio *
         min_load``
@@ -202,7 +209,11 @@ class PrefixAware:
         max_imbalance_ratio: float = 1.0,
         running_weight: float = DEFAULT_RUNNING_WEIGHT,
         min_prefix_fraction: float = 0.1,
+        session_affinity: bool = True,
+        max_sessions: int = 100_000,
     ) -> None:
+        """``max_sessions``: sessions whose last replica is remembered (least recently
+        routed forgotten first; a forgotten session falls back to its ring owner)."""
         if max_imbalance < 0 or max_imbalance_ratio < 1.0:
             raise ValueError("max_imbalance must be >= 0 and max_imbalance_ratio >= 1")
         if not 0.0 <= min_prefix_fraction <= 1.0:
@@ -211,6 +222,21 @@ class PrefixAware:
         self.max_imbalance_ratio = max_imbalance_ratio
         self.running_weight = running_weight
         self.min_prefix_fraction = min_prefix_fraction
+        self.session_affinity = session_affinity
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> last first choice
+        self._ring = ConsistentHash()
+
+    def session_replica(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> str | None:
+        """The replica a session's request leans to: its last first choice if still
+        listed, else its ring owner; None without a session (or affinity)."""
+        sid = request.session_id
+        if sid is None or not self.session_affinity or not replicas:
+            return None
+        last = self._sessions.get(sid)
+        if last is not None and any(r.replica_id == last for r in replicas):
+            return last
+        return self._ring.rank(request, replicas, 0.0)[0]
 
     def rank(self, request: RouteRequest, replicas: Sequence[ReplicaView], now: float) -> list[str]:
         hashes = request.block_hashes
@@ -239,18 +265,27 @@ class PrefixAware:
             raise ValueError("need one cache size per replica")
         w = self.running_weight
         floor = self.min_prefix_fraction * len(request.block_hashes)
+        lean = self.session_replica(request, replicas)
         # One tuple per replica, built in one pass: the sort key, position last. (The
         # lengths are checked above; ``zip`` without ``strict`` saves a check per step.)
         scored = sorted(
             [
-                (-p if p >= floor else 0, r.queued_prefill_tokens + w * r.num_running, -p, c, k)
+                (
+                    -p if p >= floor else 0,
+                    r.replica_id != lean,
+                    r.queued_prefill_tokens + w * r.num_running,
+                    -p,
+                    c,
+                    k,
+                )
                 for k, r, p, c in zip(range(n), replicas, prefix_blocks, cached_blocks)  # noqa: B905
             ]
         )
         best = scored[0]
-        # A best holder without a counted prefix is the least loaded: never overloaded.
-        if best[0]:
-            best_load = best[1]
+        # A best holder with neither a counted prefix nor the session is the least loaded:
+        # never overloaded.
+        if best[0] or not best[1]:
+            best_load = best[2]
             min_load = min(map(_load_of, scored))
             if (
                 best_load - min_load > self.max_imbalance
@@ -258,7 +293,14 @@ class PrefixAware:
             ):
                 scored = sorted(scored[1:], key=_fallback_key)
                 scored.append(best)
-        return [replicas[s[4]].replica_id for s in scored]
+        ranking = [replicas[s[5]].replica_id for s in scored]
+        if lean is not None and request.session_id is not None:
+            sessions = self._sessions
+            sessions[request.session_id] = ranking[0]
+            sessions.move_to_end(request.session_id)
+            if len(sessions) > self.max_sessions:
+                sessions.popitem(last=False)
+        return ranking
 
 
 def _ring_point(key: str) -> int:
