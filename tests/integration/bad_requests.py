@@ -191,6 +191,20 @@ BAD = [
     ("negative token id", "/v1/completions", dict(GOOD, prompt=[1, -1]), 400, "prompt"),
     ("empty token prompt", "/v1/completions", dict(GOOD, prompt=[]), 400, "prompt"),
     ("empty stop string", "/v1/completions", dict(GOOD, stop=[""]), 400, "stop"),
+    (
+        "negative kv_retention_s",
+        "/v1/completions",
+        dict(GOOD, kv_retention_s=-1),
+        400,
+        "kv_retention_s",
+    ),
+    (
+        "kv_retention_s over the max",
+        "/v1/completions",
+        dict(GOOD, kv_retention_s=601),
+        400,
+        "kv_retention_s",
+    ),
     # fields this server does not implement: refused, never ignored
     ("best_of", "/v1/completions", dict(GOOD, best_of=3), 400, "best_of"),
     ("echo", "/v1/completions", dict(GOOD, echo=True), 400, "echo"),
