@@ -270,11 +270,14 @@ class StreamHook:
 @dataclass(frozen=True)
 class StreamingWorkers:
     """``HooksFactory`` of a prefill replica's workers: each streams the layers and heads
-    it holds (a replicated head from the lowest TP rank holding it)."""
+    it holds (a replicated head from the lowest TP rank holding it). ``num_layers`` > 0:
+    each also keeps its cache in a shared-memory segment (``SharedKVCache``) that the
+    replica maps to read and write the KV store (``actors.disagg.stage_caches``)."""
 
     replica_id: str
     block_size: int
     num_kv_heads: int
+    num_layers: int = 0
 
     def __call__(self, coords: tuple[int, int, int], layout: Layout) -> WorkerHooks:
         from actors.kvstore.shard import current_node_id
@@ -286,7 +289,15 @@ class StreamingWorkers:
             f"prefill-{self.replica_id}-{tp_rank}.{stage}.{kvp_rank}", current_node_id()
         )
         streamer = LayerStreamer(engine, self.block_size, held, sent_heads(held, tp_rank, ranges))
-        return WorkerHooks(step=StreamHook(streamer))
+        cache = None
+        if self.num_layers > 0:
+            cache = SharedKVCache(
+                f"prefill-{self.replica_id}-cache-{tp_rank}.{stage}.{kvp_rank}",
+                current_node_id(),
+                layer_range(self.num_layers, layout.spp, stage),
+                held,
+            )
+        return WorkerHooks(kv_cache=cache, step=StreamHook(streamer))
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,14 @@ class LayerLoader:
             x.complete.wait()
         return done
 
+    def wait_all(self) -> None:
+        """Block until every load started so far has read its last layer (or failed)."""
+        with self._lock:
+            loads = list(self._loads)
+        for load in loads:
+            if load.done:
+                load.done[-1].wait()
+
     def pending(self) -> int:
         with self._lock:
             return len(self._loads)

@@ -49,6 +49,7 @@ from actors.disagg.messages import (
     PrefillTask,
     StoreLoad,
 )
+from actors.disagg.stage_caches import StageCaches
 from actors.engine.config import EngineConfig
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.replica_loop import ReplicaLoop
@@ -106,7 +107,9 @@ class PrefillReplica(LoopedReplica):
     ) -> None:
         """``config``'s ``tp`` / ``spp`` spread the replica over worker actors, each
         streaming the layers and heads it holds (Mooncake's chunked pipeline parallelism
-        for long prefills is ``spp`` here); the KV store needs one worker.
+        for long prefills is ``spp`` here). With the KV store, ``tp`` = 1: a multi-stage
+        replica maps its stages' caches (``StageCaches``), loads a stored prefix before
+        the step that reads it and writes each finished prompt's blocks back.
         ``link_budget``: store reads pay this replica's emulated storage link (on one
         machine each replica stands for its own node). ``record_loads``: keep the load /
         compute timeline (``load_timeline``)."""
@@ -121,7 +124,8 @@ class PrefillReplica(LoopedReplica):
         self.cache = PrivateKVCache()
         self.engine = TransferEngine(f"prefill-{replica_id}", self.node_id)
         folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
-        num_kv_heads = read_model_config(folder).num_key_value_heads
+        model = read_model_config(folder)
+        num_kv_heads = model.num_key_value_heads
         heads = (0, num_kv_heads)
         self.links = NodeLinks(link_budget) if link_budget is not None else None
         storage_link = self.links.storage(replica_id) if self.links is not None else None
@@ -135,14 +139,21 @@ class PrefillReplica(LoopedReplica):
         self.compute = BudgetedTransfer(self.load_engine, compute_link)
         self.hook = PrefillHook(self.streamer, self._after_step, self.loader)
         hooks: WorkerHooks | StreamingWorkers = WorkerHooks(self.cache, self.hook)
-        if config.tp * config.spp > 1:
-            if store_shards:
+        # stages in other processes: the store goes through their mapped caches
+        self.staged = config.tp * config.spp > 1
+        if self.staged:
+            if store_shards and config.tp != 1:
                 raise ValueError(
-                    "the KV store reads and writes a prefill replica's cache in one process: "
-                    "with a store, prefill replicas run tp=spp=1"
+                    "the KV store reads and writes a prefill replica's whole layers: with a "
+                    "store, prefill replicas run tp=1 (spp, chunked pipeline parallelism, "
+                    "may be more)"
                 )
-            hooks = StreamingWorkers(replica_id, self.block_size, num_kv_heads)
+            layers = model.num_hidden_layers if store_shards else 0
+            hooks = StreamingWorkers(replica_id, self.block_size, num_kv_heads, layers)
         self.controller = ReplicaController.build(model_dir, config, worker_hooks=hooks)
+        self.stages: StageCaches | None = None
+        if self.staged and store_shards:
+            self.stages = StageCaches(self.controller.executor.hook_info(), self.controller.dtype)
         # the only door to this replica's blocks (one KV rank: ``kvp=1`` above)
         self.kv = self.controller.one_rank_kv
         self.client: KVStoreClient | None = None
@@ -165,6 +176,12 @@ class PrefillReplica(LoopedReplica):
 
     def node(self) -> str:
         return self.node_id
+
+    @property
+    def kv_caches(self) -> KVCaches:
+        """The whole model's cache as this process sees it: the worker's own (one
+        worker) or the stages' mapped segments."""
+        return self.stages.kv_caches if self.stages is not None else self.cache.kv_caches
 
     # -- the Conductor (any thread: through the loop) ---------------------------------------
     def submit(self, task: PrefillTask) -> None:
@@ -212,7 +229,7 @@ class PrefillReplica(LoopedReplica):
         prefix cache, one ``bytes`` per block (tests compare the read paths)."""
 
         def read() -> list[bytes]:
-            caches = self.cache.kv_caches
+            caches = self.kv_caches
             return [
                 b"".join(t[block].numpy().tobytes() for kv in caches for t in kv)
                 for block in self.kv.cached_prefix(hashes, tokens)
@@ -234,6 +251,8 @@ class PrefillReplica(LoopedReplica):
         self.loop.stop()
         self.controller.shutdown()
         self.loader.close()
+        if self.stages is not None:
+            self.stages.close()
         if self.client is not None:
             self.client.close()
         self.streamer.close()
@@ -264,6 +283,13 @@ class PrefillReplica(LoopedReplica):
         ran = c.has_unfinished()
         if ran:
             self._step_end = 0.0
+            if self.stages is not None:
+                # stage workers cannot wait on a load layer by layer: every started load is
+                # in before a step runs (a load's blocks are read by no step before it)
+                self.loader.wait_all()
+            # block tables before the step: one that finishes a prompt frees its blocks
+            # (their KV stays intact until a later step allocates them)
+            tables = {k: c.block_table(k) for k in self._tasks} if self.stages else {}
             start = time.perf_counter()
             deltas = c.step()
             end = self._step_end or time.perf_counter()
@@ -281,6 +307,9 @@ class PrefillReplica(LoopedReplica):
                 self.loop.emit(PrefillStep(chunks, end - start))
             for d in deltas:
                 if d.finished and d.request_id not in restarted:
+                    if self.stages is not None and d.request_id not in self._failed:
+                        # every stage has written the prompt's KV
+                        self._store_prompt(d.request_id, tables.get(d.request_id, []))
                     self._finished(d.request_id)
             for key, why in list(self._failed.items()):  # still running: stop it
                 if key in self._tasks:
@@ -336,7 +365,7 @@ class PrefillReplica(LoopedReplica):
         finally:
             kv.unhold(held)
         mine = rest[: len(blocks)]
-        caches, storage = self.cache.kv_caches, self.storage
+        caches, storage = self.kv_caches, self.storage
 
         def read_layer(layer: int) -> int:
             local, ranges = KVStoreClient.layer_ranges(caches, layer, pin.offsets, blocks)
@@ -381,7 +410,7 @@ class PrefillReplica(LoopedReplica):
         mine = usable[k:m]
         # the decode replica yields once per layer read from the store (a streaming call)
         relayed = task.relay.load_prefix.remote(task.key, usable[:m], list(dest.block_ids[:m]))
-        caches, compute, heads = self.cache.kv_caches, self.compute, self.streamer.held
+        caches, compute, heads = self.kv_caches, self.compute, self.streamer.held
         relay_blocks = list(dest.block_ids[k:m])
 
         def read_layer(layer: int) -> int:
@@ -475,7 +504,7 @@ class PrefillReplica(LoopedReplica):
             stored = client.store_from_cache(
                 shard_id,
                 [h for h, _, _ in picked],
-                self.cache.kv_caches,
+                self.kv_caches,
                 [b for _, b, _ in picked],
                 [p for _, _, p in picked],
             )
@@ -495,24 +524,31 @@ class PrefillReplica(LoopedReplica):
         if client is None:
             return
         for e in plan.entries:
-            task = self._tasks.get(e.request_id)
-            if e.sample is None or task is None:
-                continue  # the prompt is not complete yet
-            hashes = task.request.block_hashes
-            blocks = e.shards[0][2][: len(hashes)]
-            todo = [i for i, h in enumerate(hashes) if not client.directory.holders(h)]
-            while todo:
-                shard = self._store_shard(task.store_shard)
-                if shard is None:
-                    return
-                try:
-                    stored = client.store_chain_from(shard, hashes, kv_caches, blocks, todo[0])
-                except KVStoreError:
-                    client.mark_dead(shard)
-                    continue
-                self.stored_blocks += len(stored)
-                if shard in client.endpoints:
-                    break  # written (or the shard is full): done with this request
+            if e.sample is not None:  # the prompt is complete
+                self._store_prompt(e.request_id, e.shards[0][2], kv_caches)
+
+    def _store_prompt(self, key: str, table: list[int], kv_caches: KVCaches | None = None) -> None:
+        """Write the full blocks of request ``key``'s prompt (block ids ``table``, token
+        order) that no shard holds yet to its store shard."""
+        client, task = self.client, self._tasks.get(key)
+        if client is None or task is None:
+            return
+        caches = kv_caches if kv_caches is not None else self.kv_caches
+        hashes = task.request.block_hashes
+        blocks = table[: len(hashes)]
+        todo = [i for i, h in enumerate(hashes) if not client.directory.holders(h)]
+        while todo:
+            shard = self._store_shard(task.store_shard)
+            if shard is None:
+                return
+            try:
+                stored = client.store_chain_from(shard, hashes, caches, blocks, todo[0])
+            except KVStoreError:
+                client.mark_dead(shard)
+                continue
+            self.stored_blocks += len(stored)
+            if shard in client.endpoints:
+                return  # written (or the shard is full): done with this request
             params = task.request.params
             client.retain(hashes, task.request.tenant, params.kv_retention_s)
 

@@ -348,3 +348,19 @@ def test_kv_parallel_decode_equals_colocated():
     # two ranks' pools: the Conductor sees both
     assert pd.decode_views["d0"].total_blocks == 2 * OPTS["num_blocks"]
     finish(pd)
+
+
+def test_pipelined_prefill_reads_and_writes_the_kv_store():
+    # Mooncake's chunked pipeline parallelism: a two-stage prefill replica, its stages'
+    # caches mapped by the replica, which loads stored prefixes and writes prompts back
+    shared = tokens(95, 16)  # 4 full blocks
+    first, second = shared + tokens(96, 5), shared + tokens(97, 7)
+    pd = PDCluster(pd_config(prefill=PDSideConfig(spp=2), store=StoreConfig(dram_bytes=1 << 22)))
+    (out,) = pd.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+    assert out.token_ids == colocated([first])[0]
+    assert sum(s.stored_blocks for s in pd.prefill_stats().values()) == 5  # 21 tokens
+    before = shard_stats(pd)["dram_hit_blocks"]
+    got, loaded = run_after_dropping_local_cache(pd, second)
+    assert loaded == 4 and got == colocated([second])[0]  # the shared prefix, from the store
+    assert shard_stats(pd)["dram_hit_blocks"] - before == 4
+    finish(pd)
