@@ -10,6 +10,8 @@
   python -m sim medha    Medha's scheduler ablation (FCFS, EDF, LRS, ILRS + prefill-prefill
                          batching) on short requests mixed with 128K-1M-token ones
   python -m sim dualpath DualPath's agentic trajectories -> docs/sim_dualpath.md
+  python -m sim agents   agent trajectories from the conversation trace on the DualPath
+                         simulator, next to bench/agents.py's live figures (--live FILE)
   python -m sim moe      MegaScale-Infer's disaggregated vs colocated MoE decoding and the
                          micro-batch ablation (performance model) -> its report section
   python -m sim plan     a deployment plan (placement's search) for a model and GPUs,
@@ -193,6 +195,16 @@ def cmd_dualpath(a: argparse.Namespace) -> None:
         Path(a.out).write_text(text)
 
 
+def cmd_agents(a: argparse.Namespace) -> None:
+    from sim.report_agents import agents_section, load_live
+    from sim.traces import load_trace
+
+    live = load_live(a.live) if a.live else None
+    trace = load_trace("conversation", a.trace_dir)
+    pd = (a.prefill, a.decode)
+    print("\n".join(agents_section(trace, a.trajectories, a.seed, pd, a.ttft_slo, live)))
+
+
 def cmd_moe(a: argparse.Namespace) -> None:
     from sim.report_moe import moe_section, replace_section
 
@@ -286,6 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     p_dp.add_argument("--seed", type=int, default=0)
     p_dp.add_argument("--out", default="docs/sim_dualpath.md", help="'' to not write")
     p_dp.set_defaults(fn=cmd_dualpath)
+    p_ag = sub.add_parser("agents", help="agent trajectories from the trace, simulated")
+    p_ag.add_argument("--trajectories", type=int, default=512)
+    p_ag.add_argument("--prefill", type=int, default=8, help="prefill engines")
+    p_ag.add_argument("--decode", type=int, default=16, help="decode engines")
+    p_ag.add_argument("--ttft-slo", type=float, default=4.0, help="seconds, for goodput")
+    p_ag.add_argument("--seed", type=int, default=0)
+    p_ag.add_argument("--trace-dir", default=None, help="folder holding the trace files")
+    p_ag.add_argument("--live", default=None, help="bench/agents.py --json output")
+    p_ag.set_defaults(fn=cmd_agents)
     p_moe = sub.add_parser("moe", help="MegaScale-Infer's MoE section of the report")
     p_moe.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
     p_moe.set_defaults(fn=cmd_moe)

@@ -14,7 +14,8 @@ Model (each figure an input, none fitted to the paper's results):
 - a DE holds at most ``hbm_tokens`` of KV; a request decodes ``output`` tokens at
   ``tpot = decode_base + decode_per_seq * running`` (running requests when it starts);
 - offline: every trajectory's first turn arrives at 0 and each next turn when the last
-  one finished; completion time = when the last trajectory ends.
+  one finished (``Turn.pause`` seconds later: a tool's run time); completion time = when
+  the last trajectory ends.
 
 Variants: ``basic`` (PE path only; PE and DE by fewest unfinished tokens), ``dual`` (same
 choice, read on the side with the shorter read queue), ``dual+sched`` (the paper's
@@ -75,6 +76,7 @@ class DualPathConfig:
 class Turn:
     append: int  # new tokens of this turn
     output: int
+    pause: float = 0.0  # seconds from the previous turn's end to this turn's arrival
 
 
 @dataclass
@@ -265,17 +267,19 @@ class DualPathSim:
         nxt = r.turn + 1
         if nxt < len(traj.turns):
             context = r.tokens + r.output  # all of it is in the store (write-back)
-            self.waiting.append(
-                _Req(
-                    f"{r.traj}.{nxt}",
-                    r.traj,
-                    nxt,
-                    context + traj.turns[nxt].append,
-                    context - 1 if context > 0 else 0,
-                    traj.turns[nxt].output,
-                    now,
-                )
+            pause = traj.turns[nxt].pause
+            req = _Req(
+                f"{r.traj}.{nxt}",
+                r.traj,
+                nxt,
+                context + traj.turns[nxt].append,
+                context - 1 if context > 0 else 0,
+                traj.turns[nxt].output,
+                now + pause,
             )
+            if pause > 0:  # a tool or a user at work: the turn arrives later
+                return self._assign_all(now) + [Event(now + pause, partial(self._arrive, req))]
+            self.waiting.append(req)
         elif self._next_traj < len(self.trajs):  # closed loop: the next trajectory starts
             self.waiting.append(self._first_turn(self._next_traj, now))
             self._next_traj += 1
