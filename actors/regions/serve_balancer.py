@@ -61,6 +61,7 @@ class RegionBalancerDeployment:
                 outstanding_cap=sec.outstanding_cap,
                 remote_max_queue=sec.remote_max_queue,
                 forward=sec.forward,
+                choice=sec.choice,
             ),
             ResidencyPolicy(sec.residency),
             local_choice=self.measured if sec.local_view == "index" else None,

@@ -445,9 +445,15 @@ class RegionsSectionConfig(_Strict):
     forward: bool = True
     residency: dict[str, list[str]] = Field(default_factory=dict)
     local_view: Literal["trie", "index"] = "trie"
+    # how a balancer picks among available targets (replicas, peer balancers): "trie"
+    # (SkyWalker: the longest recorded prefix) or "hash" (SkyWalker-CH: the first available
+    # one on a ring hash of the request's session key, ``ServeConfig.session_header``)
+    choice: Literal["trie", "hash"] = "trie"
 
     @model_validator(mode="after")
     def _check(self) -> RegionsSectionConfig:
+        if self.choice == "hash" and self.local_view == "index":
+            raise ValueError("regions.choice 'hash' picks replicas by key: local_view must be trie")
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise ValueError("regions.regions must have distinct names")
@@ -499,6 +505,10 @@ class ServeConfig(_Strict):
     groups: list[ReplicaGroupConfig] = Field(default_factory=lambda: [ReplicaGroupConfig()])
     routing: RoutingPolicyName = "prefix_aware"
     routing_options: dict[str, Any] = Field(default_factory=dict)  # passed to the policy
+    # The request header whose value is a request's session key (what ``consistent_hash``,
+    # SkyWalker-CH, hashes; ``prefix_aware`` breaks ties by it) when its body has no
+    # ``session_id``; without either, its ``user`` field is the key.
+    session_header: str = Field("x-session-id", min_length=1, pattern=r"^[A-Za-z0-9-]+$")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)  # empty: no auth
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     report_interval_s: float = Field(0.1, gt=0)  # replica -> router event/stat pushes

@@ -197,7 +197,8 @@ class Ingress:
         try:
             prep = await self._prepare(request, chat, tenant.tenant if tenant else None)
             self._reserve(tenant, prep)
-            session = prep.req.session_id or request.headers.get("x-session-id") or prep.req.user
+            header = request.headers.get(self.cfg.session_header)
+            session = prep.req.session_id or header or prep.req.user
             region = request.headers.get("x-meridian-region")
             streams = [self.relay.start(choices, session, region) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.

@@ -243,3 +243,23 @@ def test_every_deployment_gets_the_one_config_object():
         (cfg, "pd"),
     ]
     assert all(r._bound_deployment.init_args[0] is cfg for r in replicas.values())
+
+
+def test_the_session_header_is_a_header_name():
+    assert ServeConfig().session_header == "x-session-id"
+    assert ServeConfig.parse({"session_header": "x-user-key"}).session_header == "x-user-key"
+    with pytest.raises(ConfigError, match="session_header"):
+        ServeConfig.parse({"session_header": "x user"})
+
+
+def test_regions_choose_by_trie_or_session_hash():
+    from actors.regions.serve_balancer import RegionBalancerDeployment
+    from policies.target_choice import SessionHashChoice
+
+    regions = {"regions": [{"name": "us", "groups": ["default"]}], "choice": "hash"}
+    cfg = ServeConfig.parse({"regions": regions})
+    balancer = RegionBalancerDeployment(cfg, "us", router=None)
+    assert isinstance(balancer.policy.local_choice, SessionHashChoice)
+    assert isinstance(balancer.policy.snapshot_choice, SessionHashChoice)  # peers too
+    with pytest.raises(ConfigError, match="local_view must be trie"):
+        ServeConfig.parse({"regions": {**regions, "local_view": "index"}})
