@@ -115,9 +115,6 @@ class ToolOutput:
     content: str = ""
     calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
-
 
 @dataclass
 class _Call:
@@ -129,7 +126,13 @@ class _Call:
 
 
 class ToolStream:
-    """One choice's output text -> content and tool-call deltas, incrementally."""
+    """One choice's output text -> content and tool-call deltas, incrementally.
+
+    Modes: ``text`` (content; a partial start marker is held back), ``call`` (inside a
+    call's JSON), and for ``llama3_json`` ``start`` (a call may open here with ``{``) and
+    ``after`` (a call ended: a separator, or content). ``_buf`` holds the text not yet
+    decided; a call's name goes out once its arguments begin, its arguments up to what
+    might still close the call object."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
@@ -170,7 +173,7 @@ class ToolStream:
             if self._mode == "text":
                 self._text(final)
             elif self._mode == "start":
-                self._start(final)
+                self._start()
             elif self._mode == "call":
                 self._in_call()
             elif self._mode == "after":
@@ -195,7 +198,7 @@ class ToolStream:
         self._content(self._buf[: len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep :]
 
-    def _start(self, final: bool) -> None:
+    def _start(self) -> None:
         """llama3_json: the answer (or what follows a separator) opens a call with ``{``."""
         stripped = self._buf.lstrip()
         if not stripped:
