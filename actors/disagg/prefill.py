@@ -548,9 +548,9 @@ class PrefillReplica(LoopedReplica):
                 continue
             self.stored_blocks += len(stored)
             if shard in client.endpoints:
-                return  # written (or the shard is full): done with this request
-            params = task.request.params
-            client.retain(hashes, task.request.tenant, params.kv_retention_s)
+                break  # written (or the shard is full): done with this request
+        # sessions: the prompt's stored blocks are kept ahead of LRU (store.retention)
+        client.retain(hashes, task.request.tenant, task.request.params.kv_retention_s)
 
     def _stats(self) -> PrefillStats:
         s = self.controller.scheduler
