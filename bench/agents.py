@@ -32,8 +32,10 @@ One run = one app started, the warm-up, every trajectory, the app deleted. Runs 
 interleaved (colocated, pd-prefill, dualpath, then rotated), ``--repeats`` of each;
 figures are medians over runs. Reported per setup: each turn's TTFT p50/p99 (all turns
 and turns after the first), the trajectory completion time (first send to last token,
-pauses included), goodput (turns per second whose TTFT met ``--ttft-slo``), and the share
-of prompt tokens the server reported as cached (``usage.prompt_tokens_details``).
+pauses included), goodput (turns per second whose TTFT met ``--ttft-slo``), the share
+of prompt tokens the server reported as cached (``usage.prompt_tokens_details``), and the
+mean TTFT as the client saw it beside the replicas' own (their ``time_to_first_token``
+metric, from ``/metrics``): the gap is the HTTP and relay path.
 
 Last line: ``agent turn-ttft-p50 colocated/dualpath: <ratio>`` (the median of the
 per-repeat ratios of all turns' TTFT p50).
@@ -94,6 +96,7 @@ class AgentRun:
     completions: list[float] = field(default_factory=list)  # per trajectory, seconds
     outputs: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     refused: int = 0  # 429s the agents retried
+    server_ttft: float = float("nan")  # the replicas' own mean TTFT (their metric), seconds
 
     def metrics(self, slo: float) -> dict[str, float]:
         ttft = [s.ttft * 1e3 for s in self.turns]
@@ -111,6 +114,8 @@ class AgentRun:
             "goodput_turns_s": sum(s.ttft <= slo for s in self.turns) / self.duration,
             "cached_share": sum(s.cached_tokens for s in self.turns) / prompt if prompt else 0.0,
             "refused": self.refused,
+            "mean_ttft_ms": statistics.fmean(ttft),
+            "server_mean_ttft_ms": self.server_ttft * 1e3,
         }
 
 
@@ -287,6 +292,22 @@ def wait_healthy(url: str, replicas: int, timeout: float = 600.0) -> None:
     raise TimeoutError("the app did not become healthy")
 
 
+TTFT_METRIC = "meridian:time_to_first_token_seconds"
+
+
+def ttft_totals(url: str) -> tuple[float, float]:
+    """(sum, count) of the replicas' TTFT histogram (arrival to first token), all replicas."""
+    total, count = 0.0, 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]
+        if name == TTFT_METRIC + "_sum":
+            total += float(value)
+        elif name == TTFT_METRIC + "_count":
+            count += float(value)
+    return total, count
+
+
 def one_run(
     setup: str, url: str, model_dir: str, trajs: list[AgentTrajectory], args: argparse.Namespace
 ) -> AgentRun:
@@ -299,7 +320,13 @@ def one_run(
         wait_healthy(url, expected_replicas(setup))
         warm = [AgentTrajectory(64, trajs[0].turns[:2], "warm-up")]  # compiles each path once
         asyncio.run(run_agents(url, setup, warm, 1, seed=-1))
-        return asyncio.run(run_agents(url, setup, trajs, args.concurrency, args.seed))
+        before = ttft_totals(url)
+        run = asyncio.run(run_agents(url, setup, trajs, args.concurrency, args.seed))
+        time.sleep(2.2)  # an idle replica pushes its last metrics within its heartbeat
+        after = ttft_totals(url)
+        if after[1] > before[1]:
+            run.server_ttft = (after[0] - before[0]) / (after[1] - before[1])
+        return run
     finally:
         serve.delete(APP)
 
@@ -314,6 +341,8 @@ ROWS = (
     ("trajectory completion max (s)", "completion_max_s", "{:.1f}"),
     ("goodput, TTFT <= SLO (turns/s)", "goodput_turns_s", "{:.2f}"),
     ("prompt tokens cached (server)", "cached_share", "{:.0%}"),
+    ("mean turn TTFT, client (ms)", "mean_ttft_ms", "{:.0f}"),
+    ("mean turn TTFT, replicas (ms)", "server_mean_ttft_ms", "{:.0f}"),
     ("429s retried", "refused", "{:.0f}"),
     ("run time (s)", "duration_s", "{:.1f}"),
 )
