@@ -290,7 +290,8 @@ def test_plans_per_tool_choice():
 
 
 def test_a_tool_round_trip_renders_through_the_chat_template(tmp_path):
-    tok = load_tokenizer(hermes_model_dir(tmp_path / "m"))
+    folder = hermes_model_dir(tmp_path / "m")
+    tok = load_tokenizer(folder)
     body = {
         **CHAT,
         "tools": TOOLS,
@@ -322,6 +323,14 @@ def test_a_tool_round_trip_renders_through_the_chat_template(tmp_path):
     assert call in text
     assert "<tool_response>\nsunny, 24C\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
+    transformers = pytest.importorskip("transformers")  # the reference renders the same
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        template_messages(req),
+        tools=tools.template_tools,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == theirs
 
 
 def test_tool_parser_config_is_typed():
