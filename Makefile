@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 serve: $(STAMP)
-	RAY_worker_niceness=0 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(VENV)/bin/serve run serve_config.yaml
+	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(VENV)/bin/serve run serve_config.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,8 +5,8 @@ inherits its creator's nice value, so without this a replica's engine thread giv
 to any nice-0 process on the node. Every engine thread (the replica loop of colocated,
 prefill and decode replicas; the MoE attention and expert workers' rounds) calls
 ``run_at_normal_priority()`` first; threads it starts later (torch's intra-op pool) inherit
-nice 0. Only the engine thread is raised: the replica's other threads (Serve's request
-handling, reporters) stay below it.
+nice 0. The Serve app's own processes (ingress, router, replica) run all their threads at
+nice 0 (``run_process_at_normal_priority``), as RAY_worker_niceness=0 would make them.
 
 Linux only (elsewhere a no-op). Lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE of
 20 (``ulimit -e``); where neither holds the thread keeps its priority and one line per
@@ -25,9 +25,9 @@ from actors.engine.defaults import ENGINE_NICE
 log = logging.getLogger(__name__)
 
 FIX = (
-    "the engine thread runs at nice {nice} (Ray's worker_niceness) and may not raise its "
-    "priority: start Ray with RAY_worker_niceness=0, or give its processes CAP_SYS_NICE "
-    "or an RLIMIT_NICE of 20 (ulimit -e 20)"
+    "this Meridian process runs at nice {nice} (Ray's worker_niceness) and may not raise "
+    "its threads' priority: start Ray with RAY_worker_niceness=0, or give its processes "
+    "CAP_SYS_NICE or an RLIMIT_NICE of 20 (ulimit -e 20)"
 )
 _warned = threading.Event()
 _done = threading.local()
@@ -50,11 +50,38 @@ def run_at_normal_priority() -> int | None:
     try:
         os.setpriority(os.PRIO_PROCESS, tid, ENGINE_NICE)
     except PermissionError:
-        if not _warned.is_set():
-            _warned.set()
-            log.warning(FIX.format(nice=nice))
+        _refused(nice)
         return nice
     return ENGINE_NICE
+
+
+def run_process_at_normal_priority() -> None:
+    """Every thread of this process (and the threads they start later) at nice 0: for the
+    Serve app's own processes (ingress, router, replica), whose request handling would
+    otherwise run at Ray's worker niceness beside the nice-0 engine and clients, as if Ray
+    had been started with RAY_worker_niceness=0. A refusal is logged once (``FIX``)."""
+    if not supported():
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread only
+        tids = [threading.get_native_id()]
+    for tid in tids:
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, tid)
+            if nice > ENGINE_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, ENGINE_NICE)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except PermissionError:
+            _refused(nice)
+            return
+
+
+def _refused(nice: int) -> None:
+    if not _warned.is_set():
+        _warned.set()
+        log.warning(FIX.format(nice=nice))
 
 
 def once_on_this_thread() -> None:

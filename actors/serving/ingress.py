@@ -31,6 +31,7 @@ from actors.engine.events import Accepted, Delta, Done, Event, Failed
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
+from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
@@ -76,6 +77,7 @@ class Ingress:
         replicas: dict[str, Any],
         balancers: dict[str, Any] | None = None,  # region -> its balancer (regions section)
     ) -> None:
+        run_process_at_normal_priority()  # nice 0, as RAY_worker_niceness=0 (thread_priority)
         self.cfg = config
         self.relay = ReplicaRelay(self.cfg, router, replicas, balancers)
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")

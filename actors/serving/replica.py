@@ -30,6 +30,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.events import Verdict
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
+from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.ray_nodes import alive_nodes
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.core_plan import replica_cores
@@ -81,6 +82,7 @@ class ReplicaServer:
     def __init__(self, cfg: ServeConfig, group: str, router: Any) -> None:
         from ray import serve
 
+        run_process_at_normal_priority()  # all of this process, as RAY_worker_niceness=0
         (g,) = [x for x in cfg.groups if x.name == group]
         self.group = group
         context = serve.get_replica_context()

@@ -36,6 +36,7 @@ from typing import Any
 from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving.messages import ReplicaCall
 from actors.serving.metrics import MetricsSnapshot, ReplicaSample, RouterMetrics
 from actors.serving.router_state import RouterState
@@ -57,6 +58,7 @@ class RouterDeployment:
     """State: the routing view (``RouterState``) and each replica's latest stats/metrics."""
 
     def __init__(self, policy: str, block_size: int, options: dict[str, Any] | None = None):
+        run_process_at_normal_priority()  # nice 0, as RAY_worker_niceness=0 (thread_priority)
         self.state = make_router_state(policy, block_size, options or {})
         self.block_size = block_size
         self.groups: dict[str, str] = {}  # replica id -> group name

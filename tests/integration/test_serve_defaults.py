@@ -1,11 +1,13 @@
 """``serve run`` of a plain config (one group, no ``cpu_cores``, no ``pin_cores``) on a Ray
-cluster started with no environment variables: Ray runs the replica processes at its
-default worker niceness, yet every replica's engine thread runs at nice 0, and on this
+cluster started with no environment variables: Ray starts its workers at its default
+niceness, yet every replica's engine thread, and every thread of the app's own processes
+(replicas, ingress, router), runs at nice 0; and on this
 one-node cluster the group's two replicas' engine threads run on disjoint cores, the ones
 ``disjoint_cores`` gives (actors/engine/defaults.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -35,21 +37,28 @@ def served(local_ray_cluster, tmp_path_factory):
         yield cluster, url
 
 
-def engine_threads(address: str) -> list[tuple[int, int]]:
-    """(pid, tid) of each thread named ``meridian-engine`` in a process of the cluster at
-    ``address`` (its processes carry ``RAY_ADDRESS``)."""
-    found = []
+def cluster_processes(address: str) -> dict[int, str]:
+    """pid -> process title of every process of the cluster at ``address`` (its processes
+    carry ``RAY_ADDRESS``)."""
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RAY_ADDRESS={address}".encode() not in env:
-                continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() == "meridian-engine":
-                    found.append((int(pid), int(tid)))
+            if f"RAY_ADDRESS={address}".encode() in env:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found[int(pid)] = title.decode(errors="replace")
         except OSError:  # a process that ended meanwhile
             continue
     return found
+
+
+def threads(pid: int) -> dict[int, str]:
+    """tid -> name of each thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            out[int(tid)] = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    return out
 
 
 def test_engine_threads_run_at_nice_0_on_disjoint_cores(served):
@@ -58,11 +67,25 @@ def test_engine_threads_run_at_nice_0_on_disjoint_cores(served):
 
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
     assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
-    threads = engine_threads(cluster.address)
-    assert len(threads) == 2, threads  # one per replica
-    for pid, tid in threads:
-        assert os.getpriority(os.PRIO_PROCESS, pid) > 0  # the process: Ray's worker niceness
-        assert os.getpriority(os.PRIO_PROCESS, tid) == 0  # its engine thread: normal
-    masks = sorted(sorted(os.sched_getaffinity(tid)) for _, tid in threads)
+    procs = cluster_processes(cluster.address)
+    # Ray itself still starts its workers at its default niceness (no variable was set)
+    (controller,) = [pid for pid, title in procs.items() if "ServeController" in title]
+    assert os.getpriority(os.PRIO_PROCESS, controller) > 0
+    engines = [
+        (pid, tid)
+        for pid in procs
+        for tid, name in threads(pid).items()
+        if name == "meridian-engine"
+    ]
+    assert len(engines) == 2, engines  # one per replica
+    for _, tid in engines:
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+    # the app's own processes (replicas, ingress, router) run every thread at nice 0
+    ours = {pid for pid, _ in engines}
+    ours |= {pid for pid, title in procs.items() if "Ingress" in title or "Router" in title}
+    assert len(ours) == 4, {pid: procs[pid] for pid in ours}
+    for pid in ours:
+        assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in threads(pid)} == {0}, procs[pid]
+    masks = sorted(sorted(os.sched_getaffinity(tid)) for _, tid in engines)
     runs = disjoint_cores(2)
     assert masks == (runs or [sorted(os.sched_getaffinity(0))] * 2)

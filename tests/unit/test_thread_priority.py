@@ -129,3 +129,33 @@ def test_where_raising_is_not_permitted_one_line_says_how_to_fix_it():
     lines = [line for line in out.stderr.splitlines() if "nice" in line]
     assert lines == [thread_priority.FIX.format(nice=niced)]  # once per process
     assert "RAY_worker_niceness=0" in lines[0] and "CAP_SYS_NICE" in lines[0]
+
+
+WHOLE_PROCESS = """
+import os, threading
+from actors.engine import thread_priority
+os.nice(15)
+done = threading.Event()
+early = threading.Thread(target=done.wait)  # started at the process's nice
+early.start()
+thread_priority.run_process_at_normal_priority()
+nice = lambda: print(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+late = threading.Thread(target=nice)
+late.start(); late.join()
+print(os.getpriority(os.PRIO_PROCESS, early.native_id), os.getpriority(os.PRIO_PROCESS, 0))
+done.set()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value needs root here")
+def test_a_whole_process_runs_at_0_threads_started_later_included():
+    out = subprocess.run(
+        [sys.executable, "-c", WHOLE_PROCESS],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "0", "0"]  # the late thread, the early one, main
