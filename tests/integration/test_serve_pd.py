@@ -233,6 +233,37 @@ def test_conductor_rejection_is_429_with_retry_after(server, reference):
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_session_turns_are_retained_in_the_store(server, reference):
+    """Two turns of a session (the ``X-Session-Id`` header, ``kv_retention_s``) run exact;
+    the store retains their blocks, and ``/metrics`` shows it; asking for more than the
+    configured bound is a 400 naming the field."""
+    turn1 = ids(31, 40)
+    headers = {"X-Session-Id": "agent-31"}
+    body = {"model": MODEL, "prompt": turn1, "max_tokens": 8, "temperature": 0}
+    r = server.http.post(
+        "/v1/completions", json={**body, "ignore_eos": True, "kv_retention_s": 60}, headers=headers
+    )
+    assert r.status_code == 200, r.text
+    out1 = greedy(reference, turn1, 8)
+    turn2 = turn1 + out1 + ids(32, 8)
+    body2 = {**body, "prompt": turn2, "ignore_eos": True, "return_token_ids": True}
+    r = server.http.post("/v1/completions", json={**body2, "kv_retention_s": 60}, headers=headers)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy(
+        reference, turn2, 8
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        text = server.http.get("/metrics").text
+        kept = re.findall(r"^meridian:kv_store_retained_blocks\{[^}]*\} (\S+)$", text, re.M)
+        if kept and float(kept[0]) >= len(turn2) // BS:
+            break
+        assert time.monotonic() < deadline, kept
+        time.sleep(0.5)
+    refused = completion(server, prompt=turn1, max_tokens=1, kv_retention_s=601)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "kv_retention_s"
+
+
 # -- nothing leaked -----------------------------------------------------------------------------
 def test_every_block_returned(server):
     """Every prefill and decode pool passes its integrity check with no block in use, read
