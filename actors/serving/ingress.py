@@ -158,6 +158,11 @@ class Ingress:
     ) -> list[RequestOutput]:
         tenant = self._check_key(api_key)
         salt = tenant.tenant if tenant else None
+        for p in params:  # the bound on kv_retention_s holds for this door too
+            try:
+                self.cfg.sessions.retention_s(p.kv_retention_s, salt)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "kv_retention_s") from None
         builder = await self._request_builder()
         requests = builder.build_each(token_lists, params, salt=salt, tenant=salt)
 
