@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from actors.disagg.messages import PDCounters
 from actors.serving import openai_protocol as oai
 from actors.serving.config import ConfigError, ServeConfig
+from actors.serving.metrics import ReplicaMetrics, metric_families
 from errors import InvalidRequestError
 from policies.request import SamplingParams
 
@@ -56,3 +58,18 @@ def test_sampling_params_refuse_a_negative_retention():
     with pytest.raises(InvalidRequestError, match="kv_retention_s") as e:
         SamplingParams(kv_retention_s=-1.0)
     assert e.value.param == "kv_retention_s"
+
+
+def test_retention_counters_are_exported():
+    counters = PDCounters(
+        0, 0, 0, 0, 0, 0, 0,
+        store_retained_blocks=5, store_retention_hit_blocks=7, store_expired_retentions=2,
+    )  # fmt: skip
+    snap = ReplicaMetrics(lambda: counters).snapshot()
+    values = {s.name: s.value for m in snap.families for s in m.samples}
+    assert values["meridian:kv_store_retained_blocks"] == 5
+    assert values["meridian:kv_store_retention_hit_blocks_total"] == 7
+    assert values["meridian:kv_store_expired_retentions_total"] == 2
+    families = metric_families()
+    assert families["meridian:kv_store_retained_blocks"] == "gauge"
+    assert families["meridian:kv_store_retention_hit_blocks"] == "counter"
