@@ -18,6 +18,10 @@ integrity check), and a probe request's TTFT is printed next to the idle one.
     python bench/overload.py [--duration 15] [--repeats 2] [--slo 1.0]
 
 Last line: ``admitted-ttft-p99/slo: <ratio>`` (the SLO runs' median; target <= 1.0).
+
+``--pd`` runs Mooncake's P/D overload experiment instead (``bench/overload_pd.py``: a live
+1 + 1 P/D deployment at 2x, admission baseline / early / predictive interleaved; its own
+options follow).
 """
 
 from __future__ import annotations
@@ -265,6 +269,11 @@ async def amain(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    if "--pd" in sys.argv[1:]:
+        from overload_pd import main as pd_main
+
+        pd_main([a for a in sys.argv[1:] if a != "--pd"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slo", type=float, default=1.0, help="TTFT SLO, seconds")
     ap.add_argument("--duration", type=float, default=15.0)

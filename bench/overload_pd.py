@@ -1,0 +1,296 @@
+"""Mooncake's overload experiment, live: a 1 prefill + 1 decode deployment under 2x load,
+three admission modes interleaved (``bench/overload.py --pd``).
+
+One ``PDCluster`` of the bench model (``bench/bench_model.py``) on a local Ray cluster
+(prefill and decode on their own cores, ``pin_cores``). First the idle TTFT and TBT of one
+request, from which the SLOs follow (``--ttft-slo-x`` and ``--tbt-slo-x`` times idle, or
+``--ttft-slo`` / ``--tbt-slo`` seconds); then ``--clients`` closed-loop clients measure the
+completion rate the deployment sustains. Each run sends Poisson arrivals at ``--overload``
+x that rate for ``--duration`` seconds under one mode of the Conductor's admission, the
+same arrivals and prompts in every mode; modes are interleaved, ``--repeats`` times:
+
+- *baseline*: each pool judges its own load when the request reaches it, as the paper's
+  baseline: the TTFT at arrival (the Conductor, ``early`` with no TBT bound), decode's TBT
+  only once the prompt's KV has landed there (below);
+- *early*: the Conductor's early rejection, TTFT and TBT judged at arrival;
+- *predictive*: the default, decode's TBT judged at the moment the request would reach it.
+
+In every mode the decode pool still guards itself: when a request's first token comes back
+from decode, a measured TBT there above the SLO (the median of the last gap between tokens
+of the requests decoding on that instance) refuses it; its prompt was computed for nothing
+(*wasted prefill tokens*). Goodput: requests that finished with TTFT <= SLO and mean time between
+tokens <= SLO, per second of arrivals. After arrivals stop, admitted requests get
+``--drain`` seconds; the rest are aborted (not good).
+
+    python bench/overload.py --pd [--duration 20] [--repeats 1]
+
+Last line: ``pd-overload goodput predictive/baseline: <ratio>`` (medians over repeats;
+target >= 1.1, and predictive's wasted prefill tokens <= 0.2x the baseline's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_model import MODEL, write_bench_model  # noqa: E402
+
+from actors.disagg.cluster import PDCluster  # noqa: E402
+from actors.disagg.cluster_config import PDClusterConfig  # noqa: E402
+from actors.disagg.conductor import ConductorOptions, RequestRejected  # noqa: E402
+from actors.engine.config import EngineConfig  # noqa: E402
+from actors.engine.sampling import SamplingParams  # noqa: E402
+
+MODES = ("baseline", "early", "predictive")
+ENGINE = dict(block_size=16, chunk_size=256, token_budget=512, max_num_seqs=64, num_blocks=1024)
+
+
+@dataclass
+class Run:
+    mode: str
+    offered: int = 0
+    rejected: int = 0  # at arrival (429)
+    reasons: dict[str, int] = field(default_factory=dict)  # the Conductor's, at arrival
+    refused_at_decode: int = 0  # after prefill: decode's own TBT check
+    wasted_prefill_tokens: int = 0
+    good: int = 0
+    finished: int = 0
+    aborted: int = 0  # unfinished at the end of the drain
+    ttft: list[float] = field(default_factory=list)
+    tbt: list[float] = field(default_factory=list)  # each finished request's mean
+    seconds: float = 1.0
+
+    @property
+    def goodput(self) -> float:
+        return self.good / self.seconds
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, pd: PDCluster) -> None:
+        self.args, self.pd = args, pd
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        self.ttft_slo = math.inf
+        self.tbt_slo = math.inf
+
+    def prompt(self, rng: random.Random) -> list[int]:
+        n = rng.randint(self.args.prompt_min, self.args.prompt_max)
+        return [rng.randrange(3, self.pd.limits.vocab_size) for _ in range(n)]
+
+    def set_mode(self, mode: str) -> None:
+        c = self.pd.conductor
+        c.admission = "early" if mode == "baseline" else mode
+        c.ttft_slo = self.ttft_slo
+        c.tbt_slo = math.inf if mode == "baseline" else self.tbt_slo
+
+    def idle(self) -> tuple[float, float]:
+        """Median TTFT and mean TBT of requests sent one at a time."""
+        rng = random.Random(7)
+        ttfts, tbts = [], []
+        for _ in range(5):
+            prompt, t0 = self.prompt(rng), time.monotonic()
+            rid = self.pd.submit(prompt, self.params)
+            while self.pd.output(rid) is None:
+                self.pd.poll(0.01)
+            times = self.pd.token_times(rid)
+            self.pd.release(rid)
+            ttfts.append(times[0] - t0)
+            tbts.append((times[-1] - times[0]) / max(1, len(times) - 1))
+        return statistics.median(ttfts), statistics.median(tbts)
+
+    def calibrate(self) -> float:
+        """Completions per second of ``--clients`` closed-loop clients, no admission."""
+        self.set_mode("baseline")
+        self.pd.conductor.admission = "none"
+        rng = random.Random(11)
+        live: set[str] = set()
+        done = 0
+        t0 = time.monotonic()
+        stop = t0 + self.args.calibrate
+        while time.monotonic() < stop or live:
+            while time.monotonic() < stop and len(live) < self.args.clients:
+                live.add(self.pd.submit(self.prompt(rng), self.params))
+            self.pd.poll(0.02)
+            for rid in [r for r in live if self.pd.output(r) is not None]:
+                self.pd.release(rid)
+                live.discard(rid)
+                done += 1
+        return done / (time.monotonic() - t0)
+
+    def run(self, mode: str, rate: float, seed: int) -> Run:
+        pd, run = self.pd, Run(mode)
+        self.set_mode(mode)
+        rng, arrivals = random.Random(seed), random.Random(seed + 1)
+        at, start = 0.0, time.monotonic()
+        schedule: list[tuple[float, list[int]]] = []
+        while at < self.args.duration:
+            schedule.append((start + at, self.prompt(rng)))
+            at += arrivals.expovariate(rate)
+        run.seconds = self.args.duration
+        live: dict[str, tuple[float, int]] = {}  # request -> (arrival, prompt tokens)
+        seen_first: set[str] = set()
+        i, end = 0, start + self.args.duration + self.args.drain
+        while (i < len(schedule) or live) and time.monotonic() < end:
+            now = time.monotonic()
+            while i < len(schedule) and schedule[i][0] <= now:
+                arrival, prompt = schedule[i]
+                i += 1
+                run.offered += 1
+                try:
+                    live[pd.submit(prompt, self.params)] = (arrival, len(prompt))
+                except RequestRejected as e:
+                    run.rejected += 1
+                    run.reasons[e.reason] = run.reasons.get(e.reason, 0) + 1
+            wait = schedule[i][0] - time.monotonic() if i < len(schedule) else 0.02
+            pd.poll(max(0.0, min(0.02, wait)))
+            for rid in [r for r in live if r not in seen_first and pd.token_times(r)]:
+                seen_first.add(rid)
+                if self.decode_refuses(rid, live):
+                    pd.abort(rid)
+                    pd.release(rid)
+                    run.refused_at_decode += 1
+                    run.wasted_prefill_tokens += live.pop(rid)[1]
+            for rid in [r for r in live if pd.output(r) is not None]:
+                self.finish(run, rid, live.pop(rid)[0])
+        for rid in live:  # not finished by the end of the drain
+            pd.abort(rid)
+            pd.release(rid)
+            run.aborted += 1
+        self.settle()
+        return run
+
+    def decode_refuses(self, rid: str, live: dict[str, tuple[float, int]]) -> bool:
+        """Decode's own check as the request reaches it: the TBT its instance delivers now,
+        measured (the median of the last gap between tokens of each request decoding
+        there), above the SLO."""
+        _, did = self.pd.placement(rid)
+        gaps = []
+        for other in live:
+            times = self.pd.token_times(other) if other != rid else []
+            if len(times) >= 2 and self.pd.placement(other)[1] == did:
+                gaps.append(times[-1] - times[-2])
+        return bool(gaps) and statistics.median(gaps) > self.tbt_slo
+
+    def finish(self, run: Run, rid: str, arrival: float) -> None:
+        times = self.pd.token_times(rid)
+        self.pd.release(rid)
+        run.finished += 1
+        ttft = times[0] - arrival
+        tbt = (times[-1] - times[0]) / max(1, len(times) - 1)
+        run.ttft.append(ttft)
+        run.tbt.append(tbt)
+        if ttft <= self.ttft_slo and tbt <= self.tbt_slo:
+            run.good += 1
+
+    def settle(self) -> None:
+        """Wait until nothing runs and every KV block is back."""
+        deadline = time.monotonic() + 60
+        while self.pd.has_unfinished() and time.monotonic() < deadline:
+            self.pd.poll(0.05)
+        for _ in range(10):  # aborted requests' reports
+            self.pd.poll(0.05)
+        blocks = self.pd.check_blocks()
+        if any(blocks.values()):
+            raise RuntimeError(f"blocks still held after a run: {blocks}")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--drain", type=float, default=15.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--overload", type=float, default=2.0)
+    ap.add_argument("--calibrate", type=float, default=15.0)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--prompt-min", type=int, default=128)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--ttft-slo-x", type=float, default=5.0, help="TTFT SLO / idle TTFT")
+    ap.add_argument("--tbt-slo-x", type=float, default=2.0, help="TBT SLO / idle TBT")
+    ap.add_argument("--ttft-slo", type=float, default=0.0, help="seconds (overrides -x)")
+    ap.add_argument("--tbt-slo", type=float, default=0.0, help="seconds (overrides -x)")
+    args = ap.parse_args(argv)
+
+    model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    engine = EngineConfig(dtype=torch.float32, **ENGINE)
+    config = PDClusterConfig(str(model_dir), engine, conductor=ConductorOptions(), pin_cores=True)
+    pd = PDCluster(config)
+    bench = Bench(args, pd)
+    try:
+        bench.set_mode("baseline")
+        bench.pd.conductor.admission = "none"
+        idle_ttft, idle_tbt = bench.idle()
+        bench.ttft_slo = args.ttft_slo or args.ttft_slo_x * idle_ttft
+        bench.tbt_slo = args.tbt_slo or args.tbt_slo_x * idle_tbt
+        rate = bench.calibrate()
+        bench.settle()
+        offered = args.overload * rate
+        print(f"model: {MODEL}, fp32, torch {torch.__version__}; 1 prefill + 1 decode replica")
+        print(
+            f"prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_tokens} new; idle "
+            f"TTFT {idle_ttft * 1e3:.0f} ms, TBT {idle_tbt * 1e3:.1f} ms; SLOs TTFT "
+            f"{bench.ttft_slo * 1e3:.0f} ms, TBT {bench.tbt_slo * 1e3:.1f} ms"
+        )
+        print(
+            f"sustained {rate:.2f} req/s ({args.clients} closed-loop clients); offered "
+            f"{offered:.2f} req/s (x{args.overload:g}, Poisson) for {args.duration:.0f}s"
+        )
+        runs: dict[str, list[Run]] = {m: [] for m in MODES}
+        for i in range(args.repeats):
+            order = MODES if i % 2 == 0 else MODES[::-1]
+            for mode in order:
+                r = bench.run(mode, offered, seed=100 + i)
+                runs[mode].append(r)
+                print(
+                    f"  run {i + 1} {mode:>10}: offered {r.offered}, rejected {r.rejected} "
+                    f"{r.reasons or ''} + "
+                    f"{r.refused_at_decode} at decode, wasted prefill {r.wasted_prefill_tokens} "
+                    f"tokens, finished {r.finished} (good {r.good}), aborted {r.aborted}, "
+                    f"TTFT p90 {pct(r.ttft, 0.9):.2f}s, TBT p90 {pct(r.tbt, 0.9) * 1e3:.1f} ms"
+                )
+        print()
+        print(
+            f"{'admission':>10} {'offered':>8} {'rejected':>9} {'at decode':>10} "
+            f"{'wasted prefill':>15} {'good':>5} {'goodput':>9}   (medians over runs)"
+        )
+        med: dict[str, dict[str, float]] = {}
+        for mode in MODES:
+            rs = runs[mode]
+
+            def m(key: str, rs: list[Run] = rs) -> float:
+                return statistics.median(float(getattr(r, key)) for r in rs)
+
+            med[mode] = {k: m(k) for k in ("wasted_prefill_tokens", "goodput")}
+            print(
+                f"{mode:>10} {m('offered'):>8.0f} {m('rejected'):>9.0f} "
+                f"{m('refused_at_decode'):>10.0f} {m('wasted_prefill_tokens'):>15.0f} "
+                f"{m('good'):>5.0f} {m('goodput'):>7.2f}/s"
+            )
+        base, pred = med["baseline"], med["predictive"]
+        waste = pred["wasted_prefill_tokens"] / max(1.0, base["wasted_prefill_tokens"])
+        print(f"wasted prefill predictive/baseline: {waste:.2f}")
+        ratio = pred["goodput"] / base["goodput"] if base["goodput"] > 0 else float("inf")
+        print(f"pd-overload goodput predictive/baseline: {ratio:.2f}")
+    finally:
+        pd.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
