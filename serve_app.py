@@ -15,6 +15,10 @@ Three deployments, built from one ``ServeConfig`` (actors/serving/config.py):
   (actors/regions/serve_balancer.py): the ingress asks the client's region balancer
   (``X-Meridian-Region`` header) where to send each prompt instead of the router.
 
+``build_region_ingress`` gives a region its own ingress: an application of its own (its own
+route prefix, its ingress on the region's nodes) whose clients are placed by their region's
+balancer, which forwards to peer balancers (docs/regions.md).
+
 ``app`` is the demo (the built-in tiny model, defaults). For anything else use the builder:
 ``serve run serve_app:build_app config=my.yaml`` or a Serve config file whose application
 has ``import_path: serve_app:build_app`` and our fields under ``args`` (serve_config.yaml).
@@ -31,6 +35,7 @@ from ray.serve.schema import LoggingConfig
 from actors.regions.serve_balancer import RegionBalancerDeployment, balancer_name
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.ingress import Ingress
+from actors.serving.region_entry import NamedHandle
 from actors.serving.replica import ReplicaServer
 from actors.serving.router import RankedRequestRouter, RouterDeployment
 
@@ -113,6 +118,35 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             logging_config=LoggingConfig(enable_access_log=False),
         ).bind(cfg, r.name, router)
     return ingress.bind(cfg, router, replicas, balancers)
+
+
+def build_region_ingress(args: dict[str, Any]) -> serve.Application:
+    """Region ``args["region"]``'s own ingress, beside the main application (named
+    ``args["app"]``, default ``"default"``) built from the same config (the other args): the
+    OpenAI routes under this application's route prefix, each prompt placed by this region's
+    balancer first (an ``X-Meridian-Region`` header may still name another region)."""
+    args = dict(args)
+    region = str(args.pop("region", ""))
+    main = str(args.pop("app", "default"))
+    cfg = ServeConfig.from_args(args)
+    names = [r.name for r in cfg.regions.regions] if cfg.regions is not None else []
+    if region not in names:
+        raise ValueError(f"region must be one of the config's regions {names}, not {region!r}")
+    order = [region, *(r for r in names if r != region)]  # the first is the default region
+    deployment: Any = serve.deployment
+    ingress = deployment(
+        Ingress,
+        name=f"Ingress-{region}",
+        num_replicas=cfg.ingress_replicas,
+        max_ongoing_requests=cfg.limits.max_pending_requests + 64,
+        ray_actor_options={"num_cpus": 0, "resources": _region_resources(cfg, region)},
+    )
+    return ingress.bind(
+        cfg,
+        NamedHandle("Router", main),
+        {g.name: NamedHandle(f"Replica-{g.name}", main) for g in cfg.groups},
+        {r: NamedHandle(balancer_name(r), main) for r in order},
+    )
 
 
 app = build_app({})

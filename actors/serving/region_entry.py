@@ -18,6 +18,10 @@ the first-token and finish reports it owes a dead balancer are dropped.
 
 This is the ingress's side of regions, so it lives with the ingress: the balancers
 (``actors.regions``) build on serving, and serving never imports them.
+
+``NamedHandle`` is how a region's own ingress (an application of its own, with its own route
+prefix: ``serve_app.build_region_ingress``) reaches the main application's router, replicas
+and balancers: bound handles only join deployments of one application.
 """
 
 from __future__ import annotations
@@ -32,6 +36,31 @@ from policies.region_balancer import BalancedRequest, nearest_alive
 # A balancer's answer to ``place``: (replica id, group, region served in, one-way delay from
 # the client's region in seconds).
 PlaceAnswer = tuple[str, str, str, float]
+
+
+class NamedHandle:
+    """A Serve deployment handle found by name (``deployment`` of application ``app``) where it
+    is first used; pickles as the two names. Attribute access is the handle's."""
+
+    def __init__(self, deployment: str, app: str) -> None:
+        self.deployment = deployment
+        self.app = app
+        self._handle: Any = None
+
+    def __getstate__(self) -> dict[str, str]:
+        return {"deployment": self.deployment, "app": self.app}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["deployment"], state["app"])  # type: ignore[misc]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not the handle's: pickling and copying probe these
+            raise AttributeError(name)
+        if self._handle is None:
+            from ray import serve
+
+            self._handle = serve.get_deployment_handle(self.deployment, app_name=self.app)
+        return getattr(self._handle, name)
 
 
 class RegionEntry:
