@@ -1,34 +1,32 @@
-"""The defaults that carry the benches' speed to a plain config, each named once here with
-the measurement that chose it. ``EngineConfig``, ``PDClusterConfig``, the Serve config's
-replica groups and the replica loop read them from this module; docs/configuration.md
-points here.
+"""The defaults that carry the benches' speed to a plain config, each named once here; the
+measurements that chose them are in docs/configuration.md ("Defaults and the measurements
+that chose them"). ``EngineConfig``, ``PDClusterConfig``, the Serve config's replica groups
+and ``thread_priority`` read them from this module.
 
 ``ENGINE_NICE`` (0): every engine thread (colocated, prefill, decode replica loops; MoE
 attention and expert workers' rounds) runs at this nice value whatever Ray's
-``worker_niceness`` (15 unless RAY_worker_niceness is set), so a nice-0 process on the node
-(a load generator, another server) no longer takes the engine's core
-(``thread_priority``). Where the process may not raise a thread's priority, one logged
-line says how (RAY_worker_niceness=0, CAP_SYS_NICE, or ``ulimit -e 20``).
+``worker_niceness`` (15 unless RAY_worker_niceness is set), and so does every thread of the
+Serve app's ingress, router and replica processes (``thread_priority``). Where a process
+may not raise a priority, one logged line says how (RAY_worker_niceness=0, CAP_SYS_NICE,
+``ulimit -e 20``).
 
-``PIN_CORES`` (True): on a one-node Ray cluster whose cores are at least its replicas,
-replicas get disjoint cores (``replica_loop.disjoint_cores``) and as many torch threads as
-cores: a Serve app's colocated replicas one run each (``actors.serving.core_plan``), a P/D
-cluster's prefill replicas one half and its decode replicas the other
-(``replica_loop.split_cores``). ``pin_cores: false`` (a replica group, or
-``PDClusterConfig``) turns it off.
+``PIN_CORES`` (True): on a one-node Ray cluster with at least as many cores as replicas,
+replicas get disjoint cores and as many torch threads as cores: a Serve app's colocated
+replicas one run each of ``replica_loop.disjoint_cores`` (``actors.serving.core_plan``; a
+single replica keeps the whole node), a P/D cluster's prefill replicas one half and its
+decode replicas the other (``replica_loop.split_cores``). ``pin_cores: false`` (a replica
+group, or ``PDClusterConfig``) leaves the engine threads to the OS.
 
-``TOKEN_BUDGET``: tokens per engine step (prefill chunks and decodes together) and so the
-largest prefill chunk. On CPU the torch attention backend pads every decode row of a mixed
-step to the chunk's length, so a step with a long chunk stalls every running decode: on
-SmolLM2-135M with 31 running decodes, a step with a 512-token chunk took 878 ms against
-130 ms for the decodes alone (459 ms at 256). ``CHUNK_SIZE`` (None: the budget) caps one
-request's chunk below the budget. Chosen from the sweep in docs/configuration.md
-("Defaults and the measurements that chose them").
+``TOKEN_BUDGET`` (512): tokens per engine step, prefill chunks and decodes together, so
+also the largest chunk. The torch attention backend pads every decode row of a mixed step
+to the chunk's length, so a long chunk stalls every running decode; 2048 served 2-3% more
+requests/s than 512 on the bench model but doubled TTFT. ``CHUNK_SIZE`` (None: the budget)
+caps one request's chunk below it.
 """
 
 from __future__ import annotations
 
 ENGINE_NICE = 0
 PIN_CORES = True
-TOKEN_BUDGET = 2048
+TOKEN_BUDGET = 512
 CHUNK_SIZE: int | None = None
