@@ -292,10 +292,10 @@ class ReplicaController:
         other steps' stages; the step's time is its own stages' compute, summed over the
         stages (``StepResult.compute_seconds``). Invariant: for one batch both measure the
         whole model's pass over it (SPP splits the layers, not the work), so the fitted
-        model means the same with or without SPP, and ``target_batch_time`` bounds a
-        decode's time between tokens in both: a decode is in at most one step in flight,
-        so its next token comes no sooner than its step's last stage ends, and the steps
-        in between (other requests' chunks) fill the stages meanwhile. None: a pipelined
+        model means the same with or without SPP. A decode is in at most one step in
+        flight, so its next token comes no sooner than its step's last stage ends: with
+        the stages overlapping (one device each) its time between tokens is about this
+        measure; where they share cores it approaches ``spp`` times it. None: a pipelined
         step that reported no stage timings (not measured)."""
         if self.executor.depth == 1:
             return time.monotonic() - began
