@@ -36,6 +36,7 @@ Admission (``admission``, default ``"predictive"``):
   - ``"none"``: only ``decode_full`` rejects; predictions are still reported.
   - ``"early"``: at arrival, reject when TTFT > ttft_slo or TBT(now) > tbt_slo (the larger
     of prefill and decode load), so no prefill is spent on a request decode would refuse.
+    The chosen decode instance idle (nothing running or pending) never refuses on TBT.
   - ``"predictive"``: judge decode at ``at = now + TTFT``, when the request would reach it
     (see ``policies.admission``): running(d) and context_blocks(d) shrink by the decodes
     that end by ``at`` and grow by the requests prefill finishes by ``at``: the same share
@@ -392,8 +393,13 @@ class Conductor:
             retry = self._tbt_retry_after(request, decodes, now)
         elif self.admission != "none":
             # Early rejection: the shared TTFT rule, and its TBT counterpart (the larger
-            # load decides, ``adm.slo_load``).
-            judged, tbt_ratio = adm.judge_ttft(ttft, self.ttft_slo), tbt / self.tbt_slo
+            # load decides, ``adm.slo_load``). An idle decode instance never refuses on TBT:
+            # no load of others is the cause, and its fitted TBT learns only from the
+            # steps it runs (refusing there would refuse forever on a stale fit).
+            chosen = decodes[dec.index]
+            idle = chosen.num_running == 0 and chosen.pending == 0
+            judged = adm.judge_ttft(ttft, self.ttft_slo)
+            tbt_ratio = 0.0 if idle else tbt / self.tbt_slo
             if max(judged.load, tbt_ratio) > 1:
                 reason = "ttft_slo" if judged.load >= tbt_ratio else "tbt_slo"
                 # Retry when both pools have drained enough: the later of the two estimates.

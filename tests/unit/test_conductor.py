@@ -327,3 +327,15 @@ def test_predictive_prices_decode_from_the_step_time_predictor():
     pool[0].remaining_tokens = [50] * 100
     assert fast.schedule(request(), prefills, pool, now=0.0).accepted
     assert not c.schedule(request(), prefills, pool, now=0.0).accepted
+
+
+def test_an_idle_decode_instance_never_refuses_on_tbt():
+    # a fitted TBT above the SLO even for one request (a stale fit from a busy period):
+    # an idle instance still admits, so it runs steps and the fit can learn again
+    slow = Conductor(prefill_time, lambda b, k: 1.0, slow_transfer, 10.0, 0.05)
+    for mode in ("early", "predictive"):
+        slow.admission = mode
+        assert slow.schedule(request(), [PrefillInstance("p0")], decodes(1), 0.0).accepted
+        busy = decodes(1, num_running=1, used_blocks=10)
+        d = slow.schedule(request(), [PrefillInstance("p0")], busy, 0.0)
+        assert not d.accepted and d.reason == "tbt_slo"
