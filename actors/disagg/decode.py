@@ -132,6 +132,7 @@ class DecodeReplica(LoopedReplica):
         self._load_timeline: list[tuple[int, float]] = []  # (layer, perf_counter) read
         self._recoveries = 0
         self._reserved_blocks: dict[str, int] = {}
+        self._cached_tokens: dict[str, int] = {}  # admitted request -> prompt tokens reused
         self.stats = self._stats()
         self.loop = ReplicaLoop(
             self._iterate, f"decode-{replica_id}", cpu_cores=cpus, torch_threads=threads
@@ -144,8 +145,12 @@ class DecodeReplica(LoopedReplica):
     def reserve(self, key: str, request: Request) -> KVDestination | None:
         return self.loop.call(lambda: self._reserve(key, request)).result()
 
-    def admit(self, key: str, first_token: int, first_logprob: Any = None) -> None:
-        self.loop.post(lambda: self._admit(key, first_token, first_logprob))
+    def admit(
+        self, key: str, first_token: int, first_logprob: Any = None, cached_tokens: int = 0
+    ) -> None:
+        """``cached_tokens``: prompt tokens the prefill side reused, reported in the
+        request's output (the Conductor may see its end before the prefill's report)."""
+        self.loop.post(lambda: self._admit(key, first_token, first_logprob, cached_tokens))
 
     def cancel(self, key: str) -> None:
         self.loop.post(lambda: None if self._cancel(key) else None)
@@ -276,9 +281,12 @@ class DecodeReplica(LoopedReplica):
             ranks = tuple(rank for rank, _, ids in shards for _ in ids)
         return KVDestination(self.targets, tuple(blocks), ranks=ranks)
 
-    def _admit(self, key: str, first_token: int, first_logprob: Any = None) -> None:
+    def _admit(
+        self, key: str, first_token: int, first_logprob: Any = None, cached_tokens: int = 0
+    ) -> None:
         if self._reserved_blocks.pop(key, None) is None:
             return  # cancelled or aborted meanwhile
+        self._cached_tokens[key] = cached_tokens
         delta = self.controller.admit_prefilled(key, first_token, first_logprob)
         # the prefill replica stored the prompt's full blocks
         self._written[key] = len(self.controller.computed_full_blocks(key)[0])
@@ -294,6 +302,7 @@ class DecodeReplica(LoopedReplica):
 
     def _abort(self, key: str) -> None:
         self._written.pop(key, None)
+        self._cached_tokens.pop(key, None)
         self._retention.pop(key, None)
         if not self._cancel(key) and self.controller.has_request(key):
             self.controller.abort(key)
@@ -382,7 +391,9 @@ class DecodeReplica(LoopedReplica):
             events: list[Any] = [TokenDelta(d.request_id, d, now)]
             if d.finished:
                 self._written.pop(d.request_id, None)
-                events.append(Finished(d.request_id, self.controller.release(d.request_id)))
+                out = self.controller.release(d.request_id)
+                out.num_cached_tokens = self._cached_tokens.pop(d.request_id, 0)
+                events.append(Finished(d.request_id, out))
             self.loop.emit(*events)
 
     def _stats(self) -> DecodeStats:
@@ -408,5 +419,7 @@ class RemoteDecode:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def admit(self, key: str, first_token: int, first_logprob: Any = None) -> None:
-        self.handle.admit.remote(key, first_token, first_logprob)
+    def admit(
+        self, key: str, first_token: int, first_logprob: Any = None, cached_tokens: int = 0
+    ) -> None:
+        self.handle.admit.remote(key, first_token, first_logprob, cached_tokens)

@@ -73,7 +73,9 @@ class PDRequest:
         """The decode replica's output, with the caller's id, times on this process's clock
         (the replicas' may differ) and prefix reuse as the prefill side saw it."""
         output.request_id = self.request_id
-        output.num_cached_tokens = self.cached_tokens
+        # the decode replica's count, from the prefill that admitted it: the prefill's own
+        # report (``cached_tokens``) may come after the end
+        output.num_cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
         output.arrival_time = self.request.arrival_time
         output.first_token_time = self.first_token_time
         output.finish_time = time.monotonic()

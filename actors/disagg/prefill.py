@@ -327,10 +327,7 @@ class PrefillReplica(LoopedReplica):
         if why is None:
             # the first token's logprobs travel with it (None: not asked for)
             first_logprob = out.logprobs[0] if out.logprobs else None
-            if first_logprob is None:
-                task.decode.admit(key, out.token_ids[0])
-            else:
-                task.decode.admit(key, out.token_ids[0], first_logprob)
+            task.decode.admit(key, out.token_ids[0], first_logprob, out.num_cached_tokens)
             self.loop.emit(PrefillDone(key, out.token_ids[0], out.num_cached_tokens))
         else:
             self.loop.emit(PrefillFailed(key, why))

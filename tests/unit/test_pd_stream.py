@@ -135,7 +135,7 @@ def test_streamed_blocks_equal_the_prefill_cache(prompts):
 
 
 class NoAdmission:
-    def admit(self, key, first_token):
+    def admit(self, key, first_token, first_logprob=None, cached_tokens=0):
         pass  # the test reads the streamed blocks; the request is cancelled afterwards
 
 
