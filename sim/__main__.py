@@ -7,6 +7,7 @@
                          compare predicted and measured TTFT / TPOT (--trace all: every trace)
   python -m sim regions  three regions: SkyWalker vs one global balancer vs region-local
                          -> docs/figures/skywalker.json and its section of the report
+  python -m sim skywalker-cost  replicas for each region's peak vs for the global peak
   python -m sim medha    Medha's scheduler ablation (FCFS, EDF, LRS, ILRS + prefill-prefill
                          batching) on short requests mixed with 128K-1M-token ones
   python -m sim dualpath DualPath's agentic trajectories -> docs/sim_dualpath.md
@@ -177,6 +178,12 @@ def cmd_regions(a: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def cmd_skywalker_cost(a: argparse.Namespace) -> None:
+    from sim.skywalker_cost import run_from_args
+
+    run_from_args(a)
+
+
 def cmd_medha(a: argparse.Namespace) -> None:
     from sim.medha import CONFIGS, MedhaWorkload, format_table, run_config, workload
 
@@ -284,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     p_reg.add_argument("--out", default="docs/figures/skywalker.json")
     p_reg.add_argument("--report", default="docs/sim_report.md", help="'' to not update it")
     p_reg.set_defaults(fn=cmd_regions)
+    p_cost = sub.add_parser(
+        "skywalker-cost", help="replicas for each region's peak vs the global peak, same SLO"
+    )
+    from sim.skywalker_cost import add_arguments
+
+    add_arguments(p_cost)
+    p_cost.set_defaults(fn=cmd_skywalker_cost)
     p_med = sub.add_parser("medha", help="Medha's scheduler ablation on long contexts")
     p_med.add_argument("--qps", type=float, default=1.5)
     p_med.add_argument("--requests", type=int, default=200)

@@ -29,6 +29,7 @@ forwarded. ``fewest_replicas`` searches, per system, the smallest total replica 
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,6 +43,7 @@ from sim.presets import ClusterConfig, make_cost
 from sim.regional_workload import split_regions
 from sim.regions import MultiRegionCluster
 from sim.traces import load_trace
+from sim.workload import TraceRequest
 
 REGIONS = ("us", "eu", "asia")
 DELAY = {("us", "eu"): 0.04, ("us", "asia"): 0.08, ("eu", "asia"): 0.1}
@@ -78,11 +80,19 @@ class RegionRun:
     clients: int = 0  # closed loop: mean clients per region (0: open-loop replay)
     duration: float = 0.0  # closed loop: seconds of issuing turns (one diurnal period)
     replicas_total: int = 0  # if set: this many replicas in all, instead of per region
+    replicas_by_region: tuple[int, ...] = ()  # if set: each region's count, in REGIONS order
+    poisson_rate: float = 0.0  # if set: the trace's requests at this steady Poisson rate (req/s)
+    kv_tokens: int = 0  # if set: each replica's KV capacity in tokens, instead of the GPU's
 
 
 def replica_split(run: RegionRun) -> dict[str, int]:
-    """Region -> replicas: ``replicas_total`` spread as evenly as it divides (the first
-    regions get the remainder), else ``replicas_per_region`` each."""
+    """Region -> replicas: ``replicas_by_region`` as given, else ``replicas_total`` spread as
+    evenly as it divides (the first regions get the remainder), else ``replicas_per_region``
+    each."""
+    if run.replicas_by_region:
+        if len(run.replicas_by_region) != len(REGIONS) or min(run.replicas_by_region) < 1:
+            raise ValueError(f"replicas_by_region needs {len(REGIONS)} counts, each at least 1")
+        return dict(zip(REGIONS, run.replicas_by_region, strict=True))
     if run.replicas_total <= 0:
         return dict.fromkeys(REGIONS, run.replicas_per_region)
     q, r = divmod(run.replicas_total, len(REGIONS))
@@ -91,11 +101,26 @@ def replica_split(run: RegionRun) -> dict[str, int]:
     return {g: q + (1 if i < r else 0) for i, g in enumerate(REGIONS)}
 
 
+def steady_arrivals(reqs: list[TraceRequest], rate: float, seed: int) -> list[TraceRequest]:
+    """The requests in trace order at Poisson arrivals of ``rate`` per second from 0: the
+    trace's lengths and prefixes with an aggregate load that does not swing."""
+    rng = random.Random(seed)
+    t = 0.0
+    out: list[TraceRequest] = []
+    for r in reqs:
+        out.append(replace(r, arrival=t))
+        t += rng.expovariate(rate)
+    return out
+
+
 def build(run: RegionRun) -> tuple[MultiRegionCluster, list]:
     cfg = ClusterConfig(model=run.model, gpu=run.gpu, tp=1)
     cost = make_cost(cfg)
-    spec = InstanceSpec(cost, cost.kv_capacity_tokens() // cfg.block_size, cfg.block_size, 2048)
+    kv_tokens = run.kv_tokens or cost.kv_capacity_tokens()
+    spec = InstanceSpec(cost, kv_tokens // cfg.block_size, cfg.block_size, 2048)
     reqs = load_trace(run.trace, run.trace_dir, limit=run.limit, speed=run.speed)
+    if run.poisson_rate > 0:
+        reqs = steady_arrivals(reqs, run.poisson_rate, run.seed)
     clients: ClosedLoopClients | None = None
     if run.clients > 0:
         if run.duration <= 0:
