@@ -18,7 +18,12 @@ Target: P/D p99 during the long prefill at most 1.3x its p50 before. The last li
 such as SmolLM2-135M-Instruct) and real prompts: ShareGPT first turns in its chat template
 as the short prompts, a 3,072-token window of MT-bench's reference answers as the long one.
 
-    python bench/pd_isolation.py [--repeats 3] [--model M --dataset sharegpt]
+``--http``: the same scenario through the public API (``bench/pd_isolation_http.py``): a
+colocated and a 1+1 P/D app, each started by ``serve run`` at defaults, HTTP streaming
+clients; the last line is then ``isolation-http: <P/D p99 during / P/D p50 before>``
+(target at most 1.5 on the 2-core machine).
+
+    python bench/pd_isolation.py [--repeats 3] [--model M --dataset sharegpt] [--http]
 """
 
 from __future__ import annotations
@@ -149,9 +154,17 @@ def main() -> None:
     add_model_options(
         ap, "sharegpt: real prompts (ShareGPT first turns, MT-bench text), needs --model"
     )
+    ap.add_argument("--http", action="store_true", help="through serve run and HTTP clients")
     args = ap.parse_args()
     model_dir = chosen_model(ap, args) or write_bench_model(Path(tempfile.mkdtemp()) / "bench")
     prompts = real_prompts(args.model) if args.dataset != "random" else random_prompts
+    if args.http:
+        from pd_isolation_http import run_http
+
+        limit = SHORT_PARAMS.max_tokens
+        med = run_http(model_dir, prompts, gaps, pct, args.repeats, limit, BEFORE_TOKENS)
+        report(med, args.repeats, "isolation-http")
+        return
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     colocated = ReplicaController.build(model_dir, dtype=torch.float32, **ENGINE)
     engine = EngineConfig(dtype=torch.float32, **ENGINE)
@@ -170,17 +183,24 @@ def main() -> None:
             figs = (pct(before, 0.5), pct(before, 0.99), pct(during, 0.5), pct(during, 0.99))
             runs[name].append(figs)
             print(f"run {i} {name:9s} " + " ".join(f"{x * 1e3:7.1f}" for x in figs), flush=True)
-    print(f"\ndecode inter-token time of {SHORT} short requests, ms (median of {args.repeats})")
+    med = {
+        name: [statistics.median(r[k] for r in rows) for k in range(4)]
+        for name, rows in runs.items()
+    }
+    pd.shutdown()
+    colocated.shutdown()
+    report(med, args.repeats, "isolation")
+
+
+def report(med: dict[str, list[float]], repeats: int, label: str) -> None:
+    """The table of medians (seconds in, ms out) and the last line."""
+    print(f"\ndecode inter-token time of {SHORT} short requests, ms (median of {repeats})")
     print(
         f"{'':10s} {'p50 before':>11s} {'p99 before':>11s} {'p50 during':>11s} {'p99 during':>11s}"
     )
-    med: dict[str, list[float]] = {}
-    for name, rows in runs.items():
-        med[name] = [statistics.median(r[k] for r in rows) for k in range(4)]
-        print(f"{name:10s} " + " ".join(f"{x * 1e3:11.1f}" for x in med[name]))
-    pd.shutdown()
-    colocated.shutdown()
-    print(f"isolation: {med['P/D'][3] / med['P/D'][0]:.2f}")
+    for name, figs in med.items():
+        print(f"{name:10s} " + " ".join(f"{x * 1e3:11.1f}" for x in figs))
+    print(f"{label}: {med['P/D'][3] / med['P/D'][0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -455,21 +455,16 @@ def main_defaults(args: argparse.Namespace, chat: bool) -> None:
                 write_bench_model(Path(model))
         else:
             model = str(write_bench_model(Path(tmp) / "bench"))
-        log = Path(tmp) / "serve.log"
         print(
             f"--defaults: `serve run` as `make serve` ({make_serve_env()}) on {{model: "
             f"{model}, groups: [{{name: main}}]}}; {args.dataset} workload; {load()}",
             flush=True,
         )
-        try:
-            with serve_run(model, log) as (url, name):
-                if chat:
-                    asyncio.run(run_chat_sides(args, url, name))
-                else:
-                    asyncio.run(run_defaults(args, url, name))
-        except BaseException:
-            print(log.read_text()[-4000:], file=sys.stderr)
-            raise
+        with serve_run(model) as (url, name):
+            if chat:
+                asyncio.run(run_chat_sides(args, url, name))
+            else:
+                asyncio.run(run_defaults(args, url, name))
 
 
 if __name__ == "__main__":

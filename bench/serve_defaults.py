@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,8 +58,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def defaults_yaml(model: str, port: int) -> str:
-    """A Ray Serve config file as ``serve_config.yaml``'s, with only model and one group."""
+def defaults_yaml(model: str, port: int, group: str = "{name: main}") -> str:
+    """A Ray Serve config file as ``serve_config.yaml``'s, with only model and one group
+    (``group``: a YAML flow mapping)."""
     return (
         "proxy_location: EveryNode\n"
         f"http_options: {{host: 127.0.0.1, port: {port}}}\n"
@@ -68,7 +70,7 @@ def defaults_yaml(model: str, port: int) -> str:
         "    import_path: serve_app:build_app\n"
         "    args:\n"
         f"      model: {model}\n"
-        "      groups: [{name: main}]\n"
+        f"      groups: [{group}]\n"
     )
 
 
@@ -84,13 +86,14 @@ def served_model(url: str) -> str | None:
 
 
 @contextlib.contextmanager
-def serve_run(model: str, log: Path) -> Iterator[tuple[str, str]]:
+def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, str]]:
     """``serve run`` in its own session on a defaults config; yields (URL, model id) once
-    the app answers, then stops it (SIGINT, as Ctrl-C; then the whole session)."""
+    the app answers, then stops it (SIGINT, as Ctrl-C; then the whole session). Its folder
+    (config, log, Ray's files) is removed after a clean run and kept after a failure."""
     tmp = Path(tempfile.mkdtemp(prefix="mrd-", dir="/tmp"))  # short: Ray's socket paths
     port = free_port()
-    config = tmp / "config.yaml"
-    config.write_text(defaults_yaml(model, port))
+    config, log = tmp / "config.yaml", tmp / "serve.log"
+    config.write_text(defaults_yaml(model, port, group))
     env = os.environ | make_serve_env() | {"RAY_TMPDIR": str(tmp / "ray")}
     serve = str(Path(sys.executable).parent / "serve")
     with open(log, "w") as out:
@@ -103,6 +106,7 @@ def serve_run(model: str, log: Path) -> Iterator[tuple[str, str]]:
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
+    clean = False
     try:
         deadline = time.monotonic() + 900
         while (name := served_model(url)) is None:
@@ -112,9 +116,15 @@ def serve_run(model: str, log: Path) -> Iterator[tuple[str, str]]:
                 raise TimeoutError(f"the app did not answer within 900 s; see {log}")
             time.sleep(1.0)
         yield url, name
+        clean = True
     finally:
         stop_session(proc)
         stop_leftovers(tmp)
+        if clean:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"serve run's log: {log}; its last lines:", file=sys.stderr)
+            print(log.read_text()[-3000:], file=sys.stderr)
 
 
 def stop_session(proc: subprocess.Popen[bytes]) -> None:
