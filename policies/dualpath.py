@@ -21,6 +21,8 @@ waiting to be read from storage) is known. Two thresholds:
   the smallest ``tok_e``. Then ``tok_e += len``, ``seq_e += 1``, free HBM shrinks.
 - Path: the request's stored (hit) tokens are read on the side, the PE's node or the
   DE's node, with the shorter disk-read queue (ties: the PE's); that queue grows by them.
+  When the nodes' storage links read at different rates (``read_rates``), the queue is
+  measured in time: the side whose read of this request would end first.
 
 Scheduling stops at the first request no PE or no DE can take (FIFO: nothing overtakes
 it). Token counts stand in for bytes: every token's KV has the same size.
@@ -164,11 +166,29 @@ def pick_decode(engines: Sequence[EngineLoad], tokens: int, z: float) -> EngineL
     return None
 
 
-def pick_path(prefill_node: str, decode_node: str, read_queues: dict[str, int]) -> str:
-    """Read on the side whose node has the shorter disk-read queue (ties: the PE's)."""
-    if read_queues.get(decode_node, 0) < read_queues.get(prefill_node, 0):
-        return DECODE_PATH
-    return PREFILL_PATH
+def pick_path(
+    prefill_node: str,
+    decode_node: str,
+    read_queues: dict[str, int],
+    read_rates: dict[str, float] | None = None,
+    hit_tokens: int = 0,
+) -> str:
+    """Read on the side whose node has the shorter disk-read queue (ties: the PE's).
+    ``read_rates`` (tokens per second each node's storage link reads; None: all equal):
+    on the side whose read of ``hit_tokens`` would end first, ``(queue + hit) / rate``,
+    which is the shorter queue when the rates are equal."""
+    q_p, q_d = read_queues.get(prefill_node, 0), read_queues.get(decode_node, 0)
+    if read_rates is None:
+        return DECODE_PATH if q_d < q_p else PREFILL_PATH
+    r_p, r_d = _rate(read_rates, prefill_node), _rate(read_rates, decode_node)
+    return DECODE_PATH if (q_d + hit_tokens) * r_p < (q_p + hit_tokens) * r_d else PREFILL_PATH
+
+
+def _rate(read_rates: dict[str, float], node: str) -> float:
+    rate = read_rates.get(node, 0.0)
+    if rate <= 0:
+        raise ValueError(f"read_rates needs a positive rate for node {node!r}, got {rate}")
+    return rate
 
 
 def schedule(
@@ -179,9 +199,12 @@ def schedule(
     alpha: int,
     beta: int,
     dual_path: bool = True,
+    read_rates: dict[str, float] | None = None,
 ) -> Schedule:
     """Assign waiting requests (FIFO) to (PE, DE, read path) until one cannot be placed.
-    ``dual_path=False`` always reads on the PE's side (the Basic baseline)."""
+    ``dual_path=False`` always reads on the PE's side (the Basic baseline).
+    ``read_rates``: tokens per second each node's storage link reads (``pick_path``;
+    None: every link alike)."""
     if not prefill or not decode:
         raise ValueError("schedule needs at least one prefill and one decode engine")
     out = Schedule(
@@ -207,7 +230,9 @@ def schedule(
         de = pick_decode(members, r.tokens, z[group_of[r.request_id]])
         if de is None:
             break
-        path = pick_path(pe.node, de.node, out.read_queues) if dual_path else PREFILL_PATH
+        path = PREFILL_PATH
+        if dual_path:
+            path = pick_path(pe.node, de.node, out.read_queues, read_rates, r.hit_tokens)
         node = pe.node if path == PREFILL_PATH else de.node
         if r.hit_tokens:
             out.read_queues[node] = out.read_queues.get(node, 0) + r.hit_tokens

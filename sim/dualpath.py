@@ -4,7 +4,8 @@ engines (DEs) whose stored KV is read through per-engine storage links.
 Model (each figure an input, none fitted to the paper's results):
 
 - every engine has a storage link of ``storage_bps`` (its share of its node's storage
-  NIC) and a compute link of ``compute_bps``; a read is FIFO on its link;
+  NIC; a DE's is ``decode_storage_bps`` when set: skewed storage bandwidth) and a
+  compute link of ``compute_bps``; a read is FIFO on its link;
 - a request (one turn) has ``hit`` tokens in the store (the whole previous context) and
   ``new`` appended tokens; its hit KV is read on the PE's link (PE path) or on the DE's
   link and then over the DE's compute link to the PE (DE path), ``kv_bytes_per_token``
@@ -18,8 +19,10 @@ Model (each figure an input, none fitted to the paper's results):
   the last trajectory ends.
 
 Variants: ``basic`` (PE path only; PE and DE by fewest unfinished tokens), ``dual`` (same
-choice, read on the side with the shorter read queue), ``dual+sched`` (the paper's
-scheduler, ``policies.dualpath.schedule``: alpha/beta PE classes, the Z rule, read path).
+choice, read on the side with the shorter read queue in tokens: a naive dual path that
+does not know the links' rates), ``dual+sched`` (the paper's scheduler,
+``policies.dualpath.schedule``: alpha/beta PE classes, the Z rule, the read path by the
+read queues measured in time, the links' rates known).
 Storage-link balance: max/avg of the bytes each storage link read.
 
 Online: open loop, trajectory i's first turn arrives at ``starts[i]`` (``poisson_starts``;
@@ -39,7 +42,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from policies.dualpath import (
@@ -63,6 +66,7 @@ class DualPathConfig:
     num_prefill: int = 2
     num_decode: int = 4
     storage_bps: float = 50e9 / 8  # a 400 Gb/s storage NIC shared by 8 GPUs
+    decode_storage_bps: float | None = None  # DEs' storage links (None: storage_bps)
     compute_bps: float = 50e9  # a 400 Gb/s compute NIC per GPU
     kv_bytes_per_token: int = 70_000  # an MLA model (DeepSeek V3: ~70 KB per token)
     prefill: LinearPrefillTime = LinearPrefillTime(0.01, 5e-5, 1e-7, 2e-10)
@@ -70,6 +74,10 @@ class DualPathConfig:
     decode_per_seq: float = 0.0002
     hbm_tokens: int = 2_000_000  # KV tokens a DE holds
     prefill_tokens_per_s: float = 20_000.0  # for beta
+
+    @property
+    def de_storage_bps(self) -> float:
+        return self.storage_bps if self.decode_storage_bps is None else self.decode_storage_bps
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,14 @@ class DualPathSim:
         q = {f"p{i}": e.read_q for i, e in enumerate(self.pes)}
         return q | {f"d{j}": e.read_q for j, e in enumerate(self.des)}
 
+    def _read_rates(self) -> dict[str, float]:
+        """Tokens per second each node's storage link reads (what the scheduler knows)."""
+        pe = self.cfg.storage_bps / self.cfg.kv_bytes_per_token
+        de = self.cfg.de_storage_bps / self.cfg.kv_bytes_per_token
+        return {f"p{i}": pe for i in range(len(self.pes))} | {
+            f"d{j}": de for j in range(len(self.des))
+        }
+
     def _assign_all(self, now: float) -> list[Event]:
         events: list[Event] = []
         if self.variant == "dual+sched":
@@ -181,7 +197,15 @@ class DualPathSim:
                 for j, e in enumerate(self.des)
             ]
             waiting = [WaitingRequest(r.rid, r.tokens, r.hit) for r in self.waiting]
-            out = schedule(waiting, prefill, decode, self._read_queues(), self.alpha, self.beta)
+            out = schedule(
+                waiting,
+                prefill,
+                decode,
+                self._read_queues(),
+                self.alpha,
+                self.beta,
+                read_rates=self._read_rates(),
+            )
             for a in out.assignments:
                 r = self.waiting.popleft()
                 assert r.rid == a.request_id
@@ -218,7 +242,7 @@ class DualPathSim:
             self.decode_reads += 1
         nbytes = r.hit * cfg.kv_bytes_per_token
         start = max(now, side.link_free)
-        end = start + nbytes / cfg.storage_bps
+        end = start + nbytes / (cfg.storage_bps if path == PREFILL_PATH else cfg.de_storage_bps)
         if path == DECODE_PATH:  # then DE -> PE over the compute link
             end += nbytes / cfg.compute_bps
         side.link_free = end
@@ -324,6 +348,17 @@ class DualPathSim:
 
 def run_variants(cfg: DualPathConfig, trajs: Sequence[Trajectory]) -> dict[str, DualPathResult]:
     return {v: DualPathSim(cfg, v).run(trajs) for v in VARIANTS}
+
+
+def skewed(cfg: DualPathConfig, prefill_share: float = 0.25) -> DualPathConfig:
+    """``cfg`` with skewed storage bandwidth: each PE's storage link reads at
+    ``prefill_share`` of a DE's (the prefill nodes' storage NICs shared by more GPUs, or
+    busy with other traffic), the DEs' at ``cfg.storage_bps``."""
+    if not 0 < prefill_share:
+        raise ValueError("prefill_share must be positive")
+    return replace(
+        cfg, storage_bps=cfg.storage_bps * prefill_share, decode_storage_bps=cfg.storage_bps
+    )
 
 
 def poisson_starts(n: int, rate: float, seed: int = 0) -> list[float]:

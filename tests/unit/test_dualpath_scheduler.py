@@ -86,6 +86,31 @@ def test_read_path_is_the_side_with_the_shorter_disk_queue():
     assert pick_path("p", "d", {}) == PREFILL_PATH  # tie: the prefill side
 
 
+def test_with_link_rates_the_read_goes_where_it_ends_first():
+    rates = {"p": 100.0, "d": 400.0}  # the decode node's storage link reads 4x faster
+    # equal queues: the faster side; (0 + 100) / 400 < (0 + 100) / 100
+    assert pick_path("p", "d", {}, rates, hit_tokens=100) == DECODE_PATH
+    # the decode side's queue 4x longer is the same time: a tie, the prefill side
+    assert pick_path("p", "d", {"p": 100, "d": 700}, rates, hit_tokens=100) == PREFILL_PATH
+    assert pick_path("p", "d", {"p": 100, "d": 600}, rates, hit_tokens=100) == DECODE_PATH
+    # equal rates: the shorter queue, as without rates
+    same = {"p": 1.0, "d": 1.0}
+    assert pick_path("p", "d", {"p": 10, "d": 5}, same, 7) == DECODE_PATH
+    assert pick_path("p", "d", {"p": 5, "d": 10}, same, 7) == PREFILL_PATH
+    with pytest.raises(ValueError, match="positive rate for node 'd'"):
+        pick_path("p", "d", {}, {"p": 1.0}, 1)
+
+
+def test_schedule_splits_reads_by_the_links_rates():
+    prefill, decode = [pe("p0", "np")], [de("d0", "nd")]
+    waiting = [WaitingRequest(f"r{i}", 1000, hit_tokens=900) for i in range(5)]
+    rates = {"np": 100.0, "nd": 400.0}
+    out = schedule(waiting, prefill, decode, {}, 10**6, 10**6, read_rates=rates)
+    # 4 of 5 reads on the 4x faster side: both queues then drain in 9 s
+    assert [a.path for a in out.assignments].count(DECODE_PATH) == 4
+    assert out.read_queues == {"nd": 3600, "np": 900}
+
+
 def test_schedule_alternates_read_paths_to_balance_storage_links():
     prefill = [pe("p0", "np")]
     decode = [de("d0", "nd")]

@@ -16,6 +16,7 @@ from sim.dualpath import (
     online_capacity,
     poisson_starts,
     run_variants,
+    skewed,
 )
 
 CFG = DualPathConfig(
@@ -91,3 +92,26 @@ def test_closed_loop_runs_a_fixed_number_of_trajectories_at_once():
     n, rate = closed_loop_capacity(CFG, "basic", TRAJS, 2, 100.0, 1.0)
     assert (n, rate) == (2, pytest.approx(4 / 5.28))
     assert closed_loop_capacity(CFG, "basic", TRAJS, 2, 0.5, 1.0) == (0, 0.0)
+
+
+def test_under_skewed_storage_the_scheduler_reads_on_the_fast_side():
+    # PEs' storage links read at a quarter of the DEs' (25 against 100 B/s): the
+    # scheduler puts ~4 of 5 reads on the DEs' side; basic reads all on the slow side and
+    # dual (token queues, rates unknown) about half
+    trajs = agentic_trajectories(4, seed=0, turns=(6, 8), append=(40, 60), first=(100, 200))
+    trajs = [Trajectory(t.first, [Turn(x.append, 5) for x in t.turns]) for t in trajs]
+    res = run_variants(skewed(CFG, prefill_share=0.25), trajs)
+    basic, dual, sched = res["basic"], res["dual"], res["dual+sched"]
+    pe_share = sched.storage_bytes[0] / sum(sched.storage_bytes)
+    assert basic.decode_path_share == 0.0
+    assert 0.1 <= pe_share <= 0.3  # ~1/5 of the bytes on the slow PE link
+    assert sched.decode_path_share > dual.decode_path_share
+    assert sched.completion_time < dual.completion_time < basic.completion_time
+    # the reverse: PEs' links 4x faster, the scheduler reads mostly there
+    rev = DualPathSim(skewed(CFG, prefill_share=4.0), "dual+sched").run(trajs)
+    assert rev.storage_bytes[0] > 0.7 * sum(rev.storage_bytes)
+
+
+def test_skewed_needs_a_positive_share():
+    with pytest.raises(ValueError, match="prefill_share"):
+        skewed(CFG, prefill_share=0.0)
