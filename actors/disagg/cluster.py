@@ -70,7 +70,7 @@ from actors.disagg.messages import (
     TokenDelta,
 )
 from actors.disagg.pd_request import PDRequest
-from actors.disagg.read_paths import ReadPaths
+from actors.disagg.read_paths import ReadPaths, storage_rates
 from actors.disagg.replica_set import REPORT_WAIT_S, ReplicaSet, call_replica, plan_nodes
 from actors.disagg.request_table import RequestTable
 from actors.disagg.store_view import PDStore
@@ -110,7 +110,9 @@ class PDCluster:
         )
         self.conductor = self._conductor()
         self.fitter = self._fitter()
-        self.read_paths = ReadPaths(config.read_path)
+        sides = config.prefill.link_budget, config.decode.link_budget
+        rates = storage_rates(*sides, self.block_bytes)
+        self.read_paths = ReadPaths(config.read_path, rates)
         self.path_counts = self.read_paths.counts  # requests read on each side
         self.dualpath: DualPathPlacer | None = None
         if config.scheduler == "dualpath":

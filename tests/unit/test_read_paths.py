@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.disagg.read_paths import ReadPaths
+from actors.disagg.read_paths import ReadPaths, storage_rates
 
 
 def test_dual_reads_on_the_side_with_the_shorter_queue_and_queues_drain():
@@ -29,3 +29,18 @@ def test_fixed_modes_and_bad_modes():
     assert rp.queue == {"d": 9}
     with pytest.raises(ValueError, match="read_path must be one of"):
         ReadPaths("both")
+
+
+def test_with_both_sides_rates_the_read_goes_where_it_ends_first():
+    from store.transfer.links import LinkBudget
+
+    rates = storage_rates(LinkBudget(storage_bps=1e6), LinkBudget(storage_bps=3e6), 1000)
+    assert rates == (1000.0, 3000.0)  # blocks per second on each side
+    rp = ReadPaths("dual", rates)
+    # the decode side reads 3x faster: 3 of 4 equal reads go there
+    paths = [rp.choose(f"{i}#1", 30, "p0", "d0") for i in range(4)]
+    assert paths.count("decode") == 3
+    assert rp.queue == {"p0": 30, "d0": 90}
+    # a side without a limit: rates unknown, the shorter queue decides
+    assert storage_rates(LinkBudget(storage_bps=1e6), LinkBudget(), 1000) is None
+    assert storage_rates(None, LinkBudget(storage_bps=1e6), 1000) is None
