@@ -184,10 +184,13 @@ def experiment(setup: CostSetup) -> dict:
 
 def format_result(res: dict) -> list[str]:
     s = res["setup"]
+    rate = s["poisson_rate"]
+    pace = f"Poisson {rate:g} req/s" if rate > 0 else f"{s['speed']:g}x its own times"
+    kv = f", {s['kv_tokens']} KV tokens per replica" if s["kv_tokens"] else ""
     lines = [
-        f"trace {s['trace']} ({s['limit']} requests, {s['speed']:g}x), three regions, diurnal"
+        f"trace {s['trace']} ({s['limit']} requests, {pace}), three regions, diurnal"
         f" amplitude {s['amplitude']:g}; SLO: TTFT <= {s['ttft_slo']:g} s for at least"
-        f" {s['target']:.0%} of each region's requests",
+        f" {s['target']:.0%} of each region's requests{kv}",
         f"demand: sum of region peaks / global peak = {res['demand_ratio']:.2f}",
         "system        replicas (us eu asia)  total  attainment us/eu/asia  all    forwarded",
     ]
