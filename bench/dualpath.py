@@ -31,6 +31,15 @@ link. This is the link alone, not the engine's collectives (a tp=1 CPU replica h
 
 The last line is ``completion-time prefill-path/dual-path: <ratio>``.
 
+``--skew S``: skewed storage bandwidth, the prefill replica's storage link at ``S`` times
+the decode replica's (``--storage-mbps``). The same two deployments are then the naive
+choice (always the prefill path, the paper's Basic) and the scheduler's read path
+(``"dual"``: with both links' rates known, the side whose read would end first,
+``policies.dualpath.pick_path``); the links carry the model's own traffic too (the
+prefill -> decode KV stream on the prefill replica's compute link, both sides' store
+writes on their storage links). The last line is then ``dualpath scheduler/naive:
+<ratio>``, a throughput ratio (same turns, naive completion time / scheduler's).
+
 ``--model M --dataset sharegpt``: a real model (a ``.gguf``, a folder or a packaged name)
 and ShareGPT conversations with ``--turns`` user turns, each turn appended in the model's
 chat template after the model's own answer. A real model's KV is larger per token (46 KB
@@ -38,7 +47,7 @@ for SmolLM2-135M against the tiny model's 1 KB): scale the links with it to keep
 tiny run's reads-per-second regime (e.g. ``--storage-mbps 45 --compute-mbps 720``), and
 ``--store-mib`` so that every conversation's prefix fits the store.
 
-    python bench/dualpath.py [--repeats 3] [--model M --dataset sharegpt]
+    python bench/dualpath.py [--repeats 3] [--model M --dataset sharegpt] [--skew 0.25]
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -98,11 +108,13 @@ def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, l
         compute_bps=args.compute_mbps * 1e6,
         chunk_bytes=16 << 10,
     )
+    share = args.skew if args.skew is not None else 1.0
+    prefill_budget = replace(budget, storage_bps=args.storage_mbps * 1e6 * share)
     pd = PDCluster(
         PDClusterConfig(
             model_dir=args.model_dir,
             engine=EngineConfig(**ENGINE),
-            prefill=PDSideConfig(link_budget=budget),
+            prefill=PDSideConfig(link_budget=prefill_budget),
             decode=PDSideConfig(link_budget=budget),
             store=StoreConfig(dram_bytes=args.store_mib << 20, write_back=True),
             read_path=read_path,
@@ -135,6 +147,10 @@ def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, l
             "cached_tokens": cached,
             "prefill_loaded": sum(s.loaded_blocks for s in pd.prefill_stats().values()),
             "decode_loaded": decode_loaded,
+            "storage_kv_bytes": {  # reads and writes (the model's own write-back too)
+                rid: ray.get(h.link_bytes.remote()).get("storage", {}).get("kv", 0)
+                for rid, h in [*pd.prefills.items(), *pd.decodes.items()]
+            },
         }
     finally:
         pd.shutdown()
@@ -170,6 +186,23 @@ def message_latency(classes: bool, load: bool, seconds: float = 1.5) -> float:
     return statistics.median(latencies) * 1e3
 
 
+def report_skewed(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    """The skewed-storage comparison: the naive choice (always the prefill path) against
+    the scheduler's read path (``read_path="dual"``: the side whose read ends first, the
+    links' rates known); throughput = the same turns / completion time."""
+    pp, dp = statistics.median(times["prefill"]), statistics.median(times["dual"])
+    share = args.skew
+    print(
+        f"\nskewed storage: prefill link {args.storage_mbps * share:g} MB/s, decode link "
+        f"{args.storage_mbps:g} MB/s; median completion time (turns 2..{args.turns}) "
+        f"naive (prefill path) {pp:.2f} s, scheduler (dual, rates known) {dp:.2f} s over "
+        f"{args.repeats} interleaved pairs"
+    )
+    pairs = zip(times["prefill"], times["dual"], strict=True)
+    print("per pair naive/scheduler: " + " ".join(f"{a / b:.2f}" for a, b in pairs))
+    print(f"dualpath scheduler/naive: {pp / dp:.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -182,6 +215,14 @@ def main() -> None:
     p.add_argument("--compute-mbps", type=float, default=16.0, help="MB/s per compute link")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-mib", type=int, default=256, help="the KV store's DRAM")
+    p.add_argument(
+        "--skew",
+        type=float,
+        default=None,
+        help="skewed storage: the prefill replica's storage link at this share of "
+        "--storage-mbps (the decode replica's at --storage-mbps); ends with "
+        "'dualpath scheduler/naive'",
+    )
     add_model_options(p, "sharegpt: ShareGPT conversations' user turns (--first/--append unused)")
     args = p.parse_args()
     chosen = chosen_model(p, args)
@@ -200,6 +241,10 @@ def main() -> None:
             times[path].append(seconds)
             print(f"repeat {r} {path:7s}: {seconds:6.2f} s  {counters}", flush=True)
     ray.shutdown()
+    pp, dp = statistics.median(times["prefill"]), statistics.median(times["dual"])
+    if args.skew is not None:
+        report_skewed(args, times)
+        return
 
     print("\nmodel-execution message latency (ms, 16 KB every 5 ms on a 20 MB/s link):")
     lat: dict[str, list[float]] = {
@@ -214,7 +259,6 @@ def main() -> None:
     for name, values in lat.items():
         print(f"  {name:22s} median {statistics.median(values):7.2f}")
 
-    pp, dp = statistics.median(times["prefill"]), statistics.median(times["dual"])
     print(
         f"\nmedian completion time (turns 2..{args.turns}): prefill-path {pp:.2f} s, "
         f"dual-path {dp:.2f} s over {args.repeats} interleaved pairs"

@@ -270,3 +270,31 @@ def test_the_decode_side_read_is_relayed_layer_by_layer():
         assert set(pd.check_blocks().values()) == {0}
     finally:
         pd.shutdown()
+
+
+def test_with_skewed_storage_links_the_dual_path_reads_on_the_faster_side():
+    """Both sides' storage budgets known, the prefill side's 4x slower: with empty read
+    queues the stored prefix is read where it ends first, the decode side (with equal
+    links the tie goes to the prefill side); tokens as the colocated replica's."""
+    slow, fast = LinkBudget(storage_bps=5e6), LinkBudget(storage_bps=20e6)
+    first = tokens(161, 30)
+    pd = PDCluster(
+        pd_config(
+            store=StoreConfig(dram_bytes=64 << 20, write_back=True),
+            prefill=PDSideConfig(link_budget=slow),
+            decode=PDSideConfig(link_budget=fast),
+            read_path="dual",
+        )
+    )
+    try:
+        (out1,) = pd.generate(prompt_token_ids=[first], sampling_params=ANSWER)
+        second = first + out1.token_ids + tokens(162, 7)
+        ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
+        (out2,) = pd.generate(prompt_token_ids=[second], sampling_params=ANSWER)
+        assert out2.token_ids == colocated([second], ANSWER)[0]
+        assert out2.num_cached_tokens > 0
+        assert pd.path_counts == {"prefill": 0, "decode": 1}
+        (d0,) = pd.decodes.values()
+        assert ray.get(d0.report.remote(0.0)).stats.loaded_blocks > 0
+    finally:
+        pd.shutdown()
