@@ -34,7 +34,7 @@ from actors.engine.worker_hooks import CacheGeometry, KVCaches, WorkerHooks
 from models.sharding import kv_head_range, layer_range
 from store.shared_segment import SharedSegment
 from store.transfer import LocalMemory, TransferEngine
-from store.transfer.links import BudgetedTransfer
+from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
 
 
 @dataclass(frozen=True)
@@ -272,12 +272,15 @@ class StreamingWorkers:
     """``HooksFactory`` of a prefill replica's workers: each streams the layers and heads
     it holds (a replicated head from the lowest TP rank holding it). ``num_layers`` > 0:
     each also keeps its cache in a shared-memory segment (``SharedKVCache``) that the
-    replica maps to read and write the KV store (``actors.disagg.stage_caches``)."""
+    replica maps to read and write the KV store (``actors.disagg.stage_caches``).
+    ``link_budget``: the replica's node links; each of its ``tp * spp`` workers streams
+    through an equal share of the compute link (KV class)."""
 
     replica_id: str
     block_size: int
     num_kv_heads: int
     num_layers: int = 0
+    link_budget: LinkBudget | None = None
 
     def __call__(self, coords: tuple[int, int, int], layout: Layout) -> WorkerHooks:
         from actors.kvstore.shard import current_node_id
@@ -288,7 +291,12 @@ class StreamingWorkers:
         engine = TransferEngine(
             f"prefill-{self.replica_id}-{tp_rank}.{stage}.{kvp_rank}", current_node_id()
         )
-        streamer = LayerStreamer(engine, self.block_size, held, sent_heads(held, tp_rank, ranges))
+        link = None
+        if self.link_budget is not None:
+            links = NodeLinks(self.link_budget.share(layout.tp * layout.spp))
+            link = links.compute(self.replica_id)
+        stream = BudgetedTransfer(engine, link)
+        streamer = LayerStreamer(stream, self.block_size, held, sent_heads(held, tp_rank, ranges))
         cache = None
         if self.num_layers > 0:
             cache = SharedKVCache(

@@ -149,7 +149,7 @@ class PrefillReplica(LoopedReplica):
                     "may be more)"
                 )
             layers = model.num_hidden_layers if store_shards else 0
-            hooks = StreamingWorkers(replica_id, self.block_size, num_kv_heads, layers)
+            hooks = StreamingWorkers(replica_id, self.block_size, num_kv_heads, layers, link_budget)
         self.controller = ReplicaController.build(model_dir, config, worker_hooks=hooks)
         self.stages: StageCaches | None = None
         if self.staged and store_shards:

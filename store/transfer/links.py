@@ -28,7 +28,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from store.transfer.endpoint import Endpoint, LocalMemory, Ranges
 
@@ -131,6 +131,17 @@ class LinkBudget:
     storage_bps: float | None = None
     compute_bps: float | None = None
     chunk_bytes: int = 64 << 10
+
+    def share(self, processes: int) -> LinkBudget:
+        """One of ``processes`` equal shares of each link (a node's processes that each
+        hold their own ``NodeLinks``, e.g. a replica's workers, together get the node's)."""
+        if processes < 1:
+            raise ValueError("processes must be at least 1")
+
+        def part(bps: float | None) -> float | None:
+            return None if bps is None else bps / processes
+
+        return replace(self, storage_bps=part(self.storage_bps), compute_bps=part(self.compute_bps))
 
 
 class NodeLinks:

@@ -174,3 +174,18 @@ def test_pd_hashes_each_block_once_across_prefill_and_decode(prompts, monkeypatc
     assert calls == blocks  # each computed block once, in order, nothing else
     prefill.shutdown()
     decode.shutdown()
+
+
+def test_a_staged_replicas_workers_stream_through_shares_of_the_compute_link():
+    from actors.disagg.kv_stream import StreamingWorkers
+    from actors.engine.collectives import Layout
+    from store.transfer.links import BudgetedTransfer
+
+    budget = LinkBudget(compute_bps=20e6, chunk_bytes=16 << 10)
+    hooks = StreamingWorkers("p", 16, 4, link_budget=budget)((0, 1, 0), Layout(tp=2, spp=2))
+    engine = hooks.step.streamer.engine
+    assert isinstance(engine, BudgetedTransfer)
+    assert engine.link is not None and engine.link.rate == 5e6  # one of 4 workers
+    plain = StreamingWorkers("p", 16, 4)((0, 0, 0), Layout(tp=2, spp=2)).step.streamer.engine
+    assert isinstance(plain, BudgetedTransfer) and plain.link is None
+    hooks.step.streamer.close()

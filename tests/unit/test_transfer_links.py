@@ -129,3 +129,11 @@ def test_bad_links_are_refused():
     link = Link("x", 1e6, burst_bytes=100, chunk_bytes=100)
     with pytest.raises(ValueError, match="exceeds the burst"):
         link.acquire(101, EXEC)
+
+
+def test_a_budget_shared_by_processes_gives_each_an_equal_part():
+    budget = LinkBudget(storage_bps=8e6, compute_bps=None, chunk_bytes=4096)
+    assert budget.share(4) == LinkBudget(storage_bps=2e6, compute_bps=None, chunk_bytes=4096)
+    assert budget.share(1) == budget
+    with pytest.raises(ValueError, match="at least 1"):
+        budget.share(0)
