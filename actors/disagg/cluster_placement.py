@@ -91,8 +91,10 @@ class RequestPlacement:
         if self.dualpath is not None:
             in_prefill = self.table.in_prefill_counts()
             queues = self.read_paths.tokens(self.block_size)
+            ids = [v.instance_id for v in prefills], [v.instance_id for v in decodes]
+            rates = self.read_paths.token_rates(self.block_size, *ids)
             decision, rule = self.dualpath.decide(
-                creq, hit, prefills, in_prefill, decodes, queues, conductor
+                creq, hit, prefills, in_prefill, decodes, queues, conductor, rates
             )
         else:
             decision = conductor.schedule(creq, prefills, decodes, now)

@@ -106,12 +106,17 @@ class DualPathPlacer:
         decodes: Sequence[EngineLoad],
         read_queues: dict[str, int],
         conductor: Conductor,
+        read_rates: dict[str, float] | None = None,
     ) -> Assignment:
         """The (PE, DE, read path) for ``request``; raises ``RequestRejected`` when every
-        PE is over beta ("prefill_busy") or no DE has the room ("decode_full")."""
+        PE is over beta ("prefill_busy") or no DE has the room ("decode_full").
+        ``read_rates``: tokens per second each replica's storage link reads (None: all
+        alike)."""
         alpha, beta = self.thresholds or fitted_thresholds(conductor, self.block_size)
         dual = self.read_path == "dual"
-        out = schedule([request], prefills, decodes, read_queues, alpha, beta, dual_path=dual)
+        out = schedule(
+            [request], prefills, decodes, read_queues, alpha, beta, dual, read_rates=read_rates
+        )
         if not out.assignments:
             busy = pick_prefill(prefills, read_queues, alpha, beta) is None
             reason = "prefill_busy" if busy else "decode_full"
@@ -130,11 +135,12 @@ class DualPathPlacer:
         decodes: Sequence[DecodeInstance],
         read_queues: dict[str, int],
         conductor: Conductor,
+        read_rates: dict[str, float] | None = None,
     ) -> tuple[ConductorDecision, Assignment]:
         """``place`` on the Conductor's views; the decision (its ``cached_blocks``: the
         stored prefix read) updates the views as any accepted one (``apply_decision``).
         ``in_prefill``: attempts in prefill per prefill replica; ``read_queues`` in
-        tokens."""
+        tokens, ``read_rates`` in tokens per second."""
         waiting = WaitingRequest(
             request.request_id, request.num_prompt_tokens, hit_blocks * self.block_size
         )
@@ -144,6 +150,7 @@ class DualPathPlacer:
             [decode_load(v, self.block_size) for v in decodes],
             read_queues,
             conductor,
+            read_rates,
         )
         decision = ConductorDecision(
             accepted=True,

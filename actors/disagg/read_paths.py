@@ -59,6 +59,16 @@ class ReadPaths:
         self._reads[key] = (side, hit_blocks)
         self.counts[path] += 1
 
+    def token_rates(
+        self, block_size: int, prefill_ids: list[str], decode_ids: list[str]
+    ) -> dict[str, float] | None:
+        """Tokens per second each replica's storage link reads (``read_rates`` of
+        ``policies.dualpath``; None: rates unknown)."""
+        if self.rates is None:
+            return None
+        pr, dr = self.rates
+        return {i: pr * block_size for i in prefill_ids} | {i: dr * block_size for i in decode_ids}
+
     def tokens(self, block_size: int) -> dict[str, int]:
         """The read queues in tokens (the unit of ``policies.dualpath``)."""
         return {side: blocks * block_size for side, blocks in self.queue.items()}

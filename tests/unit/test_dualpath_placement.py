@@ -77,6 +77,22 @@ def test_the_read_side_is_the_shorter_queue_or_the_fixed_mode():
     assert (a.path, a.read_node) == (PREFILL_PATH, "p0")
 
 
+def test_with_link_rates_the_read_side_is_where_it_ends_first():
+    prefills, decodes = loads()
+    req = WaitingRequest("r", 100, hit_tokens=80)
+    dual = DualPathPlacer(BS, "dual", thresholds=(10_000, 10_000))
+    # the decode side's queue is longer, but its link reads 4x faster: (160 + 80) / 400
+    # ends before (0 + 80) / 100
+    rp = ReadPaths("dual", rates=(100 / BS, 400 / BS))  # blocks per second
+    rates = rp.token_rates(BS, ["p0", "p1"], ["d0"])
+    assert rates == {"p0": 100.0, "p1": 100.0, "d0": 400.0}
+    a = dual.place(req, prefills, decodes, {"d0": 160}, CONDUCTOR, rates)
+    assert (a.path, a.read_node) == (DECODE_PATH, "d0")
+    a = dual.place(req, prefills, decodes, {"d0": 160}, CONDUCTOR)  # rates unknown
+    assert (a.path, a.read_node) == (PREFILL_PATH, "p0")
+    assert ReadPaths("dual").token_rates(BS, ["p0"], ["d0"]) is None
+
+
 def test_decode_choice_follows_the_z_rule():
     placer = DualPathPlacer(BS, "dual", thresholds=(10_000, 10_000))
     prefills = [EngineLoad("p0", "p0")]
