@@ -19,7 +19,13 @@ p99 TTFT and their mean time per output token (TPOT, first token to last), and t
 request's TTFT. Every request's tokens must equal across configurations (greedy: the
 schedule may change, the tokens may not).
 
+``--model M --dataset sharegpt``: a real model (a ``.gguf``, a folder or a packaged name
+such as SmolLM2-135M-Instruct) and real prompts: ShareGPT first turns in its chat template
+as the short requests (their own lengths; ``--short`` is then unused) and a ``--long``-token
+window of MT-bench's reference answers as the long prompt.
+
     python bench/medha_sched.py [--repeats 3] [--long 4096] [--shorts 16] [--gap 0.25]
+    python bench/medha_sched.py --model SmolLM2-135M-Instruct --dataset sharegpt
 
 Last line: ``short-ttft-p50 fcfs/ilrs: <ratio>``.
 """
@@ -39,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import MODEL  # noqa: E402
+from real_prompts import add_model_options, chosen_model  # noqa: E402
 
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
@@ -50,6 +57,30 @@ WARMUP = 2  # interleaved pairs run first and not counted
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def random_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """The long prompt, then the short ones: random ids of the bench model's vocabulary."""
+    rng = random.Random(0)
+    vocab = MODEL["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.long)]]
+    return prompts + [
+        [rng.randrange(3, vocab) for _ in range(args.short)] for _ in range(args.shorts)
+    ]
+
+
+def real_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """The long prompt (MT-bench's reference answers, a window from the start), then
+    ShareGPT first turns in the model's chat template."""
+    from real_prompts import short_prompts, tokenizer
+
+    from sim.datasets import mtbench_reference_text
+
+    tok = tokenizer(args.model)
+    text = tok.encode(mtbench_reference_text(), add_special_tokens=False)
+    if len(text) < args.long:
+        raise SystemExit(f"MT-bench's reference answers have only {len(text)} tokens")
+    return [text[: args.long], *short_prompts(tok, args.shorts, seed=0)]
 
 
 def run_once(engine: ReplicaController, args, prompts: list[list[int]]) -> dict:
@@ -103,14 +134,12 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=0.5)
     ap.add_argument("--min-slo", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    add_model_options(ap, "sharegpt: ShareGPT first turns and MT-bench text; needs --model")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    rng = random.Random(0)
-    vocab = MODEL["vocab_size"]
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.long)]]
-    prompts += [[rng.randrange(3, vocab) for _ in range(args.short)] for _ in range(args.shorts)]
+    real = chosen_model(ap, args)
+    prompts = real_prompts(args) if real else random_prompts(args)
     common = dict(block_size=16, enable_prefix_caching=False, max_num_seqs=64)
     configs = {
         "fcfs": dict(common, chunk_size=args.chunk, token_budget=args.chunk),
@@ -125,7 +154,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = dict(MODEL, max_position_embeddings=max(8192, 2 * args.long))
-        folder = write_tiny_model(Path(tmp) / "m", kind="dense", seed=0, **model)
+        folder = real or write_tiny_model(Path(tmp) / "m", kind="dense", seed=0, **model)
         engines = {name: ReplicaController.build(folder, **cfg) for name, cfg in configs.items()}
         results: dict[str, list[dict]] = {name: [] for name in configs}
         t0 = time.monotonic()
@@ -143,11 +172,14 @@ def main() -> None:
         pred = engines["ilrs"].predictor
         assert pred is not None
         print(f"ilrs predictor: {pred.describe()} ({pred.fitter.num_fits['prefill']} fits)")
-        for name in configs:
-            for r in results[name]:
-                if r["tokens"] != results["fcfs"][0]["tokens"]:
-                    raise SystemExit(f"{name}: tokens differ from fcfs")
-        print(f"tokens identical across configurations and repeats; {time.monotonic() - t0:.0f}s")
+        differ = [
+            f"{name} repeat {k + 1}"
+            for name in configs
+            for k, r in enumerate(results[name])
+            if r["tokens"] != results["fcfs"][0]["tokens"]
+        ]
+        same = f"tokens DIFFER from fcfs's first run in: {differ}" if differ else "tokens identical"
+        print(f"{same} across configurations and repeats; {time.monotonic() - t0:.0f}s")
         med = {
             name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "tokens"}
             for name, rs in results.items()
@@ -162,6 +194,8 @@ def main() -> None:
         print(f"short-tpot fcfs/ilrs: {f['tpot'] / i['tpot']:.2f}")
         print(f"long-ttft fcfs/ilrs: {f['long_ttft'] / i['long_ttft']:.2f}")
         print(f"short-ttft-p50 fcfs/ilrs: {f['short_p50'] / i['short_p50']:.2f}")
+        if differ:
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":
