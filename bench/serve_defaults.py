@@ -106,6 +106,8 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
+    # SIGTERM to the bench unwinds it (SystemExit), so the session below is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clean = False
     try:
         deadline = time.monotonic() + 900
