@@ -26,7 +26,15 @@ Per run: requests completed per second, client-side P50/P90 TTFT, prefix-cache h
 every run (checked). Medians over the repeats; the last line is
 ``p90-ttft immediate/selective: <ratio>`` (medians, two decimals).
 
+``--model M --dataset sharegpt``: a real model (a ``.gguf``, a folder or a packaged name
+such as SmolLM2-135M-Instruct) and real text: a tree's question is a ShareGPT first turn in
+the model's chat template, a branch instruction a later ShareGPT user turn (under 400
+characters) appended as the next user turn after the parent's answer; ``--question`` and
+``--thought`` are then unused. ``--kv-mib`` sizes each replica's KV cache (a real model's
+KV is larger per token).
+
     python bench/regions.py [--duration 20] [--repeats 2]
+    python bench/regions.py --model SmolLM2-135M-Instruct --dataset sharegpt --kv-mib 512
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import MODEL, write_bench_model  # noqa: E402
+from real_prompts import add_model_options, chosen_model  # noqa: E402
 
 from actors.regions.runtime import BalancerRuntime, LocalReplica  # noqa: E402
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop  # noqa: E402
@@ -92,6 +101,15 @@ class Bench:
         self.args = args
         self.model_dir = model_dir
         self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        # real text (--dataset sharegpt): questions and branch turns to draw from, as ids
+        self.questions: list[list[int]] = []
+        self.thoughts: list[list[int]] = []
+        if args.dataset != "random":
+            from real_prompts import dialogues, short_prompts, tokenizer, turn_ids
+
+            tok = tokenizer(args.model)
+            self.questions = short_prompts(tok, 64, seed=0)
+            self.thoughts = [turn_ids(tok, d[1]) for d in dialogues(2, 64, seed=1, max_chars=400)]
 
     def engines(self) -> dict[str, tuple[ColocatedEngine, EngineLoop]]:
         a = self.args
@@ -102,7 +120,7 @@ class Bench:
                 block_size=16,
                 token_budget=a.token_budget,
                 max_num_seqs=a.max_num_seqs,
-                kv_cache_memory=64 << 20,
+                kv_cache_memory=a.kv_mib << 20,
             )
             out[region] = (engine, EngineLoop(engine))
         return out
@@ -120,7 +138,11 @@ class Bench:
         a = self.args
         rng = random.Random(f"{client}/{k}")
         vocab = MODEL["vocab_size"]
-        question = [rng.randrange(3, vocab) for _ in range(a.question)]
+        question = (
+            list(rng.choice(self.questions))
+            if self.questions
+            else [rng.randrange(3, vocab) for _ in range(a.question)]
+        )
 
         async def node(prompt: list[int], path: str, level: int) -> None:
             if time.monotonic() >= deadline:
@@ -141,7 +163,11 @@ class Bench:
             children = []
             for b in range(a.branch):
                 crng = random.Random(f"{rid}/{b}")
-                thought = [crng.randrange(3, vocab) for _ in range(a.thought)]
+                thought = (
+                    list(crng.choice(self.thoughts))
+                    if self.thoughts
+                    else [crng.randrange(3, vocab) for _ in range(a.thought)]
+                )
                 children.append(node(prompt + out.token_ids + thought, f"{path}{b}", level + 1))
             await asyncio.gather(*children)
 
@@ -205,13 +231,16 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--cap", type=int, default=4, help="outstanding cap of the cap mode")
     p.add_argument("--probe-interval", type=float, default=0.1)
+    p.add_argument("--kv-mib", type=int, default=64, help="KV cache per replica, MiB")
+    add_model_options(p, "sharegpt: ShareGPT turns as questions and branches; needs --model")
     a = p.parse_args()
+    real = chosen_model(p, a)
     import torch
 
     torch.set_num_threads(1)
     runs: dict[str, list[Run]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
-        bench = Bench(a, write_bench_model(Path(tmp) / "bench"))
+        bench = Bench(a, real or write_bench_model(Path(tmp) / "bench"))
         for rep in range(a.repeats):
             for mode in MODES:
                 r = asyncio.run(bench.run_mode(mode))
