@@ -63,7 +63,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import MODEL, write_bench_model  # noqa: E402
-from serve_records import TokenClock, percentile  # noqa: E402
+from serve_records import TokenClock, percentile, sse_chunks  # noqa: E402
 
 from sim.agent_trajectories import (  # noqa: E402
     AgentTrajectory,
@@ -184,15 +184,7 @@ class Agent:
                 raise Refused(min(1.0, float(r.headers.get("retry-after", "0.1"))))
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
+            async for chunk in sse_chunks(r.aiter_lines()):
                 usage = chunk.get("usage") or usage
                 ids = [i for c in chunk.get("choices") or () for i in c.get("token_ids") or ()]
                 if ids:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import statistics
@@ -18,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httpx
 from bench_model import MODEL
-from serve_records import Run, Sample, TokenClock, print_table
+from serve_records import Run, Sample, TokenClock, print_table, sse_chunks
 
 
 def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
@@ -75,15 +74,7 @@ class HttpClient:
         async with self.client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
+            async for chunk in sse_chunks(r.aiter_lines()):
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or ()
