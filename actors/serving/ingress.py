@@ -37,7 +37,7 @@ from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
 from actors.serving.relay import ReplicaRelay, retry_after_header
 from actors.serving.tool_calls import ToolPlan, plan_tools, template_messages
-from actors.serving.tool_parsers import ToolFormat, ToolStream, detect_format, parse
+from actors.serving.tool_parsers import ToolFormat, ToolStream, detect_format, parse, stream_delta
 from errors import (
     ContextLengthError,
     EngineUnavailableError,
@@ -441,7 +441,7 @@ class Ingress:
                         text: str | None = d.text
                         calls = None
                         if prep.tools is not None:  # content and call deltas, no markup
-                            text, calls, reason = self._tool_delta(
+                            text, calls, reason = stream_delta(
                                 tool_streams, prep.tools, idx, d.text, d.finished, reason
                             )
                         if not (first or text or calls or d.finished or want_ids or d.logprobs):
@@ -476,27 +476,6 @@ class Ingress:
             for s in streams:
                 with contextlib.suppress(Exception):
                     await s.aclose()  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _tool_delta(
-        streams: dict[int, ToolStream],
-        fmt: ToolFormat,
-        idx: int,
-        text: str | None,
-        finished: bool,
-        reason: str | None,
-    ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
-        """A choice's streamed text read for tool calls: its content, its
-        ``delta.tool_calls`` and its finish reason (``tool_calls`` when it called)."""
-        stream = streams.setdefault(idx, ToolStream(fmt))
-        got = stream.feed(text or "")
-        if finished:
-            rest = stream.finish()
-            got.content += rest.content
-            got.calls += rest.calls
-            reason = "tool_calls" if stream.calls and reason == "stop" else reason
-        calls = [c.as_dict() for c in got.calls] or None
-        return got.content or None, calls, reason
 
     def _logprobs(
         self,

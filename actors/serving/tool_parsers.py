@@ -304,6 +304,28 @@ class ToolStream:
         return out
 
 
+def stream_delta(
+    streams: dict[int, ToolStream],
+    fmt: ToolFormat,
+    idx: int,
+    text: str | None,
+    finished: bool,
+    reason: str | None,
+) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+    """Choice ``idx``'s streamed text read for tool calls (``streams`` holds one
+    ``ToolStream`` per choice): its content, its ``delta.tool_calls`` and its finish reason
+    (``tool_calls`` when it called)."""
+    stream = streams.setdefault(idx, ToolStream(fmt))
+    got = stream.feed(text or "")
+    if finished:
+        rest = stream.finish()
+        got.content += rest.content
+        got.calls += rest.calls
+        reason = "tool_calls" if stream.calls and reason == "stop" else reason
+    calls = [c.as_dict() for c in got.calls] or None
+    return got.content or None, calls, reason
+
+
 def parse(fmt: ToolFormat, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole answer: its content (None when it only calls) and its calls."""
     stream = ToolStream(fmt)
