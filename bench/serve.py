@@ -106,6 +106,7 @@ from serve_http import (  # noqa: E402
     no_itl,
     paired_ratio,
     run_sides,
+    run_with_peer,
 )
 from serve_records import Sample  # noqa: E402
 
@@ -235,17 +236,7 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
         return inproc.itl()
 
     sides = [http_side("http", client), Side("in-process", inproc.one, inproc_itl)]
-    peer = None
-    if args.peer_url:
-        token_ids = not args.no_token_ids
-        peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
-        sides.append(Side("peer", peer.one, no_itl))
-    try:
-        results = await run_sides(args, sides)
-    finally:
-        await client.close()
-        if peer is not None:
-            await peer.close()
+    results, with_peer = await run_with_peer(args, sides, client)
     head = ("streams", "http req/s", "in-proc req/s", "ratio", "ratio range")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (7, 11, 14, 6, 12), strict=True)))
     ratio_at: dict[int, float] = {}
@@ -256,7 +247,7 @@ async def run_both(args: argparse.Namespace, url: str, inproc: InProcess) -> Non
         rng = f"{min(ratios):.2f}-{max(ratios):.2f}"
         hm, pm = median_rate(results, "http", c), median_rate(results, "in-process", c)
         print(f"{c:>7} {hm:>11.2f} {pm:>14.2f} {ratio_at[c]:>6.2f} {rng:>12}")
-    if peer is not None:
+    if with_peer:
         vs = [f"{paired_ratio(results, 'http', 'peer', c):.2f} at {c}" for c in args.concurrency]
         print(f"http/peer ({args.peer_model}) req/s: " + ", ".join(vs) + " streams")
     top = max(args.concurrency)

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from serve_http import HttpClient, Side, http_side, median_rate, no_itl, paired_ratio, run_sides
+from serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,23 +176,13 @@ async def run_defaults(args: argparse.Namespace, url: str, model: str) -> None:
     sides = [http_side("meridian", client)]
     if args.cpu_hog:
         sides.append(http_side("with-hog", client, hog=True))
-    peer = None
-    if args.peer_url:
-        token_ids = not args.no_token_ids
-        peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
-        sides.append(Side("peer", peer.one, no_itl))
-    try:
-        results = await run_sides(args, sides)
-    finally:
-        await client.close()
-        if peer is not None:
-            await peer.close()
+    results, with_peer = await run_with_peer(args, sides, client)
     rates = [median_rate(results, "meridian", c) for c in args.concurrency]
     rises = all(b >= a for a, b in zip(rates, rates[1:], strict=False))
     steps = " -> ".join(f"{r:.2f}" for r in rates)
     print(f"meridian req/s over {args.concurrency} streams: {steps} (never falls: {rises})")
     last = ""
-    if peer is not None:
+    if with_peer:
         vs = [
             f"{paired_ratio(results, 'meridian', 'peer', c):.2f} at {c}" for c in args.concurrency
         ]

@@ -156,6 +156,24 @@ def http_side(name: str, client: HttpClient, hog: bool = False) -> Side:
     return Side(name, client.one, lambda: http_itl(client.client), 2.2, hog)
 
 
+async def run_with_peer(
+    args: argparse.Namespace, sides: list[Side], own: HttpClient
+) -> tuple[dict[tuple[str, int], list[Run]], bool]:
+    """``run_sides``, with ``--peer-url``'s server as one more side named ``peer``; closes
+    ``own`` and the peer's client after. Returns the results and whether a peer ran."""
+    peer = None
+    if args.peer_url:
+        token_ids = not args.no_token_ids
+        peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
+        sides = [*sides, Side("peer", peer.one, no_itl)]
+    try:
+        return await run_sides(args, sides), peer is not None
+    finally:
+        await own.close()
+        if peer is not None:
+            await peer.close()
+
+
 async def run_sides(
     args: argparse.Namespace, sides: list[Side]
 ) -> dict[tuple[str, int], list[Run]]:
