@@ -88,9 +88,12 @@ class RegionEntry:
     def default_region(self) -> str:
         return next(iter(self.balancers))
 
-    def _nearest(self, region: str) -> str | None:
-        alive = [(r, r) for r in self.balancers if r != region and r not in self.down]
-        return nearest_alive(region, alive, self.delay_s)
+    def _nearest(self, region: str, skip: set[str]) -> str | None:
+        """The nearest other balancer not in ``skip``: one seen up if any, else one marked
+        down (a health check that timed out under load is not proof it is gone)."""
+        others = [r for r in self.balancers if r != region and r not in skip]
+        up = [(r, r) for r in others if r not in self.down]
+        return nearest_alive(region, up or [(r, r) for r in others], self.delay_s)
 
     async def _home_back(self, region: str) -> bool:
         """Whether a down region's balancer answers again (checked every ``recheck_s``)."""
@@ -103,12 +106,16 @@ class RegionEntry:
         except Exception:
             self.down[region] = time.monotonic()
             return False
-        del self.down[region]
+        await self._mark_up(region)
+        return True
+
+    async def _mark_up(self, region: str) -> None:
+        """``region``'s balancer answered: it serves its region again, its stand-in lets go."""
+        self.down.pop(region, None)
         stand_in = self.stand_in.pop(region, None)
         if stand_in is not None:
             with contextlib.suppress(Exception):
                 await self.balancers[stand_in].release.remote(region)
-        return True
 
     def _ensure_watcher(self) -> None:
         if self._watcher is None or self._watcher.done():
@@ -137,8 +144,8 @@ class RegionEntry:
             target = region
             if region in self.down and not await self._home_back(region):
                 target = self.stand_in.get(region) or ""
-                if not target or target in self.down:
-                    nearest = self._nearest(region)
+                if not target or target in self.down or target in tried:
+                    nearest = self._nearest(region, tried)
                     if nearest is None:
                         raise RuntimeError(f"no live balancer can serve region {region!r}")
                     target = self.stand_in[region] = nearest
@@ -149,6 +156,8 @@ class RegionEntry:
                 if target != region:
                     await self.balancers[target].adopt.remote(region)
                 answer = await self.balancers[target].place.remote(request)
+                if target in self.down:  # it answered, whatever a timed-out check said
+                    await self._mark_up(target)
                 if target != region and self.stand_in.get(region) != target:
                     # the home balancer came back (and released the stand-in) while this
                     # adopt was in flight: release again, or the stand-in keeps the region

@@ -274,6 +274,8 @@ def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
         while pd.has_unfinished():
             pd.poll()
         pd.release(first)
+        while any(v.queued_tokens for v in pd.prefill_views.values()):
+            pd.poll()  # p0's last report (queue empty) reaches the Conductor: a true tie
         hashes = chained_block_hashes(shared, BS)
         if drop_from_store:  # only p0's own cache holds the prefix now
             assert ray.get(pd.shards["s0"].remove.remote(hashes)) == len(hashes)

@@ -87,6 +87,7 @@ def test_a_killed_balancer_loses_no_request(server, reference):
     from ray._private import state
 
     server.cluster.connect()
+    failovers_before = server.http.get("/regions").json()["failovers"]
     try:
         prompts = [f"[{uuid.uuid4().hex}] branch {i} " + "think " * 20 for i in range(10)]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -98,7 +99,10 @@ def test_a_killed_balancer_loses_no_request(server, reference):
                 if a.get("State") == "ALIVE" and "#Balancer-us#" in a.get("Name", "")
             ]
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-            time.sleep(2.0)  # the ingress's watcher finds it down (status unanswered for 1 s)
+            deadline = time.monotonic() + 60  # the ingress's watcher finds it down
+            while server.http.get("/regions").json()["failovers"] == failovers_before:
+                assert time.monotonic() < deadline, "the ingress never found us's balancer down"
+                time.sleep(0.2)
             during = complete(server, prompts[0] + " again", "us", 8)
             answers = [f.result() for f in futures]
         assert [a.status_code for a in answers] == [200] * len(prompts), [a.text for a in answers]
@@ -106,7 +110,7 @@ def test_a_killed_balancer_loses_no_request(server, reference):
             assert a.json()["choices"][0]["text"] == greedy(reference, p, 32)
         assert during.status_code == 200, during.text
         assert during.json()["choices"][0]["text"] == greedy(reference, prompts[0] + " again", 8)
-        assert server.http.get("/regions").json()["failovers"] > 0
+        assert server.http.get("/regions").json()["failovers"] > failovers_before
         # Serve restarts the balancer; us's requests find it again and eu lets go
         deadline = time.monotonic() + 120
         while True:
