@@ -62,15 +62,15 @@ def completion(prompt: str, **extra: str) -> dict:
 
 def test_one_header_key_lands_on_one_replica_and_keys_spread(server):
     owners: dict[str, str] = {}
-    for k in range(8):
+    for k in range(13):  # replica ids are random: 13 keys all on one of 2 is 2 ** -12
         key = f"user-{k}"
         replicas = {
             served_by(server, completion(f"[{uuid.uuid4().hex}] turn {turn}"), {HEADER: key})
-            for turn in range(3)
+            for turn in range(3 if k < 3 else 1)
         }
         assert len(replicas) == 1, (key, replicas)  # different prompts, one key
         owners[key] = replicas.pop()
-    assert len(set(owners.values())) == 2, owners  # eight keys use both replicas
+    assert len(set(owners.values())) == 2, owners  # the keys use both replicas
 
 
 def test_the_user_field_keys_a_request_without_the_header(server):
