@@ -214,10 +214,13 @@ class AutoscalingSectionConfig(_Strict):
 
 class PDLayoutConfig(_Strict):
     """The layout of each prefill (or decode) replica of a disaggregated group: tensor and
-    sequence-pipeline degrees (KV-parallel P/D replicas are not supported)."""
+    sequence-pipeline degrees (KV-parallel P/D replicas are not supported), and its node's
+    emulated storage link (DualPath's storage NIC, ``store.transfer.links``): bytes per
+    second its store reads (and a decode replica's write-back) share; None: not limited."""
 
     tp: int = Field(1, ge=1)
     spp: int = Field(1, ge=1)
+    storage_bytes_per_s: float | None = Field(None, gt=0)
 
 
 class ReplicaGroupConfig(_Strict):

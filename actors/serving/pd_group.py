@@ -5,8 +5,9 @@ The group's ``engine`` section is every prefill and decode replica's ``EngineCon
 (each side's ``tp`` / ``spp`` from its ``prefill`` / ``decode`` section); the store's SSD
 files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a folder;
 the store section's ``read_path`` and ``write_back`` and the conductor section's
-``scheduler`` (DualPath) pass through; ``node_resources`` (a region's node resource) pins
-every actor of the cluster to the nodes that carry it.
+``scheduler`` (DualPath) pass through; each side's ``storage_bytes_per_s`` is its replicas'
+emulated storage link (``PDSideConfig.link_budget``); ``node_resources`` (a region's node
+resource) pins every actor of the cluster to the nodes that carry it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from actors.serving.config import (
     StoreSectionConfig,
 )
 from policies.dualpath import PREFILL_PATH
+from store.transfer.links import LinkBudget
 
 
 def pd_cluster_config(
@@ -58,7 +60,9 @@ def pd_cluster_config(
 def _side(count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
     if layout is None:
         return PDSideConfig(count)
-    return PDSideConfig(count, tp=layout.tp, spp=layout.spp)
+    rate = layout.storage_bytes_per_s
+    budget = LinkBudget(storage_bps=rate) if rate is not None else None
+    return PDSideConfig(count, tp=layout.tp, spp=layout.spp, link_budget=budget)
 
 
 def _store(section: StoreSectionConfig | None, replica_id: str) -> StoreConfig | None:
