@@ -18,6 +18,13 @@ as a long request waits its relative slack falls below a fresh short one's.
 
 ``urgency`` (ILRS, LRS) is what prefill-prefill batching shares room by: 1 - relative slack,
 clamped to [0, 1]. Pure: ``now`` is an argument; times come from an injected estimator.
+
+Under sequence pipeline parallelism (``stages`` = spp > 1) a prompt's chunks are in flight
+together, each in its own stage: with ``t_i`` the whole-model time of chunk ``i`` (what
+the estimator predicts, with or without SPP) and each stage taking ``t_i / S``, the prompt
+ends after ``sum(t_i) / S + (S - 1) * max(t_i) / S`` (a flow shop of equal stages). A
+chunk's time grows with its context, so ``max(t_i)`` is priced as a full chunk at the end
+of the prompt. One chunk (or ``S = 1``) is its whole-model time.
 """
 
 from __future__ import annotations
@@ -34,14 +41,20 @@ DECODE = -math.inf  # the first key component of a request past its prompt
 
 
 class PrefillEstimator(Protocol):
-    """What the orderings need from a runtime predictor (``placement.runtime_predictor``)."""
+    """What the orderings need from a runtime predictor (``placement.runtime_predictor``):
+    the whole-model time of ``new_tokens`` after ``context_tokens``, run alone in chunks of
+    ``chunk_size`` tokens one after another."""
+
+    @property
+    def chunk_size(self) -> int: ...
 
     def remaining_prefill_time(self, new_tokens: int, context_tokens: int) -> float: ...
 
 
 class Deadlines:
     """A request's TTFT SLO: its own, else ``max(min_slo, slo_factor * predicted prefill
-    alone)``, or ``default_slo`` when given (one SLO for every request)."""
+    alone)``, or ``default_slo`` when given (one SLO for every request). ``stages``: the
+    replica's sequence-pipeline stages (spp), which a prompt's chunks pipeline through."""
 
     def __init__(
         self,
@@ -49,15 +62,30 @@ class Deadlines:
         default_slo: float | None = None,
         slo_factor: float = 3.0,
         min_slo: float = 0.0,
+        stages: int = 1,
     ) -> None:
         if default_slo is not None and default_slo <= 0:
             raise ValueError("default_slo must be positive or None")
         if slo_factor <= 0 or min_slo < 0:
             raise ValueError("slo_factor must be positive and min_slo non-negative")
+        if stages < 1:
+            raise ValueError("stages must be at least 1")
         self.estimator = estimator
         self.default_slo = default_slo
         self.slo_factor = slo_factor
         self.min_slo = min_slo
+        self.stages = stages
+
+    def prefill_time(self, new_tokens: int, context_tokens: int) -> float:
+        """Predicted seconds to compute ``new_tokens`` prompt tokens after
+        ``context_tokens``, alone, their chunks pipelined through ``stages`` stages (the
+        module docstring's flow shop)."""
+        total = self.estimator.remaining_prefill_time(new_tokens, context_tokens)
+        if self.stages == 1 or new_tokens <= 0:
+            return total
+        last = min(new_tokens, self.estimator.chunk_size)
+        longest = self.estimator.remaining_prefill_time(last, context_tokens + new_tokens - last)
+        return (total + (self.stages - 1) * min(longest, total)) / self.stages
 
     def slo(self, seq: Sequence) -> float:
         """Seconds from arrival to the TTFT deadline; fixed on ``seq`` when first asked."""
@@ -65,7 +93,7 @@ class Deadlines:
             if self.default_slo is not None:
                 seq.ttft_slo = self.default_slo
             else:
-                alone = self.estimator.remaining_prefill_time(seq.num_prompt_tokens, 0)
+                alone = self.prefill_time(seq.num_prompt_tokens, 0)
                 seq.ttft_slo = max(self.min_slo, self.slo_factor * alone, 1e-9)
         return seq.ttft_slo
 
@@ -78,7 +106,7 @@ class Deadlines:
         left = seq.num_prompt_tokens - seq.num_computed_tokens - seq.num_inflight_tokens
         if left <= 0:
             return 0.0
-        return self.estimator.remaining_prefill_time(left, seq.num_computed_tokens)
+        return self.prefill_time(left, seq.num_computed_tokens)
 
     def slack(self, seq: Sequence, now: float) -> float:
         return self.deadline(seq) - now - self.remaining(seq)

@@ -60,7 +60,8 @@ class SchedulingSpec:
         pred = RuntimePredictor(prior=cost, chunk_size=chunk_size or 4096)  # never observes
         ordering: Ordering | None = None
         if self.scheduling != "fcfs":
-            deadlines = Deadlines(pred, None, self.ttft_slo_factor, self.min_ttft_slo)
+            stages = getattr(cost, "spp", 1)  # a prompt's chunks pipeline through them
+            deadlines = Deadlines(pred, None, self.ttft_slo_factor, self.min_ttft_slo, stages)
             ordering = make_ordering(self.scheduling, deadlines)
         packer = None
         if self.target_batch_time is not None:

@@ -104,6 +104,16 @@ class PDClusterConfig:
             )
         if self.max_prefill_attempts < 1:
             raise ValueError("max_prefill_attempts must be at least 1")
+        decode = self.side_engine(self.decode)
+        decode_store = self.store is not None and (
+            self.store.write_back or self.read_path != PREFILL_PATH
+        )
+        if decode_store and decode.tp * decode.spp * decode.kvp > 1:
+            raise ValueError(
+                "write-back and decode-side store reads use a decode replica's cache in its "
+                "own process: with them, decode replicas run tp = spp = kvp = 1 (set "
+                f"read_path={PREFILL_PATH!r} and no write_back, or a single-worker decode side)"
+            )
 
     def side_engine(self, side: PDSideConfig) -> EngineConfig:
         """The engine config of each replica of ``side``: its layout over ``engine``, its

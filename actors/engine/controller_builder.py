@@ -181,7 +181,11 @@ def _scheduler(config: EngineConfig, kv: KVCache) -> tuple[RuntimePredictor | No
     if config.scheduling != "fcfs":
         assert predictor is not None
         deadlines = Deadlines(
-            predictor, config.default_ttft_slo, config.ttft_slo_factor, config.min_ttft_slo
+            predictor,
+            config.default_ttft_slo,
+            config.ttft_slo_factor,
+            config.min_ttft_slo,
+            stages=config.spp,  # a prompt's chunks pipeline through the stages
         )
         ordering = make_ordering(config.scheduling, deadlines)
     if config.target_batch_time is not None:

@@ -322,18 +322,24 @@ class ReplicaGroupConfig(_Strict):
                     f"{where}: a disaggregated group sets its replicas' layouts in its "
                     f"prefill and decode sections (tp, spp); remove engine.{name}={degree}"
                 )
-        if self.store is not None and self.decode is not None and self.store.write_back:
-            if self.decode.tp * self.decode.spp > 1:
+        store, decode = self.store, self.decode
+        if store is not None and decode is not None and decode.tp * decode.spp > 1:
+            # both use a decode replica's cache in its own process
+            uses = ["store.write_back"] if store.write_back else []
+            uses += [f"store.read_path {store.read_path}"] if store.read_path != "prefill" else []
+            if uses:
+                verb = "needs" if len(uses) == 1 else "need"
                 raise ValueError(
-                    f"{where}: store.write_back needs single-worker decode replicas; "
-                    "remove write_back or set decode tp = spp = 1"
+                    f"{where}: {' and '.join(uses)} {verb} single-worker decode replicas; "
+                    "remove them or set decode tp = spp = 1"
                 )
-        if self.store is not None and self.prefill is not None:
-            if self.prefill.tp * self.prefill.spp > 1:
-                raise ValueError(
-                    f"{where}: the KV store needs single-worker prefill replicas; "
-                    "remove store or set prefill tp = spp = 1"
-                )
+        if self.store is not None and self.prefill is not None and self.prefill.tp > 1:
+            # the store reads and writes a prefill replica's whole layers: one worker, or
+            # pipeline stages (CPP, spp > 1) whose caches the replica maps
+            raise ValueError(
+                f"{where}: the KV store needs prefill replicas of tp = 1 (spp, chunked "
+                "pipeline parallelism, may be more); remove store or set prefill tp = 1"
+            )
         return self
 
     @property

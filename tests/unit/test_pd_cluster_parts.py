@@ -82,6 +82,16 @@ def test_each_side_gets_its_layout_over_the_one_engine_config():
         (lambda: PDClusterConfig(read_path="disk"), "read_path must be one of"),
         (lambda: PDClusterConfig(read_path="decode"), "give store=StoreConfig"),
         (lambda: PDClusterConfig(max_prefill_attempts=0), "max_prefill_attempts"),
+        (
+            lambda: PDClusterConfig(store=StoreConfig(write_back=True), decode=PDSideConfig(kvp=2)),
+            "decode replicas run tp = spp = kvp = 1",
+        ),
+        (
+            lambda: PDClusterConfig(
+                store=StoreConfig(), read_path="dual", decode=PDSideConfig(tp=2)
+            ),
+            "decode replicas run tp = spp = kvp = 1",
+        ),
     ],
 )
 def test_a_bad_cluster_config_is_refused_before_anything_starts(make, needle):
@@ -92,3 +102,5 @@ def test_a_bad_cluster_config_is_refused_before_anything_starts(make, needle):
 def test_a_decode_read_path_with_a_store_is_accepted():
     config = PDClusterConfig(store=StoreConfig(), read_path="decode", scheduler="dualpath")
     assert config.read_path == "decode"
+    # a multi-worker decode side with a store it neither reads nor writes
+    PDClusterConfig(store=StoreConfig(), decode=PDSideConfig(kvp=2, tp=2))

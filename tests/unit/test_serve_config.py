@@ -122,8 +122,8 @@ def test_store_section_mirrors_store_config():
         ({"num_prefill": 1, "num_decode": 1, "engine": {"tp": 2}}, "remove engine.tp=2"),
         ({"prefill": {"tp": 2}}, "prefill needs num_prefill and num_decode"),
         (
-            {"num_prefill": 1, "num_decode": 1, "prefill": {"spp": 2}, "store": {}},
-            "the KV store needs single-worker prefill replicas",
+            {"num_prefill": 1, "num_decode": 1, "prefill": {"tp": 2}, "store": {}},
+            "the KV store needs prefill replicas of tp = 1",
         ),
         ({"num_prefill": 1, "num_decode": 1, "decode": {"kvp": 2}}, "kvp"),
         ({"num_prefill": 1, "num_decode": 1, "engine": {"spp": 3}}, "remove engine.spp=3"),
@@ -201,6 +201,10 @@ def test_commented_pd_example_in_serve_config_validates():
             {"store": {"write_back": True}, "decode": {"tp": 2}},
             "store.write_back needs single-worker decode replicas",
         ),
+        (
+            {"store": {"read_path": "dual"}, "decode": {"spp": 2}},
+            "store.read_path dual needs single-worker decode replicas",
+        ),
     ],
 )
 def test_dualpath_keys_refuse_unknown_values_naming_the_choices(group, needle):
@@ -227,6 +231,18 @@ def test_dualpath_keys_reach_the_cluster():
     assert (plain.read_path, plain.scheduler, plain.store) == ("prefill", "mooncake", None)
     stored = ReplicaGroupConfig(num_prefill=1, num_decode=1, store={}).store
     assert stored is not None and (stored.read_path, stored.write_back) == ("prefill", False)
+
+
+def test_a_pipelined_prefill_side_keeps_the_kv_store():
+    """Mooncake's chunked pipeline parallelism (prefill spp > 1, tp = 1) with the store."""
+    from actors.serving.pd_group import pd_cluster_config
+
+    g = ReplicaGroupConfig(
+        num_prefill=1, num_decode=1, prefill={"spp": 2}, store={"write_back": True}
+    )
+    c = pd_cluster_config(None, g, "r0")
+    assert (c.prefill.tp, c.prefill.spp) == (1, 2)
+    assert c.store is not None and c.store.write_back
 
 
 def test_every_deployment_gets_the_one_config_object():

@@ -1,0 +1,142 @@
+"""Every paper's mechanism in one Serve config, token-identical to the single process.
+
+``serve run`` of one ``ServeConfig`` (``serve_app:build_app``) on a private local Ray
+cluster, on the built-in tiny random-weight model in fp64, real HTTP:
+
+- SkyWalker: two regions (``us``, ``eu``), each with its balancer, 20 ms apart; clients
+  name their region with ``X-Meridian-Region``;
+- Mooncake: region ``us`` holds a P/D group (one prefill, one decode replica) whose prefill
+  replica is two pipeline stages (chunked pipeline parallelism, ``prefill.spp = 2``), with
+  a KV store (DRAM) that decode writes each filled block back to, and the Conductor's
+  default predictive admission;
+- DualPath: the store's prefixes are read on the side with the shorter read queue
+  (``read_path: dual``) and DualPath's rules place requests (``scheduler: dualpath``);
+- Medha: every engine (prefill, decode and ``eu``'s colocated replica) orders prefills by
+  ILRS and packs adaptive chunks against a target batch time, in small steps so a prompt
+  runs in several chunks (pipelined through the two prefill stages).
+
+Greedy tokens through each region equal ``LLM``'s in process on the same weights; a
+conversation's second turn reads its first answer's blocks, written back by decode, from
+the store (counted by ``/metrics`` and in ``usage.prompt_tokens_details.cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from serve_common import Server, serve_running
+
+from actors import LLM, SamplingParams
+
+MODEL = "meridian-tiny"
+BS = 16
+# Medha's scheduling on every engine; fp64 so that no chunking flips an argmax tie
+ENGINE = {
+    "dtype": "float64",
+    "block_size": BS,
+    "num_blocks": 128,
+    "token_budget": 32,
+    "scheduling": "ilrs",
+    "target_batch_time": 0.05,
+}
+PD_GROUP = {
+    "name": "pd",
+    "num_prefill": 1,
+    "num_decode": 1,
+    "prefill": {"spp": 2},
+    "engine": ENGINE,
+    "store": {"dram_bytes": 8 << 20, "read_path": "dual", "write_back": True},
+    "conductor": {"scheduler": "dualpath"},
+}
+REGIONS = {
+    "regions": [{"name": "us", "groups": ["pd"]}, {"name": "eu", "groups": ["eu"]}],
+    "delay_ms": {"us/eu": 20},
+}
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def server(local_ray_cluster, tmp_path_factory):
+    cluster = local_ray_cluster(dashboard=False)
+    app_args = {
+        "model_name": MODEL,
+        "groups": [PD_GROUP, {"name": "eu", "num_replicas": 1, "engine": ENGINE}],
+        "regions": REGIONS,
+    }
+    tmp = tmp_path_factory.mktemp("serve-composed")
+    with serve_running(cluster, app_args, tmp, replicas=2) as url:
+        yield Server(url, cluster)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process engine on the same (built-in tiny) weights, fp64, FCFS."""
+    return LLM(dtype="float64", block_size=BS)
+
+
+def greedy(reference: LLM, prompt: list[int], n: int) -> list[int]:
+    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return reference.generate(prompt_token_ids=[prompt], sampling_params=p)[0].token_ids
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 500 + 3 for i in range(n)]
+
+
+def complete(server: Server, region: str, prompt: list[int], n: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    return server.http.post("/v1/completions", json=body, headers={"X-Meridian-Region": region})
+
+
+def store_hits(server: Server) -> float:
+    """Blocks the P/D group's KV store served, both tiers (``/metrics``)."""
+    text = server.http.get("/metrics").text
+    found = re.findall(r"^meridian:kv_store_hit_blocks_total\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def placed(server: Server) -> dict[str, int]:
+    """Requests each region's balancer placed on its own replicas so far."""
+    return {s["region"]: s["placed_local"] for s in server.http.get("/regions").json()["regions"]}
+
+
+def test_each_region_serves_exact_greedy_tokens(server, reference):
+    """Short and multi-chunk prompts (up to 5 chunks of the 32-token budget) through each
+    region's balancer, one at a time, so each is placed in its own region."""
+    for region, seed in (("us", 1), ("eu", 2), ("us", 3), ("eu", 4)):
+        for n_prompt in (7, 150):
+            before = placed(server)
+            prompt = ids(seed * 10 + n_prompt, n_prompt)
+            r = complete(server, region, prompt, 12)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == greedy(reference, prompt, 12)
+            after = placed(server)
+            assert after[region] - before[region] == 1, (region, before, after)
+
+
+def test_a_second_turn_reads_the_written_back_answer_from_the_store(server, reference):
+    """Turn 1 (40 prompt + 24 answer tokens) in ``us``: decode writes the answer's blocks
+    back as they fill, before the answer returns. Turn 2 is turn 1, its answer and a new
+    message: it reuses at least three blocks, the third (tokens 32-47, half of them the
+    answer, which the prefill replica never computed) read from the store, which counts
+    the hit, and its tokens stay exact."""
+    turn1 = ids(31, 40)
+    r = complete(server, "us", turn1, 24)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["token_ids"]
+    assert answer == greedy(reference, turn1, 24)
+    hits = store_hits(server)
+    turn2 = turn1 + answer + ids(32, 9)
+    r = complete(server, "us", turn2, 12)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == greedy(reference, turn2, 12)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * BS
+    deadline = time.monotonic() + 30
+    while store_hits(server) <= hits:  # replicas report their counters every 0.1 s
+        assert time.monotonic() < deadline, "the KV store counted no hit for turn 2"
+        time.sleep(0.2)
