@@ -213,13 +213,14 @@ class AutoscalingSectionConfig(_Strict):
 
 
 class PDLayoutConfig(_Strict):
-    """The layout of each prefill (or decode) replica of a disaggregated group: tensor and
-    sequence-pipeline degrees (KV-parallel P/D replicas are not supported), and its node's
+    """The layout of each prefill (or decode) replica of a disaggregated group: tensor,
+    sequence-pipeline and (decode only) KV-parallel degrees, and its node's
     emulated storage link (DualPath's storage NIC, ``store.transfer.links``): bytes per
     second its store reads (and a decode replica's write-back) share; None: not limited."""
 
     tp: int = Field(1, ge=1)
     spp: int = Field(1, ge=1)
+    kvp: int = Field(1, ge=1)  # decode only: a prefill replica streams from one KV rank
     storage_bytes_per_s: float | None = Field(None, gt=0)
 
 
@@ -322,8 +323,13 @@ class ReplicaGroupConfig(_Strict):
                     f"{where}: a disaggregated group sets its replicas' layouts in its "
                     f"prefill and decode sections (tp, spp); remove engine.{name}={degree}"
                 )
+        if self.prefill is not None and self.prefill.kvp > 1:
+            raise ValueError(
+                f"{where}: a prefill replica streams each request from one KV rank; remove "
+                f"prefill.kvp={self.prefill.kvp} (decode replicas may be KV-parallel)"
+            )
         store, decode = self.store, self.decode
-        if store is not None and decode is not None and decode.tp * decode.spp > 1:
+        if store is not None and decode is not None and decode.tp * decode.spp * decode.kvp > 1:
             # both use a decode replica's cache in its own process
             uses = ["store.write_back"] if store.write_back else []
             uses += [f"store.read_path {store.read_path}"] if store.read_path != "prefill" else []
@@ -331,7 +337,7 @@ class ReplicaGroupConfig(_Strict):
                 verb = "needs" if len(uses) == 1 else "need"
                 raise ValueError(
                     f"{where}: {' and '.join(uses)} {verb} single-worker decode replicas; "
-                    "remove them or set decode tp = spp = 1"
+                    "remove them or set decode tp = spp = kvp = 1"
                 )
         if self.store is not None and self.prefill is not None and self.prefill.tp > 1:
             # the store reads and writes a prefill replica's whole layers: one worker, or

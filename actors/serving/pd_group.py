@@ -2,7 +2,7 @@
 starts (``actors.disagg.engine.PDEngine``), from the group's validated sections.
 
 The group's ``engine`` section is every prefill and decode replica's ``EngineConfig``
-(each side's ``tp`` / ``spp`` from its ``prefill`` / ``decode`` section); the store's SSD
+(each side's ``tp`` / ``spp`` / ``kvp`` from its ``prefill`` / ``decode`` section); the store's SSD
 files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a folder;
 the store section's ``read_path`` and ``write_back`` and the conductor section's
 ``scheduler`` (DualPath) pass through; each side's ``storage_bytes_per_s`` is its replicas'
@@ -62,7 +62,7 @@ def _side(count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
         return PDSideConfig(count)
     rate = layout.storage_bytes_per_s
     budget = LinkBudget(storage_bps=rate) if rate is not None else None
-    return PDSideConfig(count, tp=layout.tp, spp=layout.spp, link_budget=budget)
+    return PDSideConfig(count, tp=layout.tp, spp=layout.spp, kvp=layout.kvp, link_budget=budget)
 
 
 def _store(section: StoreSectionConfig | None, replica_id: str) -> StoreConfig | None:

@@ -11,9 +11,13 @@ cluster, on the built-in tiny random-weight model in fp64, real HTTP:
   default predictive admission;
 - DualPath: the store's prefixes are read on the side with the shorter read queue
   (``read_path: dual``) and DualPath's rules place requests (``scheduler: dualpath``);
-- Medha: every engine (prefill, decode and ``eu``'s colocated replica) orders prefills by
-  ILRS and packs adaptive chunks against a target batch time, in small steps so a prompt
-  runs in several chunks (pipelined through the two prefill stages).
+- Mooncake in ``eu``: a second P/D group whose decode replica is two KV-parallel ranks
+  (``decode.kvp = 2``, at most 96 tokens of a request per rank, so a long prompt's blocks
+  are streamed to both); without a store (write-back and DualPath's decode-side reads need
+  a single-worker decode replica, and the config refuses them with one);
+- Medha: every engine (both groups' prefill and decode replicas) orders prefills by ILRS
+  and packs adaptive chunks against a target batch time, in small steps so a prompt runs
+  in several chunks (pipelined through ``us``'s two prefill stages).
 
 Greedy tokens through each region equal ``LLM``'s in process on the same weights; a
 conversation's second turn reads its first answer's blocks, written back by decode, from
@@ -51,6 +55,13 @@ PD_GROUP = {
     "store": {"dram_bytes": 8 << 20, "read_path": "dual", "write_back": True},
     "conductor": {"scheduler": "dualpath"},
 }
+KVP_GROUP = {
+    "name": "eu",
+    "num_prefill": 1,
+    "num_decode": 1,
+    "decode": {"kvp": 2},
+    "engine": {**ENGINE, "kvp_rank_tokens": 96},
+}
 REGIONS = {
     "regions": [{"name": "us", "groups": ["pd"]}, {"name": "eu", "groups": ["eu"]}],
     "delay_ms": {"us/eu": 20},
@@ -64,7 +75,7 @@ def server(local_ray_cluster, tmp_path_factory):
     cluster = local_ray_cluster(dashboard=False)
     app_args = {
         "model_name": MODEL,
-        "groups": [PD_GROUP, {"name": "eu", "num_replicas": 1, "engine": ENGINE}],
+        "groups": [PD_GROUP, KVP_GROUP],
         "regions": REGIONS,
     }
     tmp = tmp_path_factory.mktemp("serve-composed")
@@ -98,6 +109,22 @@ def store_hits(server: Server) -> float:
     text = server.http.get("/metrics").text
     found = re.findall(r"^meridian:kv_store_hit_blocks_total\{[^}]*\} (\S+)$", text, re.M)
     return sum(float(v) for v in found)
+
+
+def total_blocks(server: Server) -> dict[str, float]:
+    """Each group's decode KV blocks in all (``/metrics``, as the Conductor sees them)."""
+    text = server.http.get("/metrics").text
+    found = re.findall(r"^meridian:kv_cache_total_blocks\{([^}]*)\} (\S+)$", text, re.M)
+    return {re.search(r'group="([^"]*)"', labels)[1]: float(v) for labels, v in found}
+
+
+def test_each_decode_side_has_its_layout(server):
+    """``us``'s single-worker decode replica holds one pool, ``eu``'s two KV ranks two."""
+    deadline = time.monotonic() + 60
+    while (blocks := total_blocks(server)).keys() != {"pd", "eu"}:
+        assert time.monotonic() < deadline, blocks  # replicas report every 0.1 s
+        time.sleep(0.2)
+    assert blocks == {"pd": ENGINE["num_blocks"], "eu": 2 * ENGINE["num_blocks"]}
 
 
 def placed(server: Server) -> dict[str, int]:

@@ -125,7 +125,16 @@ def test_store_section_mirrors_store_config():
             {"num_prefill": 1, "num_decode": 1, "prefill": {"tp": 2}, "store": {}},
             "the KV store needs prefill replicas of tp = 1",
         ),
-        ({"num_prefill": 1, "num_decode": 1, "decode": {"kvp": 2}}, "kvp"),
+        ({"num_prefill": 1, "num_decode": 1, "prefill": {"kvp": 2}}, "remove prefill.kvp=2"),
+        (
+            {
+                "num_prefill": 1,
+                "num_decode": 1,
+                "decode": {"kvp": 2},
+                "store": {"read_path": "dual"},
+            },
+            "store.read_path dual needs single-worker decode replicas",
+        ),
         ({"num_prefill": 1, "num_decode": 1, "engine": {"spp": 3}}, "remove engine.spp=3"),
         ({"num_prefill": 1, "num_decode": 1, "engine": {"kvp": 2}}, "remove engine.kvp=2"),
         ({"store": {"dram_bytes": 1 << 20}}, "store needs num_prefill and num_decode"),
@@ -243,6 +252,14 @@ def test_a_pipelined_prefill_side_keeps_the_kv_store():
     c = pd_cluster_config(None, g, "r0")
     assert (c.prefill.tp, c.prefill.spp) == (1, 2)
     assert c.store is not None and c.store.write_back
+
+
+def test_a_kv_parallel_decode_side_reaches_the_cluster():
+    from actors.serving.pd_group import pd_cluster_config
+
+    g = ReplicaGroupConfig(num_prefill=1, num_decode=1, decode={"kvp": 2}, store={})
+    c = pd_cluster_config(None, g, "r0")
+    assert (c.side_engine(c.decode).kvp, c.side_engine(c.prefill).kvp) == (2, 1)
 
 
 def test_every_deployment_gets_the_one_config_object():
