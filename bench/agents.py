@@ -7,26 +7,46 @@ Mooncake conversation trace (first prompt, user appends and pauses), with DualPa
 steps between the user turns (tool outputs of 430-610 tokens, answers of 150-180, tool
 pauses log-normal around 2 s), then scaled for a CPU: lengths times ``--length-scale``,
 pauses times ``--pause-scale`` (at most ``--max-pause`` s), the first ``--turns`` turns.
-Every turn's prompt is the previous prompt, the model's answer (its token ids, streamed
-back with ``return_token_ids``) and the turn's append (random token ids, fixed by the
-seed), so each turn's context grows and its whole past is a prefix of it.
+Every turn's messages are the previous turn's, the model's answer and the turn's append
+(words, fixed by the seed); the chat template renders each message on its own, so each
+turn's prompt grows and the previous prompt is a prefix of it.
 
-Client: ``--concurrency`` agents in a closed loop over ``--trajectories`` trajectories;
-each agent runs one trajectory turn by turn (pause, then one streamed ``POST
-/v1/completions`` with the trajectory's ``session_id``, greedy, ``ignore_eos``), then
-takes the next. Requests are plain turns: the bench model has random weights and no chat
-template, so it sends no ``tools``.
+Client: ``--concurrency`` agents (started evenly over ``--ramp`` s) in a closed loop over
+``--trajectories`` trajectories; each agent runs one trajectory turn by turn (pause, then
+one streamed ``POST /v1/chat/completions`` with the trajectory's ``session_id``, greedy,
+``return_token_ids``), then takes the next. Every turn offers one tool (``bash``, its
+``cmd`` an enum); a turn followed by a tool step names it in ``tool_choice`` (with
+``parallel_tool_calls: false``), so its answer is a tool call constrained to the schema,
+streamed as OpenAI's ``delta.tool_calls``; the next turn sends that call back as the
+assistant's ``tool_calls`` and the tool's output (the step's append, as text) as a
+``tool`` message. Other turns are ``tool_choice: auto`` and answer ``--max-output`` tokens
+of text (``ignore_eos``), sent back as the assistant's content, the user's append after
+it. The bench model (8 layers, hidden 512, random weights, fp32; ``bench/bench_model.py``)
+has a plain chat template (role, content; tools and calls are not rendered) and a
+byte-level tokenizer (one token per character), so the app sets ``tool_parser: hermes``
+and appends are words of that many characters. SmolLM2-135M (``--model`` in other
+benches) was not used: its KV per token is 2.8x the bench model's and its compute per token
+about 4x, too slow for 16 agents on two shared cores, and its template renders no tools
+either.
 
-Setups, each a Serve app (``serve_app.build_app``) on the bench model (8 layers, hidden
-512, random weights, fp32; ``bench/bench_model.py``), every engine with the same config
-(``--kv-cache-mib`` of KV each: less than the agents' live contexts, as a GPU's HBM holds
-fewer sessions than the store's DRAM):
+The regime is DualPath's: every engine has ``--kv-cache-mib`` of KV (the same in every
+setup), the agents' sessions together hold several engines' worth, and tool pauses are
+long enough that, on a colocated engine, other agents' turns evict a paused agent's
+prefix, while P/D keeps it in the store (``--store-mib``, decode write-back) and only the
+running turns need the decode replica's KV. The bench prints the sizes ("regime:") and the
+cached share per setup shows it.
+
+Setups, each a Serve app (``serve_app.build_app``) on the bench model:
 
 - colocated: two colocated replicas, prefix-aware routing, the prefix cache only;
-- pd-prefill: one prefill and one decode replica, a KV store of ``--store-mib`` with
-  decode write-back, every stored prefix read on the prefill side (Mooncake's Conductor);
-- dualpath: the same, stored prefixes read on the side with the shorter read queue and
+- pd-prefill: one prefill and one decode replica, a KV store with decode write-back,
+  every stored prefix read on the prefill side (Mooncake's Conductor);
+- dualpath: the same, stored prefixes read on the side whose read ends first and
   DualPath's scheduler placing requests.
+
+Both P/D setups give each replica a storage link of ``--storage-mbps`` (the Serve
+config's ``prefill`` / ``decode`` ``storage_bytes_per_s``: DualPath's storage NIC, a
+token bucket); store reads and decode write-back pay it.
 
 One run = one app started, the warm-up, every trajectory, the app deleted. Runs are
 interleaved (colocated, pd-prefill, dualpath, then rotated), ``--repeats`` of each;
@@ -40,7 +60,7 @@ metric, from ``/metrics``): the gap is the HTTP and relay path.
 Last line: ``agent turn-ttft-p50 colocated/dualpath: <ratio>`` (the median of the
 per-repeat ratios of all turns' TTFT p50).
 
-    flock /tmp/bench.lock python bench/agents.py [--repeats 3] [--concurrency 8]
+    flock /tmp/bench.lock python bench/agents.py [--repeats 3] [--concurrency 16]
 """
 
 from __future__ import annotations
@@ -54,6 +74,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +88,7 @@ from serve_records import TokenClock, percentile, sse_chunks  # noqa: E402
 
 from sim.agent_trajectories import (  # noqa: E402
     AgentTrajectory,
+    AgentTurn,
     build_trajectories,
     scaled,
     summary,
@@ -96,6 +118,8 @@ class AgentRun:
     completions: list[float] = field(default_factory=list)  # per trajectory, seconds
     outputs: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     refused: int = 0  # 429s the agents retried
+    tool_calls: int = 0  # answers that were tool calls
+    reasons: dict[str, int] = field(default_factory=dict)  # 429s by reason
     server_ttft: float = float("nan")  # the replicas' own mean TTFT (their metric), seconds
 
     def metrics(self, slo: float) -> dict[str, float]:
@@ -114,6 +138,7 @@ class AgentRun:
             "goodput_turns_s": sum(s.ttft <= slo for s in self.turns) / self.duration,
             "cached_share": sum(s.cached_tokens for s in self.turns) / prompt if prompt else 0.0,
             "refused": self.refused,
+            "tool_calls": self.tool_calls,
             "mean_ttft_ms": statistics.fmean(ttft),
             "server_mean_ttft_ms": self.server_ttft * 1e3,
         }
@@ -134,104 +159,199 @@ def trajectories(args: argparse.Namespace) -> list[AgentTrajectory]:
     )
 
 
-def token_ids(seed: int, n: int) -> list[int]:
+# The agent's one tool. A turn followed by a tool step names it in tool_choice, so its answer
+# is a call whose arguments the server constrains to this schema (an enum: a short call).
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a shell command in the agent's sandbox.",
+        "parameters": {
+            "type": "object",
+            "properties": {"cmd": {"type": "string", "enum": ["ls", "cat", "grep", "pytest"]}},
+            "required": ["cmd"],
+            "additionalProperties": False,
+        },
+    },
+}
+CALL_TOKENS = 96  # a forced call's max_tokens: the hermes block is ~65 bytes (1 token each)
+WORDS = "the of agent tool file test run read grep build error line code patch diff log".split()
+
+
+def text_of(seed: int, n: int) -> str:
+    """``n`` characters of words (the bench model's tokenizer: one token per byte)."""
     rng = random.Random(seed)
-    return [rng.randrange(3, MODEL["vocab_size"]) for _ in range(n)]
+    out = ""
+    while len(out) < n:
+        out += rng.choice(WORDS) + " "
+    return out[:n]
 
 
 class Refused(Exception):
-    def __init__(self, retry_after: float) -> None:
+    def __init__(self, retry_after: float, reason: str) -> None:
         self.retry_after = retry_after
+        self.reason = reason
+
+
+def refusal_reason(body: bytes) -> str:
+    """The Conductor's reason in a 429's message ("overloaded (decode_full): ...")."""
+    text = body.decode(errors="replace")
+    start = text.find("overloaded (")
+    if start < 0:
+        return "other"
+    start += len("overloaded (")
+    return text[start : text.find(")", start)]
+
+
+@dataclass
+class Answer:
+    ttft: float
+    e2e: float
+    token_ids: list[int]
+    cached: int
+    prompt_tokens: int
+    content: str
+    calls: list[dict[str, Any]]  # OpenAI tool_calls, arguments as their streamed text
 
 
 class Agent:
-    """The agents' client of the endpoint: streamed completions, TTFT per turn (from the
-    first send, retries after a 429 included)."""
+    """The agents' client of the endpoint: streamed chat completions, TTFT per turn (from
+    the first send, retries after a 429 included; the first chunk that carries token ids,
+    so a tool call's first token counts, not its parsed name)."""
 
     def __init__(self, base_url: str) -> None:
         self.refused = 0
+        self.reasons: Counter[str] = Counter()  # 429s by the Conductor's reason
         self.client = httpx.AsyncClient(
             base_url=base_url,
             timeout=httpx.Timeout(600.0),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=256),
         )
 
-    async def turn(self, prompt: list[int], max_tokens: int, session: str) -> tuple[Any, ...]:
-        body = {
+    async def turn(
+        self, messages: list[dict[str, Any]], max_tokens: int, session: str, call: bool
+    ) -> Answer:
+        body: dict[str, Any] = {
             "model": MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
+            "messages": messages,
+            "tools": [TOOL],
+            "max_tokens": CALL_TOKENS if call else max_tokens,
             "temperature": 0.0,
-            "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
             "session_id": session,
         }
+        if call:  # constrained to one call of the tool
+            body["tool_choice"] = {"type": "function", "function": {"name": "bash"}}
+            body["parallel_tool_calls"] = False
+        else:  # the answer is text (random weights call no tool unforced)
+            body["tool_choice"] = "auto"
+            body["ignore_eos"] = True
         clock = TokenClock()  # from the first send: a refused turn's wait counts
         while True:
             try:
                 return await self._stream(body, clock)
             except Refused as e:  # 429: an agent retries after Retry-After
                 self.refused += 1
+                self.reasons[e.reason] += 1
                 await asyncio.sleep(e.retry_after)
 
-    async def _stream(self, body: dict[str, Any], clock: TokenClock) -> tuple[Any, ...]:
+    async def _stream(self, body: dict[str, Any], clock: TokenClock) -> Answer:
         out: list[int] = []
         usage: dict[str, Any] = {}
-        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+        content = ""
+        calls: dict[int, dict[str, Any]] = {}
+        async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code == 429:
-                raise Refused(min(1.0, float(r.headers.get("retry-after", "0.1"))))
+                wait = min(1.0, float(r.headers.get("retry-after", "0.1")))
+                raise Refused(wait, refusal_reason(await r.aread()))
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
             async for chunk in sse_chunks(r.aiter_lines()):
                 usage = chunk.get("usage") or usage
-                ids = [i for c in chunk.get("choices") or () for i in c.get("token_ids") or ()]
-                if ids:
-                    out += ids
-                    clock.tick()
+                for c in chunk.get("choices") or ():
+                    delta = c.get("delta") or {}
+                    content += delta.get("content") or ""
+                    for d in delta.get("tool_calls") or ():
+                        call = calls.setdefault(d["index"], {"type": "function"})
+                        call.setdefault("id", d.get("id"))
+                        fn = call.setdefault("function", {"name": None, "arguments": ""})
+                        fn["name"] = fn["name"] or (d.get("function") or {}).get("name")
+                        fn["arguments"] += (d.get("function") or {}).get("arguments") or ""
+                    if c.get("token_ids"):
+                        out += c["token_ids"]
+                        clock.tick()
         end = time.perf_counter()
         if clock.first is None:
             raise RuntimeError("the stream carried no tokens")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return clock.first - clock.start, end - clock.start, out, cached
+        prompt = usage.get("prompt_tokens", 0)
+        ordered = [calls[i] for i in sorted(calls)]
+        return Answer(
+            clock.first - clock.start, end - clock.start, out, cached, prompt, content, ordered
+        )
 
     async def close(self) -> None:
         await self.client.aclose()
 
 
 async def run_agents(
-    url: str, setup: str, trajs: list[AgentTrajectory], concurrency: int, seed: int
+    url: str,
+    setup: str,
+    trajs: list[AgentTrajectory],
+    concurrency: int,
+    seed: int,
+    ramp_s: float = 0.0,
 ) -> AgentRun:
+    """``concurrency`` agents, the k-th starting ``k * ramp_s / concurrency`` s in."""
     run = AgentRun(setup)
     agent = Agent(url)
     todo = iter(range(len(trajs)))
 
     async def one_trajectory(i: int) -> None:
         t = trajs[i]
-        prompt = token_ids(seed * 1_000_003 + i, t.first)
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": text_of(seed * 1_000_003 + i, t.first)}
+        ]
         start = time.perf_counter()
+        call_id = None
         for k, step in enumerate(t.turns):
             if k:
                 await asyncio.sleep(step.pause_s)
-                prompt = prompt + run.outputs[(i, k - 1)]
-                prompt += token_ids(seed * 1_000_003 + i * 1000 + k, step.append)
-            ttft, e2e, out, cached = await agent.turn(prompt, step.output, f"agent-{seed}-{i}")
-            run.outputs[(i, k)] = out
-            run.turns.append(TurnSample(i, k, ttft, e2e, len(prompt), cached))
+                text = text_of(seed * 1_000_003 + i * 1000 + k, step.append)
+                if call_id is not None:  # the tool's output answers the previous call
+                    messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+                else:
+                    messages.append({"role": "user", "content": text})
+            call = k + 1 < len(t.turns) and t.turns[k + 1].tool
+            a = await agent.turn(list(messages), step.output, f"agent-{seed}-{i}", call)
+            if call and not a.calls:
+                raise RuntimeError(f"a forced tool call came back without one: {a.content!r}")
+            if a.calls:
+                call_id = a.calls[0]["id"]
+                messages.append({"role": "assistant", "content": None, "tool_calls": a.calls})
+            else:
+                call_id = None
+                messages.append({"role": "assistant", "content": a.content})
+            run.outputs[(i, k)] = a.token_ids
+            run.tool_calls += len(a.calls)
+            run.turns.append(TurnSample(i, k, a.ttft, a.e2e, a.prompt_tokens, a.cached))
         run.completions.append(time.perf_counter() - start)
 
-    async def worker() -> None:
+    async def worker(w: int) -> None:
+        await asyncio.sleep(w * ramp_s / concurrency)
         for i in todo:  # one shared iterator: each trajectory goes to one agent
             await one_trajectory(i)
 
     t0 = time.perf_counter()
     try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
     finally:
         await agent.close()
     run.duration = time.perf_counter() - t0
     run.refused = agent.refused
+    run.reasons = dict(agent.reasons)
     return run
 
 
@@ -243,18 +363,26 @@ def app_config(setup: str, model_dir: str, args: argparse.Namespace) -> dict[str
         "token_budget": 512,
         "max_num_seqs": 64,
     }
-    cfg: dict[str, Any] = {"model": model_dir, "model_name": MODEL_NAME, "report_interval_s": 0.1}
+    cfg: dict[str, Any] = {
+        "model": model_dir,
+        "model_name": MODEL_NAME,
+        "report_interval_s": 0.1,
+        "tool_parser": "hermes",  # the bench model's template shows no tool-call format
+    }
     if setup == "colocated":
         cfg["routing"] = "prefix_aware"
         cfg["groups"] = [{"name": "main", "num_replicas": 2, "engine": engine}]
         return cfg
     dual = setup == "dualpath"
+    link = {"storage_bytes_per_s": args.storage_mbps * 1e6} if args.storage_mbps else {}
     cfg["groups"] = [
         {
             "name": "pd",
             "num_replicas": 1,
             "num_prefill": 1,
             "num_decode": 1,
+            "prefill": dict(link),
+            "decode": dict(link),
             "engine": engine,
             "store": {
                 "dram_bytes": args.store_mib << 20,
@@ -300,6 +428,14 @@ def ttft_totals(url: str) -> tuple[float, float]:
     return total, count
 
 
+# a forced call, its tool's output, a text answer, a user turn
+WARM_UP = AgentTrajectory(
+    64,
+    (AgentTurn(0, 4, 0.0, False), AgentTurn(40, 4, 0.0, True), AgentTurn(20, 4, 0.0, False)),
+    "warm-up",
+)
+
+
 def one_run(
     setup: str, url: str, model_dir: str, trajs: list[AgentTrajectory], args: argparse.Namespace
 ) -> AgentRun:
@@ -310,10 +446,9 @@ def one_run(
     serve.run(build_app(app_config(setup, model_dir, args)), name=APP, route_prefix="/")
     try:
         wait_healthy(url, expected_replicas(setup))
-        warm = [AgentTrajectory(64, trajs[0].turns[:2], "warm-up")]  # compiles each path once
-        asyncio.run(run_agents(url, setup, warm, 1, seed=-1))
+        asyncio.run(run_agents(url, setup, [WARM_UP], 1, seed=-1))  # compiles each path once
         before = ttft_totals(url)
-        run = asyncio.run(run_agents(url, setup, trajs, args.concurrency, args.seed))
+        run = asyncio.run(run_agents(url, setup, trajs, args.concurrency, args.seed, args.ramp))
         time.sleep(2.2)  # an idle replica pushes its last metrics within its heartbeat
         after = ttft_totals(url)
         if after[1] > before[1]:
@@ -335,6 +470,7 @@ ROWS = (
     ("prompt tokens cached (server)", "cached_share", "{:.0%}"),
     ("mean turn TTFT, client (ms)", "mean_ttft_ms", "{:.0f}"),
     ("mean turn TTFT, replicas (ms)", "server_mean_ttft_ms", "{:.0f}"),
+    ("tool-call answers", "tool_calls", "{:.0f}"),
     ("429s retried", "refused", "{:.0f}"),
     ("run time (s)", "duration_s", "{:.1f}"),
 )
@@ -356,15 +492,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     ap.add_argument("--trajectories", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=8, help="agents at once")
-    ap.add_argument("--turns", type=int, default=8, help="the first N turns of each")
-    ap.add_argument("--length-scale", type=float, default=1 / 16)
+    ap.add_argument("--concurrency", type=int, default=16, help="agents at once")
+    ap.add_argument("--ramp", type=float, default=8.0, help="seconds over which agents start")
+    ap.add_argument("--turns", type=int, default=5, help="the first N turns of each")
+    ap.add_argument("--length-scale", type=float, default=1 / 8)
     ap.add_argument("--max-first", type=int, default=768, help="first prompt, at most")
-    ap.add_argument("--max-output", type=int, default=16, help="tokens per answer, at most")
-    ap.add_argument("--pause-scale", type=float, default=0.25)
-    ap.add_argument("--max-pause", type=float, default=3.0, help="seconds, per pause")
-    ap.add_argument("--kv-cache-mib", type=int, default=48, help="KV per engine")
-    ap.add_argument("--store-mib", type=int, default=512, help="the KV store's DRAM")
+    ap.add_argument("--max-output", type=int, default=16, help="tokens per text answer, at most")
+    ap.add_argument("--pause-scale", type=float, default=3.0)
+    ap.add_argument("--max-pause", type=float, default=12.0, help="seconds, per pause")
+    ap.add_argument("--kv-cache-mib", type=int, default=64, help="KV per engine")
+    ap.add_argument("--store-mib", type=int, default=1024, help="the KV store's DRAM")
+    ap.add_argument(
+        "--storage-mbps",
+        type=float,
+        default=100.0,
+        help="MB/s of each P/D replica's storage link (0: not limited)",
+    )
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="seconds, for goodput")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", default=None)
@@ -379,6 +522,16 @@ def main() -> None:
         f"final context {s['mean_final_context']:.0f}, median tool pause "
         f"{s['median_tool_pause_s']:.2f} s); {args.concurrency} agents at once; KV per engine "
         f"{args.kv_cache_mib} MiB, store {args.store_mib} MiB; load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    kv_token = 2 * MODEL["num_hidden_layers"] * MODEL["hidden_size"] * 4  # fp32 K and V
+    kv_token = kv_token * MODEL["num_key_value_heads"] // MODEL["num_attention_heads"]
+    engine_tokens = (args.kv_cache_mib << 20) // kv_token
+    live = sum(t.prompt_lengths()[-1] for t in trajs[: args.concurrency])
+    print(
+        f"regime: KV per engine {engine_tokens} tokens; the first {args.concurrency} agents' "
+        f"final contexts {live} tokens ({live / engine_tokens:.1f}x one engine's KV); "
+        f"storage links {args.storage_mbps:g} MB/s per P/D replica",
         flush=True,
     )
     import ray
@@ -412,7 +565,8 @@ def main() -> None:
                         f"[rep {rep}] {setup:>10s}: TTFT p50 {m['ttft_p50_ms']:.0f} ms p99 "
                         f"{m['ttft_p99_ms']:.0f} ms, completion p50 "
                         f"{m['completion_p50_s']:.1f} s, goodput {m['goodput_turns_s']:.2f} "
-                        f"turns/s, cached {m['cached_share']:.0%}, run {run.duration:.1f} s "
+                        f"turns/s, cached {m['cached_share']:.0%}, 429s {run.reasons}, "
+                        f"run {run.duration:.1f} s "
                         f"(load {os.getloadavg()[0]:.1f})",
                         flush=True,
                     )
