@@ -22,6 +22,18 @@ if TYPE_CHECKING:
     import torch
 
 
+def _valid_cores(cores: tuple[int, ...] | list[int]) -> bool:
+    """Non-empty, distinct core ids of this machine, and an affinity API to pin them."""
+    count = os.cpu_count() or 1
+    ids = list(cores)
+    return (
+        bool(ids)
+        and len(set(ids)) == len(ids)
+        and all(type(c) is int and 0 <= c < count for c in ids)
+        and hasattr(os, "sched_setaffinity")
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """``num_blocks`` and ``kv_cache_memory`` are per worker (per KVP rank: each holds its
@@ -84,6 +96,15 @@ class EngineConfig:
     # re-plan the expert placement from observed rows per expert at most this often (None:
     # the placement stays as started)
     rebalance_experts_s: float | None = None
+    # A heterogeneous MoE plan: the cores (Linux) the attention (expert) worker actors run
+    # on, split into disjoint runs among the workers of that kind (shared when fewer cores
+    # than workers), each worker's torch threads = its cores (None: the OS's choice and
+    # torch's default threads); Ray custom resources each attention (expert) worker
+    # reserves on top of worker_resources, to put the two kinds on different nodes.
+    attention_cores: tuple[int, ...] | list[int] | None = None
+    expert_cores: tuple[int, ...] | list[int] | None = None
+    attention_resources: dict[str, float] | None = None
+    expert_resources: dict[str, float] | None = None
     moe_in_process: bool = False  # the MoE workers in this process (no Ray), for tests
     scheduling: str = "fcfs"
     default_ttft_slo: float | None = None
@@ -115,11 +136,22 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_memory", "token_budget", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for res, amount in (self.worker_resources or {}).items():
-            if not res or not amount > 0:
+        for name in ("worker_resources", "attention_resources", "expert_resources"):
+            for res, amount in (getattr(self, name) or {}).items():
+                if not res or not amount > 0:
+                    raise ValueError(
+                        f"{name} must map resource names to positive amounts, got "
+                        f"{res!r}: {amount!r}"
+                    )
+        for name in ("attention_cores", "expert_cores", "attention_resources", "expert_resources"):
+            if getattr(self, name) is not None and not self.attention_workers:
+                raise ValueError(f"{name} is for MoE workers: it needs attention_workers >= 1")
+        for name in ("attention_cores", "expert_cores"):
+            cores = getattr(self, name)
+            if cores is not None and not _valid_cores(cores):
                 raise ValueError(
-                    f"worker_resources must map resource names to positive amounts, got "
-                    f"{res!r}: {amount!r}"
+                    f"{name} must be a non-empty list of distinct core ids in "
+                    f"0..{(os.cpu_count() or 1) - 1}, got {cores!r}"
                 )
         if self.cpu_cores is not None:
             self._check_cpu_cores(self.cpu_cores)

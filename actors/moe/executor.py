@@ -156,6 +156,8 @@ def build_moe_executor(
         attention_workers=config.attention_workers,
         placement=placement,
         micro_batches=m,
+        attention_cores=tuple(config.attention_cores or ()),
+        expert_cores=tuple(config.expert_cores or ()),
     )
     balancer = None
     if config.rebalance_experts_s is not None:
@@ -173,4 +175,10 @@ def build_moe_executor(
         return LocalMoEExecutor(moe_spec, balancer)
     from actors.moe.ray_executor import RayMoEExecutor
 
-    return RayMoEExecutor(moe_spec, balancer, resources=config.worker_resources)
+    return RayMoEExecutor(
+        moe_spec,
+        balancer,
+        resources=config.worker_resources,
+        attention_resources=config.attention_resources,
+        expert_resources=config.expert_resources,
+    )

@@ -10,6 +10,7 @@ Arrays are numpy: compiled-graph channels on CPU move numpy far faster than torc
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,10 +37,28 @@ class MoESpec:
     attention_workers: int
     placement: ExpertPlacement  # which experts each expert worker holds
     micro_batches: int
+    # cores of every attention (expert) worker together (empty: not pinned); worker i of
+    # a kind runs on ``worker_cores(cores, workers of the kind, i)``
+    attention_cores: tuple[int, ...] = ()
+    expert_cores: tuple[int, ...] = ()
 
     @property
     def expert_workers(self) -> int:
         return self.placement.num_workers
+
+
+def worker_cores(cores: Sequence[int], workers: int, index: int) -> list[int]:
+    """Worker ``index``'s share of ``cores`` among ``workers`` of its kind: disjoint runs of
+    consecutive ids (sizes differing by at most one) when there are at least as many cores
+    as workers, else one core each, taken in turn (workers then share cores)."""
+    ids = sorted(cores)
+    if not ids:
+        return []
+    if len(ids) < workers:
+        return [ids[index % len(ids)]]
+    size, extra = divmod(len(ids), workers)
+    start = index * size + min(index, extra)
+    return ids[start : start + size + (1 if index < extra else 0)]
 
 
 @dataclass

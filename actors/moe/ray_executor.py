@@ -49,10 +49,19 @@ class RayMoEExecutor(MoEExecutorBase):
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 300.0,
         resources: dict[str, float] | None = None,  # custom Ray resources per worker
+        attention_resources: dict[str, float] | None = None,  # more, per attention worker
+        expert_resources: dict[str, float] | None = None,  # more, per expert worker
     ) -> None:
         super().__init__(spec, balancer)
         self.num_cpus_per_worker = num_cpus_per_worker
         self.resources = dict(resources or {})
+        self.kind_resources = {
+            "attention": {**self.resources, **(attention_resources or {})},
+            "expert": {**self.resources, **(expert_resources or {})},
+        }
+        # the cores each worker's process runs on, as it reported them after pinning
+        # (``spec.attention_cores`` / ``expert_cores``)
+        self.cores: dict[str, list[list[int]]] = {"attention": [], "expert": []}
         self.step_timeout_s = step_timeout_s
         self.setup_timeout_s = setup_timeout_s
         self.attention: list[Any] = []
@@ -65,11 +74,11 @@ class RayMoEExecutor(MoEExecutorBase):
         self._start()
 
     # -- workers ----------------------------------------------------------------------------
-    def _options(self) -> dict[str, Any]:
+    def _options(self, kind: str) -> dict[str, Any]:
         return dict(
             num_cpus=self.num_cpus_per_worker,
             num_gpus=1 if self.spec.device == "cuda" else 0,
-            resources=self.resources,
+            resources=self.kind_resources[kind],
             runtime_env={"env_vars": self._env},
             max_restarts=0,
         )
@@ -78,21 +87,28 @@ class RayMoEExecutor(MoEExecutorBase):
         spec = self.spec
         attention: Any = ray.remote(AttentionWorker)
         self.attention = [
-            attention.options(**self._options()).remote(spec, a)
+            attention.options(**self._options("attention")).remote(spec, a)
             for a in range(spec.attention_workers)
         ]
         self._start_experts()
         # Load the model (and import torch) in every actor before the graph is compiled: a
-        # first execute that does it can pass the channels' timeout.
+        # first execute that does it can pass the channels' timeout. Then pin: loading may
+        # build CPU kernels, which one pinned core under load makes take minutes.
         ray.get([w.setup.remote() for w in self.attention], timeout=self.setup_timeout_s)
+        self.cores["attention"] = ray.get(
+            [w.pin.remote() for w in self.attention], timeout=self.setup_timeout_s
+        )
 
     def _start_experts(self) -> None:
         expert: Any = ray.remote(ExpertWorker)
         self.experts = [
-            expert.options(**self._options()).remote(self.spec, w)
+            expert.options(**self._options("expert")).remote(self.spec, w)
             for w in range(self.spec.expert_workers)
         ]
         ray.get([w.setup.remote() for w in self.experts], timeout=self.setup_timeout_s)
+        self.cores["expert"] = ray.get(
+            [w.pin.remote() for w in self.experts], timeout=self.setup_timeout_s
+        )
 
     def _apply_placement(self, placement: ExpertPlacement) -> None:
         """New expert actors holding the new placement's experts; the attention actors keep

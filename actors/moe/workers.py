@@ -24,6 +24,7 @@ actors and wires the rounds into one compiled graph.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 
 from actors.engine.sampling import sample_tokens
 from actors.engine.step_plan import StepPlan
-from actors.engine.thread_priority import once_on_this_thread
+from actors.engine.thread_priority import once_on_this_thread, run_process_at_normal_priority
 from actors.engine.worker_inputs import WorkerInputs, build_worker_inputs
 from actors.moe.messages import (
     AttentionResult,
@@ -46,12 +47,35 @@ from actors.moe.messages import (
     from_wire,
     split_plan,
     to_wire,
+    worker_cores,
 )
 from kernels.kv_cache import allocate_kv_cache
 from kernels.moe import ExpertDispatch
 from models import load_model
 from models.moe_split import AttentionPart, ExpertPart
 from policies.expert_balance import ExpertPlacement
+
+
+def pin_process(cores: list[int]) -> list[int]:
+    """Every thread of this process (and the threads they start later) on ``cores`` at nice
+    0, and torch's intra-op threads as many as the cores; returns the affinity this thread runs
+    with now. Empty ``cores``: left as it is. For a worker actor's process, never the
+    driver's (``LocalMoEExecutor`` does not pin)."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:  # no /proc: this thread only
+            tids = [0]
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, set(cores))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+        torch.set_num_threads(len(cores))
+        # pinned, a thread cannot move off a busy core: at Ray's worker niceness (15) any
+        # nice-0 process on its cores starves it, model loading included
+        run_process_at_normal_priority()
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def _flat(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -105,6 +129,12 @@ class AttentionWorker:
 
     def ping(self) -> bool:
         return True
+
+    def pin(self) -> list[int]:
+        """This worker's process on its share of ``spec.attention_cores`` (see
+        ``pin_process``); the cores it runs on."""
+        spec = self.spec
+        return pin_process(worker_cores(spec.attention_cores, spec.attention_workers, self.index))
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Send rows by a new expert placement from the next round on (between steps)."""
@@ -246,6 +276,12 @@ class ExpertWorker:
 
     def ping(self) -> bool:
         return True
+
+    def pin(self) -> list[int]:
+        """This worker's process on its share of ``spec.expert_cores`` (see
+        ``pin_process``); the cores it runs on."""
+        spec = self.spec
+        return pin_process(worker_cores(spec.expert_cores, spec.expert_workers, self.index))
 
     @torch.inference_mode()
     def expert_round(
