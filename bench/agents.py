@@ -55,7 +55,9 @@ and turns after the first), the trajectory completion time (first send to last t
 pauses included), goodput (turns per second whose TTFT met ``--ttft-slo``), the share
 of prompt tokens the server reported as cached (``usage.prompt_tokens_details``), and the
 mean TTFT as the client saw it beside the replicas' own (their ``time_to_first_token``
-metric, from ``/metrics``): the gap is the HTTP and relay path.
+metric, from ``/metrics``): the gap is the HTTP and relay path and the waits after 429s
+(counted per run by the Conductor's reason, e.g. ``decode_full``), and the tool-call
+answers.
 
 Last line: ``agent turn-ttft-p50 colocated/dualpath: <ratio>`` (the median of the
 per-repeat ratios of all turns' TTFT p50).
