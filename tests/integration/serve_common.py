@@ -15,7 +15,24 @@ import httpx
 import openai
 import yaml
 
+from actors import LLM, RequestOutput, SamplingParams
+
 APP = "meridian"
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """``n`` deterministic token ids of the tiny model's vocabulary, one sequence per seed."""
+    return [(seed * 7919 + i * 104729) % 500 + 3 for i in range(n)]
+
+
+def greedy_output(reference: LLM, prompt: list[int], n: int) -> RequestOutput:
+    """The in-process engine's greedy output of ``n`` tokens (EOS ignored)."""
+    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return reference.generate(prompt_token_ids=[prompt], sampling_params=p)[0]
+
+
+def greedy(reference: LLM, prompt: list[int], n: int) -> list[int]:
+    return greedy_output(reference, prompt, n).token_ids
 
 
 class Server:

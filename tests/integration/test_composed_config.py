@@ -31,9 +31,9 @@ import time
 
 import httpx
 import pytest
-from serve_common import Server, serve_running
+from serve_common import Server, greedy, ids, serve_running
 
-from actors import LLM, SamplingParams
+from actors import LLM
 
 MODEL = "meridian-tiny"
 BS = 16
@@ -87,15 +87,6 @@ def server(local_ray_cluster, tmp_path_factory):
 def reference():
     """The single-process engine on the same (built-in tiny) weights, fp64, FCFS."""
     return LLM(dtype="float64", block_size=BS)
-
-
-def greedy(reference: LLM, prompt: list[int], n: int) -> list[int]:
-    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    return reference.generate(prompt_token_ids=[prompt], sampling_params=p)[0].token_ids
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 500 + 3 for i in range(n)]
 
 
 def complete(server: Server, region: str, prompt: list[int], n: int) -> httpx.Response:

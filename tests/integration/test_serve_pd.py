@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
-from serve_common import Server, serve_running
+from serve_common import Server, greedy, greedy_output, ids, serve_running
 
 from actors import LLM, SamplingParams
 
@@ -61,19 +61,6 @@ def reference():
 
 def completion(server: Server, **body) -> httpx.Response:
     return server.post("/v1/completions", {"model": MODEL, **body})
-
-
-def greedy_output(reference: LLM, prompt: list[int], n: int):
-    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    return reference.generate(prompt_token_ids=[prompt], sampling_params=p)[0]
-
-
-def greedy(reference: LLM, prompt: list[int], n: int) -> list[int]:
-    return greedy_output(reference, prompt, n).token_ids
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 500 + 3 for i in range(n)]
 
 
 # -- exact through the disaggregated group ----------------------------------------------------
