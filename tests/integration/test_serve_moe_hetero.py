@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from serve_common import Server, serve_running
@@ -50,19 +51,21 @@ def server(local_ray_cluster, model_dir, tmp_path_factory):
 
 
 def _workers(server: Server) -> dict[str, list[int]]:
-    """Class name -> pids of the cluster's live MoE worker actors."""
-    import ray
-    from ray.util.state import list_actors
-
-    server.cluster.connect()
-    try:
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    finally:
-        ray.shutdown()
+    """Class name -> pids of this cluster's MoE worker actors: the processes titled
+    ``ray::AttentionWorker...`` / ``ray::ExpertWorker...`` in the cluster's session (its
+    ``ray start`` leads a session of its own; other clusters may run MoE workers too)."""
     out: dict[str, list[int]] = {}
-    for a in actors:
-        if a.class_name in ("AttentionWorker", "ExpertWorker"):
-            out.setdefault(a.class_name, []).append(a.pid)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            title = (Path("/proc") / entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+            session = os.getsid(int(entry))
+        except (OSError, UnicodeDecodeError):  # ended meanwhile, or not ours to read
+            continue
+        for name in ("AttentionWorker", "ExpertWorker"):
+            if title.startswith(f"ray::{name}") and session == server.cluster.proc.pid:
+                out.setdefault(name, []).append(int(entry))
     return out
 
 
