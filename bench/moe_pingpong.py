@@ -43,15 +43,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray  # noqa: E402
-import torch  # noqa: E402
 
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
+from actors.moe.executor import cost_spec  # noqa: E402
 from actors.moe.messages import StageTime  # noqa: E402
 from models import write_tiny_model  # noqa: E402
 from models.config import read_model_config  # noqa: E402
 from placement.gpus import get_gpu  # noqa: E402
-from placement.model_specs import ModelSpec  # noqa: E402
 from placement.moe_plan import (  # noqa: E402
     Efficiency,
     Hardware,
@@ -171,20 +170,7 @@ def run(model_dir: Path, m: int, args: argparse.Namespace, cores: dict[str, list
 
 def roofline(model_dir: Path, tokens: int, m: int, context: float) -> float:
     """Eq. 5's iteration time from the roofline of the CPU placeholder spec."""
-    cfg = read_model_config(model_dir)
-    spec = ModelSpec(
-        "bench",
-        cfg.num_hidden_layers,
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-        cfg.num_local_experts,
-        cfg.num_experts_per_tok,
-        torch.empty((), dtype=cfg.torch_dtype).element_size(),
-    )
+    spec = cost_spec(read_model_config(model_dir), "bench")
     gpu = get_gpu("CPU")
     hw = Hardware(gpu, nic_bw=gpu.link_bw, gpus_per_node=1)
     eff = Efficiency()

@@ -2,8 +2,9 @@
 
 Built through ``torch.utils.cpp_extension`` with the machine's C++ compiler. The build's name
 carries a digest of the CPU's feature flags and of the sources: a node with other CPU
-features (a shared home folder) never loads a build it cannot run, and two checkouts with
-different sources never rebuild over each other's. Where a build fails (no compiler, no
+features (a shared home folder) never loads a build it cannot run, and two checkouts (whose
+build files name their own source paths) never rebuild over each other's or wait on each
+other's build lock. Where a build fails (no compiler, no
 headers), :meth:`CompiledExtension.load` returns None once, logs why, and keeps the reason
 in :meth:`CompiledExtension.error`, so callers keep serving on torch.
 """
@@ -51,6 +52,7 @@ class CompiledExtension:
 
     def build_name(self) -> str:
         identity = f"{platform.machine()} {_cpu_flags()} {' '.join(FLAGS)}".encode()
+        identity += str(self.sources[0].resolve().parent).encode()
         identity += b"".join(path.read_bytes() for path in self.sources + self.headers)
         return f"{self.name}_{hashlib.sha1(identity).hexdigest()[:10]}"
 

@@ -82,6 +82,9 @@ class PDStore:
             ssd_dir,
             tcp_host=self.placement.tcp_host(sid),
             tenant_retained_share=cfg.tenant_retained_share,
+            # NIXL's owner agent keeps a core busy (store.transfer.nixl_backend): only
+            # where peers can sit on other nodes; same-node peers map the segment
+            serve_nixl=None if len(self.placement.nodes) > 1 else False,
         )
 
     def restart(self, shard_id: str) -> Any:

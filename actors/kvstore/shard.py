@@ -8,7 +8,7 @@ endpoints. KV bytes move through the transfer layer, one copy, never through Ray
 
     shard = KVStoreShard(shard_id, block_bytes, dram_bytes, ssd_bytes=0, ssd_dir=None,
                          node_id=None, serve_tcp=True, tcp_host="127.0.0.1",
-                         tenant_retained_share=1.0)
+                         serve_nixl=None, tenant_retained_share=1.0)
     shard.endpoint() -> Endpoint
     shard.begin_put(hashes, nbytes, parents=None) -> list[int | None]  # offsets to write
     shard.commit_put(hashes) -> list[int] / shard.abort_put(hashes)
@@ -90,6 +90,7 @@ class KVStoreShard:
         advertise_host: str | None = None,
         shm_dir: str = DEFAULT_SHM_DIR,
         tenant_retained_share: float = 1.0,
+        serve_nixl: bool | None = None,
     ) -> None:
         if block_bytes <= 0 or dram_bytes < block_bytes:
             raise InvalidBlockError("need block_bytes > 0 and dram_bytes >= block_bytes")
@@ -111,6 +112,7 @@ class KVStoreShard:
             tcp_host=tcp_host,
             advertise_host=advertise_host,
             shm_dir=shm_dir,
+            serve_nixl=serve_nixl,
         )
         self._log: list[tuple[str, int]] = []  # events since _log_base, for every reader
         self._log_base = 0

@@ -10,7 +10,7 @@ process (the exactness reference for the message plumbing).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from actors.moe.messages import AttentionResult, ExpertBatch, ExpertReply, MoESp
 from actors.moe.workers import AttentionWorker, ExpertWorker
 from models.config import ModelConfig
 from policies.expert_balance import ExpertBalancer, ExpertPlacement, plan_placement
+
+if TYPE_CHECKING:
+    from placement.model_specs import ModelSpec
 
 
 class LocalMoEExecutor(MoEExecutorBase):
@@ -88,27 +91,12 @@ class LocalMoEExecutor(MoEExecutorBase):
         pass
 
 
-def default_micro_batches(
-    cfg: ModelConfig, attention_workers: int, tokens_per_step: int, device: str
-) -> int:
-    """The paper's rule ``m >= 2 (1 + T_c / T_f)`` with ``T_a``, ``T_e`` and ``T_c`` from the
-    roofline of this model (``placement.moe_plan``) on the device (the ``CPU`` spec on CPU;
-    messages move at the machine's memcpy speed there), for a step of ``tokens_per_step``
-    decode tokens split over the attention workers in three micro-batches, each request
-    holding a quarter of the model's positions of KV (an assumption, not a measurement)."""
-    from placement.gpus import get_gpu
+def cost_spec(cfg: ModelConfig, name: str) -> ModelSpec:
+    """The planner's cost-model shapes of a loaded MoE model's config."""
     from placement.model_specs import ModelSpec
-    from placement.moe_plan import (
-        Efficiency,
-        Hardware,
-        attention_time,
-        comm_time,
-        expert_time,
-        min_micro_batches,
-    )
 
-    spec = ModelSpec(
-        "runtime",
+    return ModelSpec(
+        name,
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.num_attention_heads,
@@ -120,6 +108,27 @@ def default_micro_batches(
         cfg.num_experts_per_tok,
         torch.empty((), dtype=cfg.torch_dtype).element_size(),
     )
+
+
+def default_micro_batches(
+    cfg: ModelConfig, attention_workers: int, tokens_per_step: int, device: str
+) -> int:
+    """The paper's rule ``m >= 2 (1 + T_c / T_f)`` with ``T_a``, ``T_e`` and ``T_c`` from the
+    roofline of this model (``placement.moe_plan``) on the device (the ``CPU`` spec on CPU;
+    messages move at the machine's memcpy speed there), for a step of ``tokens_per_step``
+    decode tokens split over the attention workers in three micro-batches, each request
+    holding a quarter of the model's positions of KV (an assumption, not a measurement)."""
+    from placement.gpus import get_gpu
+    from placement.moe_plan import (
+        Efficiency,
+        Hardware,
+        attention_time,
+        comm_time,
+        expert_time,
+        min_micro_batches,
+    )
+
+    spec = cost_spec(cfg, "runtime")
     gpu = get_gpu("CPU" if device == "cpu" else "H100")
     hw = Hardware(gpu, nic_bw=gpu.link_bw, gpus_per_node=1)
     eff = Efficiency()

@@ -53,9 +53,14 @@ def nixl_api() -> ModuleType | None:
     return None
 
 
-def _agent(api: ModuleType, prefix: str) -> Any:
+def _agent(api: ModuleType, prefix: str, progress_thread: bool) -> Any:
+    """An agent on UCX. Over CPU transports the owner of registered memory needs UCX's
+    progress thread to serve one-sided reads and writes, and NIXL's Python API runs that
+    thread with no pause between polls: about half a core while idle. A peer has none; it
+    progresses its own transfers while it polls their state."""
     name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    return api.nixl_agent(name, config)
 
 
 class NixlServer:
@@ -68,7 +73,7 @@ class NixlServer:
                 "serving a segment over NIXL needs the nixl package (on CPU: pip install "
                 "--no-deps nixl-cu12 numpy); serve it over TCP instead"
             )
-        self.agent = _agent(api, f"owner-{endpoint_id}")
+        self.agent = _agent(api, f"owner-{endpoint_id}", progress_thread=True)
         self.base = int(buffer.ctypes.data)
         descs = self.agent.get_reg_descs([(self.base, int(buffer.nbytes), 0, "")], "DRAM")
         self._reg = self.agent.register_memory(descs)
@@ -95,7 +100,7 @@ class NixlBackend(TransferBackend):
                 "--no-deps nixl-cu12 numpy), which is not installed in this environment; use "
                 "'shm' between processes on one node or 'tcp' across nodes"
             )
-        self.agent = _agent(api, "peer")
+        self.agent = _agent(api, "peer", progress_thread=False)
         self._remotes: dict[str, str] = {}  # endpoint id -> remote agent name
         self._regs: dict[tuple[int, int], Any] = {}  # (address, nbytes) -> registration
 

@@ -59,6 +59,24 @@ class Server:
         return self.http.post(path, content=data, headers=headers)
 
 
+def assert_greedy_completions(
+    server: Server, model: str, reference: LLM, lengths: tuple[int, ...], n: int
+) -> None:
+    """``POST /v1/completions`` of an ``ids(k, k)`` prompt for each ``k`` in ``lengths``
+    returns the in-process engine's ``n`` greedy token ids."""
+    client = server.client()
+    for k in lengths:
+        prompt = ids(k, k)
+        r = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        assert r.choices[0].model_extra["token_ids"] == greedy(reference, prompt, n), k
+
+
 @contextlib.contextmanager
 def serve_running(
     cluster: Any, app_args: dict[str, Any], tmp: Path, replicas: int

@@ -126,7 +126,7 @@ def placed(server: Server) -> dict[str, int]:
 def test_each_region_serves_exact_greedy_tokens(server, reference):
     """Short and multi-chunk prompts (up to 5 chunks of the 32-token budget) through each
     region's balancer, one at a time, so each is placed in its own region."""
-    for region, seed in (("us", 1), ("eu", 2), ("us", 3), ("eu", 4)):
+    for region, seed in (("us", 1), ("eu", 2)):
         for n_prompt in (7, 150):
             before = placed(server)
             prompt = ids(seed * 10 + n_prompt, n_prompt)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from serve_common import Server, planned_config, serve_file_running
+from serve_common import Server, assert_greedy_completions, planned_config, serve_file_running
 
-from actors import LLM, SamplingParams
+from actors import LLM
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -59,16 +59,4 @@ def test_plan_is_the_bundled_moe_model_split_into_workers(plan_file, plan_args):
 
 def test_greedy_completions_equal_in_process_engine(server, plan_args):
     reference = LLM(plan_args["model"])
-    client = server.client()
-    for n in (5, 19):
-        prompt = [(n * 7919 + i * 104729) % 500 + 3 for i in range(n)]
-        r = client.completions.create(
-            model=plan_args["model_name"],
-            prompt=prompt,
-            max_tokens=8,
-            temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        want = reference.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
-        assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    assert_greedy_completions(server, plan_args["model_name"], reference, (5, 19), 8)

@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 import pytest
-from serve_common import Server, serve_running
+from serve_common import Server, assert_greedy_completions, serve_running
 
-from actors import LLM, SamplingParams
+from actors import LLM
 from models import write_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -70,20 +70,7 @@ def _workers(server: Server) -> dict[str, list[int]]:
 
 
 def test_greedy_completions_equal_in_process_engine(server, model_dir):
-    reference = LLM(str(model_dir))
-    client = server.client()
-    for n in (6, 17):
-        prompt = [(n * 7919 + i * 104729) % 500 + 3 for i in range(n)]
-        r = client.completions.create(
-            model="tiny-moe",
-            prompt=prompt,
-            max_tokens=8,
-            temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        want = reference.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
-        assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    assert_greedy_completions(server, "tiny-moe", LLM(str(model_dir)), (6, 17), 8)
 
 
 def test_each_kind_runs_on_its_own_cores_and_node_resource(server):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from serve_common import Server, planned_config, serve_file_running
+from serve_common import Server, assert_greedy_completions, planned_config, serve_file_running
 
-from actors import LLM, SamplingParams
+from actors import LLM
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -52,17 +52,4 @@ def test_plan_is_a_pd_group_of_the_built_in_model(plan_file):
 
 
 def test_greedy_completions_equal_in_process_engine(server):
-    reference = LLM()
-    client = server.client()
-    for n in (6, 23):
-        prompt = [(n * 7919 + i * 104729) % 500 + 3 for i in range(n)]
-        r = client.completions.create(
-            model="meridian-tiny",
-            prompt=prompt,
-            max_tokens=10,
-            temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        want = reference.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
-        assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    assert_greedy_completions(server, "meridian-tiny", LLM(), (6, 23), 10)
