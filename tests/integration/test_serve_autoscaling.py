@@ -29,7 +29,7 @@ MODEL = "meridian-tiny"
 MAX_TOKENS = 24
 PROMPTS = [f"prompt {i}: " + " ".join(f"w{i}x{j}" for j in range(30)) for i in range(6)]
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(600)
 
 APP_ARGS: dict[str, Any] = {
     "model_name": MODEL,
@@ -151,11 +151,16 @@ def test_load_step_scales_the_group_up_and_back_without_failures(
         load = Load(url)
         try:
             load.add(8)  # the step up
-            up = wait_for(3, timeout=120)
-            time.sleep(2.5)  # the new replicas serve a while under the full load
-            served = served_per_replica(httpx.get(url + "/metrics", timeout=10).text)
+            up = wait_for(3, timeout=240)
+            deadline = time.monotonic() + 60  # the new replicas serve under the full load
+            while True:
+                served = served_per_replica(httpx.get(url + "/metrics", timeout=10).text)
+                if len(served) == 3 and min(served.values()) > 0:
+                    break
+                assert time.monotonic() < deadline, served
+                time.sleep(0.5)
             load.stop(keep=1)  # the step down
-            down = wait_for(1, timeout=120)
+            down = wait_for(1, timeout=240)
         finally:
             load.stop()
             done.set()
