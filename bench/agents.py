@@ -1,6 +1,5 @@
-"""Agent trajectories through the OpenAI endpoint: does a multi-turn agent see a shorter
-time to first token per turn on P/D with the KV store and DualPath than on the colocated
-app with its prefix cache only?
+"""Agent trajectories through the OpenAI endpoint: does a multi-turn agent see a shorter TTFT
+per turn on P/D with the KV store and DualPath than on the colocated app's prefix cache?
 
 Trajectories (``sim.agent_trajectories``): conversations recovered from the repository's
 Mooncake conversation trace (first prompt, user appends and pauses), with DualPath's tool
@@ -25,16 +24,14 @@ it. The bench model (8 layers, hidden 512, random weights, fp32; ``bench/bench_m
 has a plain chat template (role, content; tools and calls are not rendered) and a
 byte-level tokenizer (one token per character), so the app sets ``tool_parser: hermes``
 and appends are words of that many characters. SmolLM2-135M (``--model`` in other
-benches) was not used: its KV per token is 2.8x the bench model's and its compute per token
-about 4x, too slow for 16 agents on two shared cores, and its template renders no tools
-either.
+benches) was not used: 2.8x the bench model's KV per token and about 4x its compute, too
+slow for 16 agents on two shared cores; its template renders no tools either.
 
 The regime is DualPath's: every engine has ``--kv-cache-mib`` of KV (the same in every
 setup), the agents' sessions together hold several engines' worth, and tool pauses are
 long enough that, on a colocated engine, other agents' turns evict a paused agent's
 prefix, while P/D keeps it in the store (``--store-mib``, decode write-back) and only the
-running turns need the decode replica's KV. The bench prints the sizes ("regime:") and the
-cached share per setup shows it.
+running turns need the decode replica's KV (printed as "regime:"; see the cached share).
 
 Setups, each a Serve app (``serve_app.build_app``) on the bench model:
 
@@ -44,9 +41,8 @@ Setups, each a Serve app (``serve_app.build_app``) on the bench model:
 - dualpath: the same, stored prefixes read on the side whose read ends first and
   DualPath's scheduler placing requests.
 
-Both P/D setups give each replica a storage link of ``--storage-mbps`` (the Serve
-config's ``prefill`` / ``decode`` ``storage_bytes_per_s``: DualPath's storage NIC, a
-token bucket); store reads and decode write-back pay it.
+Both P/D setups give each replica a storage link of ``--storage-mbps`` (``prefill`` /
+``decode`` ``storage_bytes_per_s``: DualPath's storage NIC); reads and write-back pay it.
 
 One run = one app started, the warm-up, every trajectory, the app deleted. Runs are
 interleaved (colocated, pd-prefill, dualpath, then rotated), ``--repeats`` of each;

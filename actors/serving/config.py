@@ -1,8 +1,6 @@
 """The one deployment config of the serving app: model, replica groups, routing, keys, limits.
-
-A plain pydantic model: it never touches the filesystem except in ``from_yaml``, so the
-same object travels as Serve application ``args`` (``serve run`` / ``serve deploy`` config
-files), as a YAML file of its own, or built in Python.
+A plain pydantic model, no filesystem access except ``from_yaml``: the same object travels
+as Serve application ``args`` (``serve run`` / ``serve deploy``), a YAML file, or Python.
 """
 
 from __future__ import annotations
