@@ -6,6 +6,7 @@
         conductor=ConductorOptions(ttft_slo=..., tbt_slo=..., admission="early")))
     outs = cluster.generate(prompt_token_ids=[[...], ...], sampling_params=params)
     rid = cluster.submit(token_ids, params)   # raises RequestRejected (429) on overload
+    cluster.waiting(rid) / cluster.refusal(rid)   # waiting for decode room / refused since
     cluster.poll(timeout) -> list[StreamDelta]; cluster.output(rid); cluster.shutdown()
 
 Every prefill and decode replica runs its own loop in its own actor (``ReplicaSet`` starts
@@ -36,6 +37,10 @@ With ``fit_costs`` (default) the Conductor's estimates are refitted (``CostFitte
 the steps and store loads this deployment measures. Replicas and shards spread over the
 cluster's nodes (``placement.nodes``, ``actors.disagg.replica_set``).
 
+A request that finds no decode room waits (``actors.disagg.decode_waits``: FIFO, bounded by
+``decode_wait_s`` and ``decode_wait_max``) and is placed by a later ``poll`` once decode
+blocks are free; past the bounds it is refused (``refusal``) with the 429 it would have got.
+
 Faults (``actors.disagg.cluster_faults``): a dead store shard drops out of the map and
 ``refresh_store`` replaces it with an empty one; a dead prefill or decode replica is
 replaced by a fresh actor and its requests run again from their prompt, never streaming a
@@ -55,6 +60,7 @@ from actors.disagg.cluster_config import PDClusterConfig
 from actors.disagg.cluster_faults import Recovery
 from actors.disagg.cluster_placement import RequestPlacement
 from actors.disagg.conductor import RequestRejected, default_conductor
+from actors.disagg.decode_waits import DecodeWaits
 from actors.disagg.dualpath_placement import DualPathPlacer
 from actors.disagg.messages import (
     CacheEvent,
@@ -83,6 +89,7 @@ from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
 from policies.conductor import Conductor, DecodeInstance, PrefillInstance
+from policies.decode_wait import DecodeWaitQueue
 from policies.dualpath import PREFILL_PATH
 from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
@@ -139,6 +146,10 @@ class PDCluster:
             self.read_paths,
             self.dualpath,
             self.block_size,
+        )
+        queue = DecodeWaitQueue(config.decode_wait_s, config.decode_wait_max)
+        self.waits = DecodeWaits(
+            queue, self.table, self.placing.place, self.conductor.min_retry_after
         )
         self.replicas.start_all()
         self.limits = self._limits(model)
@@ -226,18 +237,28 @@ class PDCluster:
         return self.submit_request(request)
 
     def submit_request(self, request: Request) -> str:
-        """Place a request (Conductor-scheduled, KV reserved on decode, prefill queued);
-        raises RequestRejected when the SLOs cannot be met now."""
+        """Place a request (Conductor-scheduled, KV reserved on decode, prefill queued), or
+        queue it for decode room (``waiting``); raises RequestRejected when the SLOs
+        cannot be met now or the wait queue is full."""
         if request.block_size != self.block_size:
             raise ValueError(f"the request was hashed in blocks of {request.block_size}")
         req = PDRequest(request)
         self.table.add(req)  # a replica death while placing queues it again
         try:
-            self.placing.place(req)
+            self.waits.submit(req)
         except RequestRejected:
             self.table.remove(request.request_id)
             raise
         return request.request_id
+
+    def waiting(self, request_id: str) -> bool:
+        """Accepted and waiting for decode room (not yet placed)."""
+        return self.waits.waiting(request_id)
+
+    def refusal(self, request_id: str) -> RequestRejected | None:
+        """The 429 of a request that waited past the bounds, or was refused when its turn
+        came (e.g. by the SLOs); it has ended without tokens. None: not refused."""
+        return self.waits.refused.get(request_id)
 
     def placement(self, request_id: str) -> tuple[str | None, str | None]:
         """(prefill id, decode id) the Conductor chose for a request not yet released."""
@@ -262,6 +283,7 @@ class PDCluster:
         if req is None or req.output is not None:
             return
         self.table.cancel_retry(request_id)
+        self.waits.cancel(request_id)
         self._stop_attempt(req)
         req.end()
 
@@ -283,6 +305,7 @@ class PDCluster:
         if out is None:
             raise ValueError(f"request {request_id!r} has not finished")
         self.table.remove(request_id)
+        self.waits.forget(request_id)
         return out
 
     # -- reacting to the replicas -----------------------------------------------------------
@@ -305,6 +328,7 @@ class PDCluster:
             self.replicas.watch(rid, handle)
             deltas += self._apply(report)
         self._retry_pending()
+        self.waits.place_waiting()
         if self.fitter is not None:
             self.fitter.refit(self.conductor)
         return deltas
@@ -373,7 +397,8 @@ class PDCluster:
         salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. Requests the Conductor
-        turns away now are held back and placed as running ones finish. ``sampling_params``:
+        turns away now (or that waited past the bounds) are held back and placed as running
+        ones finish. ``sampling_params``:
         one for all prompts, or one per prompt."""
         if prompt_token_ids is None:
             if prompts is None:
@@ -386,19 +411,25 @@ class PDCluster:
             per_prompt = sampling_params
         else:
             per_prompt = [sampling_params or SamplingParams()] * len(prompt_token_ids)
-        backlog = deque(zip((list(p) for p in prompt_token_ids), per_prompt, strict=True))
-        ids: list[str] = []
+        prompts_ = [list(p) for p in prompt_token_ids]
+        backlog = deque(range(len(prompts_)))  # prompt indices, in order
+        ids: dict[int, str] = {}
         while backlog or self.has_unfinished():
             while backlog:
+                i = backlog[0]
                 try:
-                    ids.append(self.submit(backlog[0][0], backlog[0][1], salt=salt))
+                    ids[i] = self.submit(prompts_[i], per_prompt[i], salt=salt)
                 except RequestRejected:
                     if not self.has_unfinished():
                         raise
                     break
                 backlog.popleft()
             self.poll()
-        return [self.release(rid) for rid in ids]
+            refused = sorted(i for i, rid in ids.items() if self.refusal(rid) is not None)
+            for i in reversed(refused):  # waited past the bounds: held back again, in order
+                self.release(ids.pop(i))
+                backlog.appendleft(i)
+        return [self.release(ids[i]) for i in range(len(prompts_))]
 
     # -- observation and faults -------------------------------------------------------------
     def check_blocks(self) -> dict[str, int]:
@@ -419,7 +450,7 @@ class PDCluster:
         free = sum(d.total_blocks - d.used_blocks - d.pending_blocks for d in decodes)
         return ReplicaStats(
             num_running=sum(d.num_running for d in decodes),
-            num_waiting=self.table.num_waiting(),
+            num_waiting=self.table.num_waiting() + len(self.waits.queue),
             queued_prefill_tokens=sum(p.queued_tokens for p in self.prefill_views.values()),
             free_blocks=free,
             total_blocks=total,

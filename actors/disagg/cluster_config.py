@@ -24,7 +24,7 @@ from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.disagg.store_view import StoreConfig
 from actors.engine.config import EngineConfig
-from actors.engine.defaults import PIN_CORES
+from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES
 from policies.conductor import Conductor
 from policies.dualpath import PREFILL_PATH
 from store.transfer.links import LinkBudget
@@ -68,7 +68,10 @@ class PDClusterConfig:
     ``scheduler``: ``"mooncake"`` (the Conductor's TTFT/TBT choice) or ``"dualpath"``
     (DualPath's rules); ``dualpath_thresholds``: its (alpha, beta) in tokens (None: from
     the fitted cost model). ``node_resources``: a region's node resource; every actor of
-    the cluster runs only on nodes that carry it, and its workers reserve it too."""
+    the cluster runs only on nodes that carry it, and its workers reserve it too.
+    ``decode_wait_s`` / ``decode_wait_max``: a request that finds no decode room waits
+    (FIFO) at most this long, at most this many at once, before a 429
+    (``policies.decode_wait``; defaults in ``actors.engine.defaults``; 0 s: refuse at once)."""
 
     model_dir: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -83,6 +86,8 @@ class PDClusterConfig:
     scheduler: str = "mooncake"
     dualpath_thresholds: tuple[int, int] | None = None
     node_resources: dict[str, float] = field(default_factory=dict)
+    decode_wait_s: float = DECODE_WAIT_S
+    decode_wait_max: int = DECODE_WAIT_MAX
 
     def __post_init__(self) -> None:
         if self.engine.cpu_cores is not None:
@@ -102,6 +107,8 @@ class PDClusterConfig:
             raise ValueError(
                 f"read_path={self.read_path!r} reads a KV store: give store=StoreConfig(...)"
             )
+        if self.decode_wait_s < 0 or self.decode_wait_max < 0:
+            raise ValueError("decode_wait_s and decode_wait_max must be >= 0")
         if self.max_prefill_attempts < 1:
             raise ValueError("max_prefill_attempts must be at least 1")
         decode = self.side_engine(self.decode)

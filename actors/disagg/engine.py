@@ -6,7 +6,10 @@ Nothing here imports ``actors.serving``: the Serve replica builds the cluster's
 Placement (the Conductor) happens in ``add_request``, on the engine thread like every other
 call into the cluster: a rejection is raised there as ``OverloadedError`` carrying the
 Conductor's ``retry_after``, before the request is accepted, so it reaches the client as a
-429 with Retry-After and never as an error inside a started stream.
+429 with Retry-After and never as an error inside a started stream. A request that finds no
+decode room waits instead (``PDCluster.waiting``): its verdict is deferred (``waiting`` and
+``refusal``, which ``EngineLoop`` asks after each step) until it is placed, or refused with
+the same 429 once it waited past the bounds (``policies.decode_wait``).
 
 Invariants:
 - Every request added and not yet released ends with exactly one finished delta from
@@ -24,6 +27,7 @@ import time
 
 from actors.disagg.cluster import PDCluster
 from actors.disagg.cluster_config import PDClusterConfig
+from actors.disagg.conductor import RequestRejected
 from actors.disagg.messages import PDCounters
 from actors.engine.outputs import RequestOutput, StreamDelta
 from policies.replica_stats import ReplicaStats
@@ -58,6 +62,14 @@ class PDEngine:
         self._live.add(rid)
         return rid
 
+    def waiting(self, request_id: str) -> bool:
+        """Added, verdict deferred: it waits for decode room."""
+        return self.cluster.waiting(request_id)
+
+    def refusal(self, request_id: str) -> RequestRejected | None:
+        """The 429 of an added request refused after waiting (it holds nothing)."""
+        return self.cluster.refusal(request_id)
+
     def step(self) -> list[StreamDelta]:
         """React to the replicas: waits up to ``POLL_WAIT_S`` for their reports. Every
         ``STORE_REFRESH_S`` also the store shards' events (a dead shard is replaced)."""
@@ -71,7 +83,7 @@ class PDEngine:
                 self._live.discard(d.request_id)
         for rid in list(self._live):
             out = self.cluster.output(rid)
-            if out is not None:  # ended by a failure, without a delta
+            if out is not None and self.cluster.refusal(rid) is None:  # ended by a failure
                 self._live.discard(rid)
                 deltas.append(StreamDelta(rid, [], "", True, out.finish_reason or "abort"))
         return deltas
@@ -81,7 +93,10 @@ class PDEngine:
         self.cluster.abort(request_id)
 
     def release(self, request_id: str) -> RequestOutput:
+        refused = self.cluster.refusal(request_id) is not None
         out = self.cluster.release(request_id)
+        if refused:  # never ran: no prompt to count
+            return out
         self._prompt_tokens += len(out.prompt_token_ids)
         self._cached_tokens += out.num_cached_tokens
         return out
@@ -126,6 +141,8 @@ class PDEngine:
             store_retained_blocks=kept.get("retained_blocks", 0),
             store_retention_hit_blocks=kept.get("retention_hit_blocks", 0),
             store_expired_retentions=kept.get("expired_retentions", 0),
+            decode_waits=self.cluster.waits.num_waited,
+            decode_wait_seconds=self.cluster.waits.seconds_waited,
         )
 
     def cached_block_hashes(self) -> list[int]:

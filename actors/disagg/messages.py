@@ -169,3 +169,6 @@ class PDCounters:
     store_retained_blocks: int = 0
     store_retention_hit_blocks: int = 0
     store_expired_retentions: int = 0
+    # requests placed after waiting for decode room, and their waits summed (seconds)
+    decode_waits: int = 0
+    decode_wait_seconds: float = 0.0

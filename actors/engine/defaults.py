@@ -22,6 +22,11 @@ also the largest chunk. The torch attention backend pads every decode row of a m
 to the chunk's length, so a long chunk stalls every running decode; 2048 served 2-3% more
 requests/s than 512 on the bench model but doubled TTFT. ``CHUNK_SIZE`` (None: the budget)
 caps one request's chunk below it.
+
+``DECODE_WAIT_S`` (30 s) and ``DECODE_WAIT_MAX`` (64): a disaggregated request that finds no
+decode room waits in a FIFO at the Conductor (``policies.decode_wait``) at most this long,
+and at most this many wait at once; past either it gets the 429 it got before the queue.
+``PDClusterConfig(decode_wait_s=0)`` refuses at once, as before.
 """
 
 from __future__ import annotations
@@ -30,3 +35,5 @@ ENGINE_NICE = 0
 PIN_CORES = True
 TOKEN_BUDGET = 512
 CHUNK_SIZE: int | None = None
+DECODE_WAIT_S = 30.0
+DECODE_WAIT_MAX = 64

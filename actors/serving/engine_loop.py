@@ -13,7 +13,10 @@ burst), so the event loop only ever waits on ``asyncio.Queue``s.
 Invariants:
 - A submitted request is answered on its sink first with exactly one ``Accepted`` or
   ``Refused`` (``actors.engine.events``), decided on the engine thread (``add_request`` of
-  every choice succeeded, or none of them is left in the engine). An accepted request then
+  every choice succeeded, or none of them is left in the engine). An engine may defer the
+  verdict (a P/D engine whose request waits for decode room: ``waiting``), then a later
+  step gives it (``refusal``: the 429 of one that waited past its bound). An accepted
+  request then
   ends with exactly one ``Done`` or ``Failed`` per choice, and is released from the engine
   (its blocks freed) when it does.
 - Requests arrive built (``RequestBuilder`` at the edge): the loop never validates or
@@ -250,6 +253,9 @@ class EngineLoop:
         # a disaggregated engine (PDEngine) also reports its transfer and store counters
         self.metrics = ReplicaMetrics(getattr(engine, "pd_counters", None), min_interval_s=0.2)
         self._sinks: dict[str, tuple[Sink, int]] = {}  # engine thread only
+        # choices added whose verdict the engine deferred (engine thread only); an engine
+        # that defers provides ``waiting(id) -> bool`` and ``refusal(id) -> error | None``
+        self._pending: list[tuple[Sink, list[str]]] = []
         self._lock = threading.Lock()  # guards the published fields below
         self._events: list[tuple[str, int]] = []
         self._resync: list[int] | None = None
@@ -442,6 +448,8 @@ class EngineLoop:
                 except Exception as e:  # a bug: fail this request, never the thread
                     log.exception("could not finish %s", d.request_id)
                     self._abort(d.request_id, f"the request failed: {e}; retry it")
+        if self._pending:
+            self._answer_pending()
         self._publish()
         return True
 
@@ -457,6 +465,12 @@ class EngineLoop:
     def _abort_if_held(self, rid: str) -> None:
         if rid in self._sinks:
             self._abort(rid)
+            return
+        for group in self._pending:  # its caller left before the verdict: take it back
+            if rid in group[1]:
+                self._pending.remove(group)
+                self._take_back(group[1])
+                return
 
     def _add(self, requests: list[Request], sink: Sink) -> None:
         """Every choice is added, or none is left in the engine and the request is refused."""
@@ -477,19 +491,50 @@ class EngineLoop:
             except Exception as e:  # a dead actor or a bug: the request was not taken
                 log.exception("add_request failed")
                 refusal = EngineUnavailableError(f"the replica failed to take it: {e}; retry")
+        if refusal is None:
+            decided, refusal = self._verdict(added)
+            if not decided:
+                self._pending.append((sink, added))  # a later step answers it
+                return
+        self._answer(sink, added, refusal)
+
+    def _verdict(self, ids: list[str]) -> tuple[bool, MeridianError | None]:
+        """(decided, the refusal if refused) for the added choices ``ids``."""
+        waiting = getattr(self.engine, "waiting", None)
+        refusal_of = getattr(self.engine, "refusal", None)
+        if waiting is None or refusal_of is None:
+            return True, None
+        for rid in ids:
+            refusal = refusal_of(rid)
+            if refusal is not None:
+                return True, refusal
+        return not any(waiting(rid) for rid in ids), None
+
+    def _answer_pending(self) -> None:
+        for group in list(self._pending):
+            decided, refusal = self._verdict(group[1])
+            if decided:
+                self._pending.remove(group)
+                self._answer(*group, refusal)
+
+    def _answer(self, sink: Sink, ids: list[str], refusal: MeridianError | None) -> None:
+        """Accept every choice, or take them all back and refuse the request."""
         if refusal is not None:
-            for rid in added:
-                try:
-                    self.engine.abort(rid)
-                    self.engine.release(rid)
-                except Exception:
-                    log.exception("could not take back %s", rid)
+            self._take_back(ids)
             self.metrics.on_refused(refusal)
             sink(Refused.of(refusal))
             return
-        for i, request in enumerate(requests):
-            self._sinks[request.request_id] = (sink, i)
+        for i, rid in enumerate(ids):
+            self._sinks[rid] = (sink, i)
         sink(Accepted())
+
+    def _take_back(self, ids: list[str]) -> None:
+        for rid in ids:
+            try:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            except Exception:
+                log.exception("could not take back %s", rid)
 
     def _finish(self, rid: str, error: str | None = None) -> None:
         out = self.engine.release(rid)  # first: if it raises, the sink is still there
@@ -511,6 +556,9 @@ class EngineLoop:
     def _fail_all(self, message: str) -> None:
         for rid in list(self._sinks):
             self._abort(rid, message)
+        pending, self._pending = self._pending, []
+        for sink, ids in pending:
+            self._answer(sink, ids, EngineUnavailableError(message))
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -522,7 +570,7 @@ class EngineLoop:
         metrics = self.metrics.snapshot()
         with self._lock:
             self._stats, self._metrics = stats, metrics
-            self._held = len(self._sinks)
+            self._held = len(self._sinks) + sum(len(ids) for _, ids in self._pending)
             if self._want_resync or len(self._events) > MAX_BUFFERED_EVENTS:
                 self._want_resync = False
                 self._resync = self.engine.cached_block_hashes()  # includes ``events``

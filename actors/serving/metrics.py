@@ -59,6 +59,8 @@ _PD_FAMILIES = {
         "kv_store_expired_retentions",
         "Retained KV store blocks whose retention reached its deadline",
     ),
+    "decode_waits": ("pd_decode_waits", "Requests placed after waiting for decode room"),
+    "decode_wait_seconds": ("pd_decode_wait_seconds", "Seconds requests waited for decode room"),
 }
 # PDCounters' gauges: (family name without the prefix, help)
 _PD_GAUGES = {
