@@ -22,7 +22,7 @@ from pydantic import (
 from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
-from actors.engine.defaults import PIN_CORES
+from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES
 from actors.serving.engine_section import EngineSection
 from policies.rate_limit import KeyRateLimits
 
@@ -99,21 +99,21 @@ class StoreSectionConfig(_Strict):
 
 
 class ConductorSectionConfig(_Strict):
-    """Mooncake's Conductor of a disaggregated group (``policies.conductor``): SLOs in
-    seconds (TTFT, and time between tokens), the admission mode ("predictive", the
-    default: reject when the predicted TTFT, or the TBT of the decode load expected when
-    the request would reach decode, misses its SLO; "early": judge decode load at arrival;
-    "none": reject only when no decode replica has room), the
-    hot-block replication threshold, and whether its runtime estimates are refitted from
-    the group's measured steps."""
+    """A disaggregated group's Conductor (``policies.conductor``): SLOs in seconds (TTFT,
+    time between tokens), admission ("predictive": reject when the predicted TTFT, or the
+    TBT expected when it reaches decode, misses its SLO; "early": judge decode load at
+    arrival; "none": only when no decode replica has room), hot-block replication
+    threshold, refitted estimates, and how long / how many wait for decode room before a
+    429 (``policies.decode_wait``)."""
 
     ttft_slo: float = Field(60.0, gt=0)
     tbt_slo: float = Field(10.0, gt=0)
     admission: Literal["none", "early", "predictive"] = "predictive"
     replication_threshold: float = Field(2.0, ge=1)
     fit_costs: bool = True
-    # "dualpath": DualPath's rules place requests instead (``actors.disagg.dualpath_placement``)
-    scheduler: str = "mooncake"
+    decode_wait_s: float = Field(DECODE_WAIT_S, ge=0)
+    decode_wait_max: int = Field(DECODE_WAIT_MAX, ge=0)
+    scheduler: str = "mooncake"  # "dualpath": DualPath's rules place requests instead
 
     @field_validator("scheduler")
     @classmethod

@@ -5,9 +5,10 @@ The group's ``engine`` section is every prefill and decode replica's ``EngineCon
 (each side's ``tp`` / ``spp`` / ``kvp`` from its ``prefill`` / ``decode`` section); the store's SSD
 files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share a folder;
 the store section's ``read_path`` and ``write_back`` and the conductor section's
-``scheduler`` (DualPath) pass through; each side's ``storage_bytes_per_s`` is its replicas'
-emulated storage link (``PDSideConfig.link_budget``); ``node_resources`` (a region's node
-resource) pins every actor of the cluster to the nodes that carry it.
+``scheduler`` (DualPath), ``decode_wait_s`` and ``decode_wait_max`` pass through; each
+side's ``storage_bytes_per_s`` is its replicas' emulated storage link
+(``PDSideConfig.link_budget``); ``node_resources`` (a region's node resource) pins every
+actor of the cluster to the nodes that carry it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def pd_cluster_config(
         fit_costs=conductor.fit_costs,
         read_path=group.store.read_path if group.store is not None else PREFILL_PATH,
         scheduler=conductor.scheduler,
+        decode_wait_s=conductor.decode_wait_s,
+        decode_wait_max=conductor.decode_wait_max,
         node_resources=dict(node_resources or {}),
         pin_cores=group.pin_cores,
     )

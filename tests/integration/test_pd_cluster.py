@@ -122,7 +122,7 @@ def test_rejects_with_retry_after_when_slos_cannot_be_met():
     pd.shutdown()
 
     small = EngineConfig(**{**OPTS, "num_blocks": 12})  # 20 + 20 tokens need 10 blocks
-    pd = PDCluster(pd_config(engine=small))
+    pd = PDCluster(pd_config(engine=small, decode_wait_s=0))  # refused at once, no waiting
     long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     first = pd.submit(prompt, long)
     with pytest.raises(RequestRejected) as err:  # the first one's reservation fills decode

@@ -47,6 +47,7 @@ def server(local_ray_cluster, tmp_path_factory):
         "num_decode": 1,
         "engine": {"block_size": BS, "num_blocks": DECODE_BLOCKS},
         "store": {"dram_bytes": 4 << 20, "ssd_bytes": 4 << 20, "ssd_dir": str(tmp / "kv")},
+        "conductor": {"decode_wait_s": 0},  # no waiting for decode room: refused at once
     }
     app_args = {"model_name": MODEL, "groups": [group], "limits": {"max_tokens": MAX_TOKENS}}
     with serve_running(cluster, app_args, tmp, replicas=1) as url:
