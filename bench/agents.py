@@ -23,40 +23,28 @@ of text (``ignore_eos``), sent back as the assistant's content, the user's appen
 it. The bench model (8 layers, hidden 512, random weights, fp32; ``bench/bench_model.py``)
 has a plain chat template (role, content; tools and calls are not rendered) and a
 byte-level tokenizer (one token per character), so the app sets ``tool_parser: hermes``
-and appends are words of that many characters. SmolLM2-135M (``--model`` in other
-benches) was not used: 2.8x the bench model's KV per token and about 4x its compute, too
-slow for 16 agents on two shared cores; its template renders no tools either.
+and appends are words of that many characters.
 
-The regime is DualPath's: every engine has ``--kv-cache-mib`` of KV (the same in every
-setup), the agents' sessions together hold several engines' worth, and tool pauses are
-long enough that, on a colocated engine, other agents' turns evict a paused agent's
-prefix, while P/D keeps it in the store (``--store-mib``, decode write-back) and only the
-running turns need the decode replica's KV (printed as "regime:"; see the cached share).
+The regime is DualPath's: the agents' sessions hold several engines' worth of KV and tool
+pauses let other agents' turns evict a paused agent's prefix from a colocated engine, while
+P/D keeps it in the store (``--store-mib``, decode write-back) (printed as "regime:").
 
-Setups, each a Serve app (``serve_app.build_app``) on the bench model:
+Setups, each a Serve app (``serve_app.build_app``) on the bench model: colocated (two
+replicas, prefix-aware routing, the prefix cache only); pd-prefill (one prefill and one
+decode replica, a KV store with decode write-back, stored prefixes read on the prefill
+side, Mooncake's Conductor); dualpath (the same, stored prefixes read on the side whose
+read ends first, DualPath's scheduler). Both P/D setups give each replica a storage link
+of ``--storage-mbps`` (``storage_bytes_per_s``: DualPath's storage NIC); reads and
+write-back pay it. Memory is equal: two engines of ``--kv-cache-mib`` in every setup.
 
-- colocated: two colocated replicas, prefix-aware routing, the prefix cache only;
-- pd-prefill: one prefill and one decode replica, a KV store with decode write-back,
-  every stored prefix read on the prefill side (Mooncake's Conductor);
-- dualpath: the same, stored prefixes read on the side whose read ends first and
-  DualPath's scheduler placing requests.
-
-Both P/D setups give each replica a storage link of ``--storage-mbps`` (``prefill`` /
-``decode`` ``storage_bytes_per_s``: DualPath's storage NIC); reads and write-back pay it.
-
-One run = one app started, the warm-up, every trajectory, the app deleted. Runs are
-interleaved (colocated, pd-prefill, dualpath, then rotated), ``--repeats`` of each;
-figures are medians over runs. Reported per setup: each turn's TTFT p50/p99 (all turns
-and turns after the first), the trajectory completion time (first send to last token,
-pauses included), goodput (turns per second whose TTFT met ``--ttft-slo``), the share
-of prompt tokens the server reported as cached (``usage.prompt_tokens_details``), and the
-mean TTFT as the client saw it beside the replicas' own (their ``time_to_first_token``
-metric, from ``/metrics``): the gap is the HTTP and relay path and the waits after 429s
-(counted per run by the Conductor's reason, e.g. ``decode_full``), and the tool-call
-answers.
-
-Last line: ``agent turn-ttft-p50 colocated/dualpath: <ratio>`` (the median of the
-per-repeat ratios of all turns' TTFT p50).
+One run = one app started, the warm-up, every trajectory, the app deleted; runs interleaved
+(setup order rotated), ``--repeats`` each, medians over runs. Per setup: turn TTFT p50/p99
+(all turns, later turns), trajectory completion (first send to last token), goodput (turns/s
+within ``--ttft-slo``), the prompt tokens cached (``usage``), the client's mean TTFT beside
+the replicas' own (``/metrics``, from arrival, a decode-room wait included; the gap is the
+HTTP and relay path and waits after 429s, counted by reason), the turns that waited for
+decode room (``policies.decode_wait``) and their mean wait, tool calls. Last line: ``agent
+turn-ttft-p50 colocated/dualpath: <ratio>`` (median of the per-repeat ratios of TTFT p50).
 
     flock /tmp/bench.lock python bench/agents.py [--repeats 3] [--concurrency 16]
 """
@@ -119,6 +107,8 @@ class AgentRun:
     tool_calls: int = 0  # answers that were tool calls
     reasons: dict[str, int] = field(default_factory=dict)  # 429s by reason
     server_ttft: float = float("nan")  # the replicas' own mean TTFT (their metric), seconds
+    queued: float = 0.0  # turns that waited for decode room (P/D), and their mean wait (s)
+    queue_wait: float = 0.0
 
     def metrics(self, slo: float) -> dict[str, float]:
         ttft = [s.ttft * 1e3 for s in self.turns]
@@ -139,6 +129,8 @@ class AgentRun:
             "tool_calls": self.tool_calls,
             "mean_ttft_ms": statistics.fmean(ttft),
             "server_mean_ttft_ms": self.server_ttft * 1e3,
+            "queued": self.queued,
+            "queue_wait_ms": self.queue_wait * 1e3,
         }
 
 
@@ -410,20 +402,23 @@ def wait_healthy(url: str, replicas: int, timeout: float = 600.0) -> None:
     raise TimeoutError("the app did not become healthy")
 
 
-TTFT_METRIC = "meridian:time_to_first_token_seconds"
+# the replicas' TTFT histogram (arrival to first token) and the P/D decode-room waits
+SUMS = (
+    "meridian:time_to_first_token_seconds_sum",
+    "meridian:time_to_first_token_seconds_count",
+    "meridian:pd_decode_wait_seconds_total",
+    "meridian:pd_decode_waits_total",
+)
 
 
-def ttft_totals(url: str) -> tuple[float, float]:
-    """(sum, count) of the replicas' TTFT histogram (arrival to first token), all replicas."""
-    total, count = 0.0, 0.0
+def metric_sums(url: str) -> list[float]:
+    """Each of ``SUMS`` summed over the replicas (0 where absent)."""
+    out = dict.fromkeys(SUMS, 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name, _, value = line.rpartition(" ")
-        name = name.split("{")[0]
-        if name == TTFT_METRIC + "_sum":
-            total += float(value)
-        elif name == TTFT_METRIC + "_count":
-            count += float(value)
-    return total, count
+        if name.split("{")[0] in out:
+            out[name.split("{")[0]] += float(value)
+    return list(out.values())
 
 
 # a forced call, its tool's output, a text answer, a user turn
@@ -445,12 +440,13 @@ def one_run(
     try:
         wait_healthy(url, expected_replicas(setup))
         asyncio.run(run_agents(url, setup, [WARM_UP], 1, seed=-1))  # compiles each path once
-        before = ttft_totals(url)
+        before = metric_sums(url)
         run = asyncio.run(run_agents(url, setup, trajs, args.concurrency, args.seed, args.ramp))
         time.sleep(2.2)  # an idle replica pushes its last metrics within its heartbeat
-        after = ttft_totals(url)
-        if after[1] > before[1]:
-            run.server_ttft = (after[0] - before[0]) / (after[1] - before[1])
+        ttft_s, ttfts, wait_s, waits = map(float.__sub__, metric_sums(url), before)
+        if ttfts > 0:
+            run.server_ttft = ttft_s / ttfts
+        run.queued, run.queue_wait = waits, wait_s / waits if waits else 0.0
         return run
     finally:
         serve.delete(APP)
@@ -470,6 +466,8 @@ ROWS = (
     ("mean turn TTFT, replicas (ms)", "server_mean_ttft_ms", "{:.0f}"),
     ("tool-call answers", "tool_calls", "{:.0f}"),
     ("429s retried", "refused", "{:.0f}"),
+    ("turns queued for decode room", "queued", "{:.0f}"),
+    ("mean decode-room wait (ms)", "queue_wait_ms", "{:.0f}"),
     ("run time (s)", "duration_s", "{:.1f}"),
 )
 
@@ -563,7 +561,8 @@ def main() -> None:
                         f"[rep {rep}] {setup:>10s}: TTFT p50 {m['ttft_p50_ms']:.0f} ms p99 "
                         f"{m['ttft_p99_ms']:.0f} ms, completion p50 "
                         f"{m['completion_p50_s']:.1f} s, goodput {m['goodput_turns_s']:.2f} "
-                        f"turns/s, cached {m['cached_share']:.0%}, 429s {run.reasons}, "
+                        f"turns/s, cached {m['cached_share']:.0%}, 429s {run.reasons}, queued "
+                        f"{run.queued:.0f} (mean {run.queue_wait:.2f} s), "
                         f"run {run.duration:.1f} s "
                         f"(load {os.getloadavg()[0]:.1f})",
                         flush=True,
