@@ -19,6 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+# Reference outputs are computed in this process while a cluster's workers wait on their
+# channels (they poll). With two intra-op threads on two cores, every OpenMP barrier waits
+# for a thread the scheduler has parked behind a poller: a reference generation took 14-43 s
+# instead of under 1 s. One thread keeps it at its solo speed.
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[2]
 
