@@ -42,10 +42,13 @@ Admission (``admission``, default ``"predictive"``):
     that end by ``at`` and grow by the requests prefill finishes by ``at``: the same share
     of each instance's ``pending`` requests (an even split when no view reports pending).
     A running decode ends at its ``finish_times`` entry when given, else after its
-    ``remaining_tokens`` at the instance's predicted TBT now, ``decode_tbt(running(d),
-    context_blocks(d))``; with neither, decodes last a uniform t_d: ``decode_duration``
-    when set, else this request's ``max_tokens`` at that TBT. Decode is priced by the
-    step-time predictor (refitted from measured decode steps live), never by a constant.
+    ``remaining_tokens`` at the predicted TBT of the instance's committed batch,
+    ``decode_tbt(running(d) + pending(d), context_blocks(d) + pending_blocks(d))`` (the
+    pending requests join while those decode); with neither, decodes last a uniform t_d:
+    ``decode_duration`` when set, else this request's ``max_tokens`` at that TBT. Decode
+    is priced by the step-time predictor (refitted live from measured decode steps, each
+    the gap between tokens it delivered), never by a constant. The predicted batch
+    (running(at) + incoming + this request) is ``predicted_batch`` in the decision.
     With ``p.queued`` known, the requests prefill delivers by ``at`` are those whose
     cumulative prefill time in queue order ends by then.
 
@@ -118,6 +121,7 @@ class ConductorDecision:
     retry_after: float | None  # seconds, when rejected
     reason: str  # "ttft_slo", "tbt_slo", "decode_full", or "" when accepted
     replicate_from: str | None = None  # source of replicate_blocks (the best holder)
+    predicted_batch: int = 0  # decodes (this request included) predicted_tbt is priced at
 
 
 @dataclass
@@ -135,6 +139,7 @@ class _PrefillChoice:
 class _DecodeChoice:
     index: int
     tbt: float
+    batch: int  # decodes the TBT is priced at, this request included
 
 
 class Conductor:
@@ -229,13 +234,14 @@ class Conductor:
 
     def finish_times(self, d: DecodeInstance, now: float) -> list[float]:
         """When each running decode on ``d`` ends: ``d.finish_times`` if kept, else its
-        ``remaining_tokens`` at the predicted TBT of the batch now; [] when neither matches
-        ``num_running`` (then t_d applies)."""
+        ``remaining_tokens`` at the predicted TBT of the committed batch (running plus
+        ``pending``: requests admitted and still in prefill join it while those decode);
+        [] when neither matches ``num_running`` (then t_d applies)."""
         if d.finish_times:
             return d.finish_times
         if d.num_running == 0 or len(d.remaining_tokens) != d.num_running:
             return []
-        tbt = self.decode_tbt(d.num_running, d.used_blocks)
+        tbt = self.decode_tbt(d.num_running + d.pending, d.used_blocks + d.pending_blocks)
         return [now + r * tbt for r in d.remaining_tokens]
 
     @staticmethod
@@ -270,7 +276,8 @@ class Conductor:
             if arrive_at is None:
                 # Judged on the decodes running now; ranked by the committed load (those
                 # plus the pending ones), so a burst does not all pick the same instance.
-                tbt = self.decode_tbt(d.num_running + 1, d.used_blocks + prompt_blocks)
+                batch = d.num_running + 1
+                tbt = self.decode_tbt(batch, d.used_blocks + prompt_blocks)
                 key = self.decode_tbt(
                     d.num_running + d.pending + 1, d.used_blocks + d.pending_blocks + prompt_blocks
                 )
@@ -288,10 +295,11 @@ class Conductor:
                 if incoming is not None:
                     running += incoming[i][0]
                     context += incoming[i][1]
-                tbt = self.decode_tbt(math.ceil(running) + 1, math.ceil(context) + prompt_blocks)
+                batch = math.ceil(running) + 1
+                tbt = self.decode_tbt(batch, math.ceil(context) + prompt_blocks)
                 key = tbt
             if best is None or key < best_key or (key == best_key and free > best_free):
-                best, best_key, best_free = _DecodeChoice(i, tbt), key, free
+                best, best_key, best_free = _DecodeChoice(i, tbt, batch), key, free
         return best
 
     def _incoming_per_decode(
@@ -387,6 +395,7 @@ class Conductor:
         dec = self.select_decode(request, decodes, now, arrive_at, incoming)
 
         ttft, tbt = pre.ttft, (dec.tbt if dec is not None else math.inf)
+        batch = dec.batch if dec is not None else 0
         reason, retry = "", 0.0
         if dec is None:
             reason = "decode_full"
@@ -418,6 +427,7 @@ class Conductor:
                 predicted_tbt=tbt,
                 retry_after=adm.retry_after_at_least(retry, self.min_retry_after),
                 reason=reason,
+                predicted_batch=batch,
             )
         assert dec is not None
         return ConductorDecision(
@@ -432,6 +442,7 @@ class Conductor:
             retry_after=None,
             reason="",
             replicate_from=pre.replicate_from,
+            predicted_batch=batch,
         )
 
 

@@ -215,7 +215,7 @@ def test_pending_requests_take_room_but_not_decode_load():
     d = c.schedule(r, [PrefillInstance("p0")], pool, now=0.0)
     assert d.accepted
     # Early rejection judges the decodes running now, not the 40 still in prefill.
-    assert d.predicted_tbt == pytest.approx(decode_tbt(2, 10 + 13))
+    assert d.predicted_tbt == pytest.approx(decode_tbt(2, 10 + 13)) and d.predicted_batch == 2
 
 
 def test_predictive_counts_each_instances_pending_requests_that_land_in_time():
@@ -229,12 +229,13 @@ def test_predictive_counts_each_instances_pending_requests_that_land_in_time():
     d = c.schedule(request(), prefills, pool, now=0.0)
     # All 10 queued requests land before this one: "light" will run 2 (+ itself).
     assert d.accepted and d.decode_id == "light"
-    assert d.predicted_tbt == pytest.approx(decode_tbt(3, 40 + 13))
+    assert d.predicted_tbt == pytest.approx(decode_tbt(3, 40 + 13)) and d.predicted_batch == 3
     # Early rejection sees two idle instances (the tie goes to the one with more room).
     e = conductor(admission="early", ttft_slo=10.0, tbt_slo=0.05).schedule(
         request(), prefills, pool, now=0.0
     )
     assert e.decode_id == "light" and e.predicted_tbt == pytest.approx(decode_tbt(1, 13))
+    assert e.predicted_batch == 1
 
 
 def test_rejections_always_carry_retry_after():
@@ -309,6 +310,34 @@ def test_running_decodes_end_after_their_remaining_tokens_at_the_predicted_tbt()
     # t_d without a fixed decode_duration: this request's max_tokens at the predicted TBT
     r = request(max_tokens=64)
     assert c.decode_time(r, d) == pytest.approx(64 * decode_tbt(4, 30 + 13))
+
+
+def test_running_decodes_are_priced_at_the_batch_the_pending_requests_join():
+    # 2 running, 4 admitted and still in prefill: they join while the 2 decode, so the 2
+    # end at the TBT of 6, later than at the TBT of the 2 alone
+    c = conductor(admission="predictive", ttft_slo=5.0, tbt_slo=0.05)
+    d = DecodeInstance("d0", total_blocks=1000, num_running=2, used_blocks=20)
+    d.remaining_tokens = [10, 20]
+    alone = c.finish_times(d, now=0.0)
+    d.pending, d.pending_blocks = 4, 40
+    tbt = decode_tbt(6, 60)
+    assert c.finish_times(d, now=0.0) == pytest.approx([10 * tbt, 20 * tbt])
+    assert all(a < b for a, b in zip(alone, c.finish_times(d, now=0.0), strict=True))
+
+
+def test_predicted_batch_counts_running_decodes_left_and_pending_requests_landed():
+    # 3 running, each 100 tokens left at ~13 ms: none ends within this request's TTFT; the
+    # 2 pending requests queued ahead of it on the one prefill instance land first
+    c = conductor(admission="predictive", ttft_slo=5.0, tbt_slo=1.0)
+    prefills = [PrefillInstance("p0", queued=[(100, 0), (100, 0)])]
+    d = DecodeInstance("d0", total_blocks=1000, num_running=3, used_blocks=30)
+    d.remaining_tokens = [100, 100, 100]
+    d.pending, d.pending_blocks = 2, 20
+    decision = c.schedule(request(), prefills, [d], now=0.0)
+    assert decision.accepted and decision.predicted_batch == 3 + 2 + 1
+    # each running one with 1 token left ends before this request's prefill does
+    d.remaining_tokens = [1, 1, 1]
+    assert c.schedule(request(), prefills, [d], now=0.0).predicted_batch == 2 + 1
 
 
 def test_predictive_prices_decode_from_the_step_time_predictor():
