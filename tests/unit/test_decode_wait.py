@@ -292,3 +292,28 @@ def test_a_request_refused_after_waiting_gets_a_429_and_is_taken_back():
     assert refused.http_status == 429 and "decode_full" in str(refused)
     assert sorted(engine.released) == ["a", "b"] and not engine.refused
     assert Refused.of(refused).status == 429
+
+
+def test_a_caller_that_leaves_while_waiting_takes_its_request_out():
+    engine = WaitingEngine()
+    loop = EngineLoop(engine)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        first = loop.stream([SimpleNamespace(request_id="a")])
+        assert isinstance(await anext(first), Accepted)
+        waiting = asyncio.ensure_future(anext(loop.stream([SimpleNamespace(request_id="b")])))
+        while not engine.queue:  # "b" reached the engine and waits behind "a"
+            await asyncio.sleep(0.001)
+        waiting.cancel()  # the client went away before its verdict
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await first.aclose()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 10))
+        deadline = time.monotonic() + 5
+        while "b" not in engine.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.shutdown()
+    assert "b" in engine.released and not engine.queue
