@@ -256,6 +256,7 @@ class EngineLoop:
         # choices added whose verdict the engine deferred (engine thread only); an engine
         # that defers provides ``waiting(id) -> bool`` and ``refusal(id) -> error | None``
         self._pending: list[tuple[Sink, list[str]]] = []
+        self._early: dict[str, list[StreamDelta]] = {}  # their deltas, until the verdict
         self._lock = threading.Lock()  # guards the published fields below
         self._events: list[tuple[str, int]] = []
         self._resync: list[int] | None = None
@@ -434,24 +435,30 @@ class EngineLoop:
             self._publish(force=True)
             return True
         for d in deltas:
-            entry = self._sinks.get(d.request_id)
-            if entry is None:
-                continue
-            entry[0](Delta(entry[1], d))
-            if d.finished:
-                # The loop's own aborts never come back as deltas: an aborted one here
-                # was lost by the engine (a replica died), so it is a retriable error.
-                lost = d.finish_reason == "abort"
-                error = "the request was lost; retry it" if lost else None
-                try:
-                    self._finish(d.request_id, error)
-                except Exception as e:  # a bug: fail this request, never the thread
-                    log.exception("could not finish %s", d.request_id)
-                    self._abort(d.request_id, f"the request failed: {e}; retry it")
+            if d.request_id in self._early:  # a placed choice of a request still pending
+                self._early[d.request_id].append(d)
+            else:
+                self._deliver(d)
         if self._pending:
             self._answer_pending()
         self._publish()
         return True
+
+    def _deliver(self, d: StreamDelta) -> None:
+        entry = self._sinks.get(d.request_id)
+        if entry is None:
+            return
+        entry[0](Delta(entry[1], d))
+        if d.finished:
+            # The loop's own aborts never come back as deltas: an aborted one here
+            # was lost by the engine (a replica died), so it is a retriable error.
+            lost = d.finish_reason == "abort"
+            error = "the request was lost; retry it" if lost else None
+            try:
+                self._finish(d.request_id, error)
+            except Exception as e:  # a bug: fail this request, never the thread
+                log.exception("could not finish %s", d.request_id)
+                self._abort(d.request_id, f"the request failed: {e}; retry it")
 
     def _stopped(self) -> None:
         """The loop ended (``stopping``: from now on ``_add`` refuses; the loop runs what
@@ -495,6 +502,7 @@ class EngineLoop:
             decided, refusal = self._verdict(added)
             if not decided:
                 self._pending.append((sink, added))  # a later step answers it
+                self._early.update((rid, []) for rid in added)
                 return
         self._answer(sink, added, refusal)
 
@@ -527,9 +535,13 @@ class EngineLoop:
         for i, rid in enumerate(ids):
             self._sinks[rid] = (sink, i)
         sink(Accepted())
+        for rid in ids:
+            for d in self._early.pop(rid, ()):
+                self._deliver(d)
 
     def _take_back(self, ids: list[str]) -> None:
         for rid in ids:
+            self._early.pop(rid, None)
             try:
                 self.engine.abort(rid)
                 self.engine.release(rid)

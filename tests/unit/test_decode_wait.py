@@ -15,7 +15,7 @@ from actors.disagg.conductor import RequestRejected
 from actors.disagg.decode_waits import DecodeWaits
 from actors.disagg.pd_request import PDRequest
 from actors.disagg.request_table import RequestTable
-from actors.engine.events import Accepted, Done, Refused
+from actors.engine.events import Accepted, Delta, Done, Refused
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.serving.engine_loop import EngineLoop
 from errors import OverloadedError
@@ -317,3 +317,22 @@ def test_a_caller_that_leaves_while_waiting_takes_its_request_out():
     finally:
         loop.shutdown()
     assert "b" in engine.released and not engine.queue
+
+
+def test_a_choice_placed_before_its_sibling_streams_everything_after_the_verdict():
+    engine = WaitingEngine()  # choice 0 runs at once, choice 1 waits until it finished
+    loop = EngineLoop(engine)  # type: ignore[arg-type]
+
+    async def main() -> list[Any]:
+        choices = [SimpleNamespace(request_id="n0"), SimpleNamespace(request_id="n1")]
+        return [item async for item in loop.stream(choices)]
+
+    try:
+        items = asyncio.run(asyncio.wait_for(main(), 10))
+    finally:
+        loop.shutdown()
+    assert isinstance(items[0], Accepted)
+    for index in (0, 1):
+        tokens = [i.delta.token_ids[0] for i in items if isinstance(i, Delta) and i.index == index]
+        assert tokens == [0, 1, 2]  # nothing streamed before the verdict is lost
+        assert sum(isinstance(i, Done) and i.index == index for i in items) == 1
