@@ -17,6 +17,7 @@ their small protocols; policies never import this module).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from placement.cost_model import Batch, CostModel
@@ -27,6 +28,7 @@ from policies.pd_costs import CostFitter, LinearPrefillTime, fit_prefill_time
 # order of the tiny model on one CPU core); replaced after ``min_samples`` measured steps.
 COLD_START = LinearPrefillTime(base=1e-3, per_new_token=1e-4)
 MAX_TERMS = 64  # most chunk predictions one remaining-prefill estimate makes
+OVERRUN_WINDOW = 64  # recent steps whose measured / predicted ratios ``overrun`` reads
 
 
 class RuntimePredictor:
@@ -53,12 +55,21 @@ class RuntimePredictor:
             refit_every=refit_every,
         )
         self.prefill_time: LinearPrefillTime | None = None
+        # measured / predicted seconds of recent steps with a prompt chunk, each predicted
+        # by the fit in force when it was measured (none before the first fit)
+        self.overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)
+        self._observed = 0  # steps observed: the key of the cached ``overrun`` answer
+        self._overrun: tuple[int, float, float] = (-1, 0.0, 1.0)  # (key, quantile, answer)
 
     # -- fitting -----------------------------------------------------------------------------
     def observe(self, batch: Batch, seconds: float) -> bool:
         """Record one measured step; True when it triggered a refit."""
         if not batch or seconds <= 0:
             return False
+        predicted = self.prefill_time.step_time(batch) if self.prefill_time else 0.0
+        if predicted > 0 and any(n > 1 for n, _ in batch):
+            self.overruns.append(seconds / predicted)
+        self._observed += 1
         self.fitter.add_prefill_step(list(batch), seconds)
         return "prefill" in self.fitter.refit(self)
 
@@ -76,6 +87,22 @@ class RuntimePredictor:
     @property
     def fitted(self) -> bool:
         return self.prefill_time is not None
+
+    def overrun(self, quantile: float, min_steps: int = 8) -> float:
+        """The ``quantile`` of recent steps' measured over predicted time (steps with a
+        prompt chunk, the last ``OVERRUN_WINDOW``): how far a step can run over the fitted
+        mean. 1.0 until ``min_steps`` such steps were measured after a fit."""
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError("quantile must be in [0, 1]")
+        key, q, answer = self._overrun
+        if key == self._observed and q == quantile:
+            return answer
+        answer = 1.0
+        if len(self.overruns) >= max(1, min_steps):
+            s = sorted(self.overruns)
+            answer = s[min(len(s) - 1, int(quantile * len(s)))]
+        self._overrun = (self._observed, quantile, answer)
+        return answer
 
     # -- predictions ---------------------------------------------------------------------------
     def batch_time(self, batch: Batch) -> float:
@@ -170,3 +197,32 @@ class RuntimePredictor:
             f"context={m.per_cached_token:.3g}s/token pairs={m.per_attention_pair:.3g}s/pair "
             f"request={m.per_request:.3g}s"
         )
+
+
+class TailStepTime:
+    """The step predictor Medha's batch packer sizes chunks with: the fitted step time
+    times the ``quantile`` of recent steps' measured / predicted ratio
+    (``RuntimePredictor.overrun``). The fit is a mean, and a TBT SLO bounds a tail: where
+    steps' times scatter around the fit (cores shared by pipeline stages, the driver and
+    other processes), a chunk sized to the mean runs over the target in about half the
+    steps; sized to this, in about ``1 - quantile`` of them. Where the fit is exact the
+    ratio is 1 and this is the fit. The efficient chunk is the fit's (a scale changes no
+    per-token comparison); slack and deadlines keep the mean (``RuntimePredictor``)."""
+
+    def __init__(self, predictor: RuntimePredictor, quantile: float = 0.9) -> None:
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError("quantile must be in [0, 1]")
+        self.predictor = predictor
+        self.quantile = quantile
+
+    def factor(self) -> float:
+        return self.predictor.overrun(self.quantile)
+
+    def batch_time(self, batch: Batch) -> float:
+        return self.predictor.batch_time(batch) * self.factor()
+
+    def efficient_chunk(self, context_tokens: int) -> int:
+        return self.predictor.efficient_chunk(context_tokens)
+
+    def largest_chunk(self, batch: Batch, context_tokens: int, target: float, limit: int) -> int:
+        return self.predictor.largest_chunk(batch, context_tokens, target / self.factor(), limit)

@@ -29,7 +29,7 @@ from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
 from models.sharding import kv_heads_per_rank
 from models.tokenizer import Tokenizer
-from placement.runtime_predictor import RuntimePredictor
+from placement.runtime_predictor import RuntimePredictor, TailStepTime
 from policies.batch_packer import BatchPacker, Packer
 from policies.chunking import FixedChunk
 from policies.dualpath import AttentionQuotaPacker
@@ -191,7 +191,7 @@ def _scheduler(config: EngineConfig, kv: KVCache) -> tuple[RuntimePredictor | No
     if config.target_batch_time is not None:
         assert predictor is not None
         packer = BatchPacker(
-            predictor,
+            TailStepTime(predictor),  # chunks sized to the steps' measured tail, not mean
             config.target_batch_time,
             config.max_prefill_share,
             max_chunk=config.chunk_size,
