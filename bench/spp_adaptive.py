@@ -11,12 +11,12 @@ p99 over ``--slo`` (the TBT SLO, seconds). Two configurations of the same replic
 
   adaptive  Medha's batch packer: each step's prefill chunk is the largest the runtime
             predictor (refitted from the pipelined steps' stage times) keeps under a target
-            step time of ``--margin`` x the SLO, so chunks shrink as the prompt's KV grows.
-            The default margin is 1 / spp: a decode rides in every other step (its next
-            step waits for its token) and on this 2-core machine the steps between its
-            tokens overlap little (the two stages and the driver share the cores); and
-            the torch backend pads every decode row to the chunk, a cost the linear step
-            model does not express, so steps with decodes run over their prediction
+            step time of ``--margin`` x the SLO, the fit scaled by the 0.9 quantile of
+            recent steps' measured / predicted time (``TailStepTime``: the SLO bounds a
+            tail, the fit is a mean), so chunks shrink as the prompt's KV grows. The
+            default margin is 1 / spp: a decode rides in every other step (its next step
+            waits for its token) and on this 2-core machine the steps between its tokens
+            overlap little (the two stages and the driver share the cores)
   fixed     FCFS with a fixed chunk of the size the adaptive packer starts the long prompt
             with (its first chunk in its last warm-up run)
 
@@ -203,7 +203,10 @@ def main() -> None:
                         )
         pred = engines["adaptive"].predictor
         assert pred is not None
-        print(f"adaptive predictor: {pred.describe()} ({pred.fitter.num_fits['prefill']} fits)")
+        print(
+            f"adaptive predictor: {pred.describe()} ({pred.fitter.num_fits['prefill']} fits), "
+            f"measured / predicted p90 {pred.overrun(0.9):.2f}"
+        )
         for engine in engines.values():
             engine.shutdown()
         print(f"greedy tokens equal the single process; {time.monotonic() - t0:.0f}s")
