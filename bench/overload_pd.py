@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +50,22 @@ from bench_model import MODEL, write_bench_model  # noqa: E402
 
 from actors.disagg.cluster import PDCluster  # noqa: E402
 from actors.disagg.cluster_config import PDClusterConfig  # noqa: E402
-from actors.disagg.conductor import ConductorOptions, RequestRejected  # noqa: E402
+from actors.disagg.conductor import (  # noqa: E402
+    ConductorOptions,
+    RequestRejected,
+    default_conductor,
+)
 from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
+from kernels.kv_cache import kv_cache_bytes_per_block  # noqa: E402
+from models.config import read_model_config  # noqa: E402
+from policies.conductor import (  # noqa: E402
+    Conductor,
+    ConductorDecision,
+    ConductorRequest,
+    DecodeInstance,
+    PrefillInstance,
+)
 
 MODES = ("baseline", "early", "predictive")
 ENGINE = dict(block_size=16, chunk_size=256, token_budget=512, max_num_seqs=64, num_blocks=1024)
@@ -77,12 +91,32 @@ class Run:
         return self.good / self.seconds
 
 
+class TracingConductor(Conductor):
+    """The default Conductor, keeping each accepted request's decision (its predicted TBT
+    and batch at the moment the request reaches decode) for ``--trace``."""
+
+    decisions: dict[str, ConductorDecision]
+
+    def schedule(
+        self,
+        request: ConductorRequest,
+        prefills: Sequence[PrefillInstance],
+        decodes: Sequence[DecodeInstance],
+        now: float,
+    ) -> ConductorDecision:
+        d = super().schedule(request, prefills, decodes, now)
+        if d.accepted:
+            self.decisions[request.request_id] = d
+        return d
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, pd: PDCluster) -> None:
         self.args, self.pd = args, pd
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         self.ttft_slo = math.inf
         self.tbt_slo = math.inf
+        self.mode = "baseline"
 
     def prompt(self, rng: random.Random) -> list[int]:
         n = rng.randint(self.args.prompt_min, self.args.prompt_max)
@@ -90,6 +124,7 @@ class Bench:
 
     def set_mode(self, mode: str) -> None:
         c = self.pd.conductor
+        self.mode = mode
         c.admission = "early" if mode == "baseline" else mode
         c.ttft_slo = self.ttft_slo
         c.tbt_slo = math.inf if mode == "baseline" else self.tbt_slo
@@ -171,16 +206,40 @@ class Bench:
         return run
 
     def decode_refuses(self, rid: str, live: dict[str, tuple[float, int]]) -> bool:
-        """Decode's own check as the request reaches it: the TBT its instance delivers now,
-        measured (the median of the last gap between tokens of each request decoding
-        there), above the SLO."""
+        """Decode's own check as the request reaches it: the TBT of the batch it joins
+        there (the requests decoding on its instance now, itself included, with their
+        lifetime KV blocks), priced by the step-time model fitted from that instance's
+        measured steps (the gap between tokens each delivers: the model the Conductor
+        predicts with), above the SLO. An instance decoding nothing else never refuses."""
         _, did = self.pd.placement(rid)
-        gaps = []
-        for other in live:
-            times = self.pd.token_times(other) if other != rid else []
-            if len(times) >= 2 and self.pd.placement(other)[1] == did:
-                gaps.append(times[-1] - times[-2])
-        return bool(gaps) and statistics.median(gaps) > self.tbt_slo
+        batch = [rid] + [
+            r
+            for r in live
+            if r != rid and self.pd.token_times(r) and self.pd.placement(r)[1] == did
+        ]
+        if len(batch) == 1:
+            return False
+        blocks = sum(-(-(live[r][1] + self.args.max_tokens) // ENGINE["block_size"]) for r in batch)
+        tbt = self.pd.conductor.decode_tbt(len(batch), blocks)
+        refused = tbt > self.tbt_slo
+        if self.args.trace:
+            self.trace(rid, batch, tbt, refused)
+        return refused
+
+    def trace(self, rid: str, batch: list[str], tbt: float, refused: bool) -> None:
+        """One request reaching decode: what the Conductor predicted at admission (TBT and
+        batch) against decode's check on arrival, and the gap between tokens measured
+        there (the median of each other decoding request's last gap)."""
+        c = self.pd.conductor
+        d = c.decisions.get(rid) if isinstance(c, TracingConductor) else None
+        gaps = [t[-1] - t[-2] for t in map(self.pd.token_times, batch[1:]) if len(t) >= 2]
+        measured = statistics.median(gaps) * 1e3 if gaps else float("nan")
+        pred = f"{d.predicted_tbt * 1e3:6.1f} ms @ {d.predicted_batch:2d}" if d else "-"
+        print(
+            f"    {self.mode[:4]} {'REFUSED' if refused else 'ok     '} {rid[:8]}: predicted "
+            f"{pred}; decode {tbt * 1e3:6.1f} ms @ {len(batch):2d}, measured gap "
+            f"{measured:6.1f} ms; slo {self.tbt_slo * 1e3:.1f} ms"
+        )
 
     def finish(self, run: Run, rid: str, arrival: float) -> None:
         times = self.pd.token_times(rid)
@@ -224,12 +283,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tbt-slo-x", type=float, default=2.0, help="TBT SLO / idle TBT")
     ap.add_argument("--ttft-slo", type=float, default=0.0, help="seconds (overrides -x)")
     ap.add_argument("--tbt-slo", type=float, default=0.0, help="seconds (overrides -x)")
+    ap.add_argument("--trace", action="store_true", help="log each request refused at decode")
     args = ap.parse_args(argv)
 
     model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     engine = EngineConfig(dtype=torch.float32, **ENGINE)
-    config = PDClusterConfig(str(model_dir), engine, conductor=ConductorOptions(), pin_cores=True)
+    spec = read_model_config(model_dir)
+    block_bytes = kv_cache_bytes_per_block(
+        spec.num_hidden_layers,
+        engine.block_size,
+        spec.num_key_value_heads,
+        spec.head_dim,
+        torch.float32,
+    )
+    d = default_conductor(block_bytes, ConductorOptions())
+    conductor = TracingConductor(
+        d.prefill_time, d.decode_tbt, d.transfer_time, d.ttft_slo, d.tbt_slo
+    )
+    conductor.decisions = {}
+    config = PDClusterConfig(str(model_dir), engine, conductor=conductor, pin_cores=True)
     pd = PDCluster(config)
     bench = Bench(args, pd)
     try:

@@ -15,11 +15,13 @@ metadata), so a step of many decodes costs more than one of a single decode.
 squares on *relative* residuals (each step weighted by ``1 / seconds``: a 1 ms decode step
 counts as much as a 10 ms chunk, so the model is right for both, not only for the
 biggest steps), optionally refitted without the worst-fitting share of steps (timing
-outliers). ``fit_decode_tbt`` is ordinary least squares over ``(batch, blocks, seconds)``,
-``fit_transfer_time`` the mean bandwidth of measured copies, so the live runtime and the
-simulator fit the same model the same way. Coefficients are never negative (a cost never
-falls as the work grows). ``CostFitter`` keeps a sliding window of each and refits a
-Conductor's estimates as measurements arrive. Stdlib only.
+outliers). ``fit_decode_tbt`` is least squares over ``(batch, blocks, seconds)``,
+refitted without the share ``decode_trim`` of steps farthest from the fit (so a few host
+stalls do not swing the slope), ``fit_transfer_time`` the mean bandwidth of measured
+copies, so the live runtime and the simulator fit the same model the same way.
+Coefficients are never negative (a cost never falls as the work grows). ``CostFitter``
+keeps a sliding window of each and refits a Conductor's estimates as measurements arrive.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -181,10 +183,23 @@ def fit_prefill_time(
     return LinearPrefillTime(base, new, context, pairs, chunk_size, per_request)
 
 
-def fit_decode_tbt(samples: Sequence[tuple[int, int, float]]) -> LinearDecodeTBT:
-    """Fit to measured ``(batch size, context blocks, seconds per step)`` decode steps."""
+def fit_decode_tbt(
+    samples: Sequence[tuple[int, int, float]], trim: float = 0.0, passes: int = 2
+) -> LinearDecodeTBT:
+    """Fit to measured ``(batch size, context blocks, seconds per step)`` decode steps by
+    least squares; then ``passes`` refits without the ``trim`` share of steps farthest
+    above or below the fit (stalls of the host, not of the batch)."""
     rows = [(1.0, float(b), float(k)) for b, k, _ in samples]
-    x = [max(0.0, v) for v in least_squares(rows, [t for _, _, t in samples])]
+    seconds = [t for _, _, t in samples]
+    keep = list(range(len(rows)))
+    x = [max(0.0, v) for v in least_squares(rows, seconds)]
+    for _ in range(passes if trim > 0 and len(rows) > 3 else 0):
+        resid = [abs(sum(a * f for a, f in zip(x, r, strict=True)) - t)
+                 for r, t in zip(rows, seconds, strict=True)]  # fmt: skip
+        cut = sorted(resid)[min(len(resid) - 1, int((1.0 - trim) * len(resid)))]
+        keep = [i for i, e in enumerate(resid) if e <= cut]
+        fit = least_squares([rows[i] for i in keep], [seconds[i] for i in keep])
+        x = [max(0.0, v) for v in fit]
     return LinearDecodeTBT(*x)
 
 
@@ -212,6 +227,7 @@ class CostFitter:
         window: int = 256,
         min_samples: int = 8,
         refit_every: int = 8,
+        decode_trim: float = 0.1,
     ) -> None:
         if window < min_samples or min_samples < 1 or refit_every < 1:
             raise ValueError("need window >= min_samples >= 1 and refit_every >= 1")
@@ -220,6 +236,7 @@ class CostFitter:
         self.window = window
         self.min_samples = min_samples
         self.refit_every = refit_every
+        self.decode_trim = decode_trim
         self.prefill: deque[tuple[tuple[tuple[int, int], ...], float]] = deque(maxlen=window)
         self.decode: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.transfer: deque[tuple[int, float]] = deque(maxlen=window)
@@ -251,7 +268,7 @@ class CostFitter:
             conductor.prefill_time = fit_prefill_time(list(self.prefill), self.chunk_size)
             done.append("prefill")
         if self._due("decode", self.decode):
-            conductor.decode_tbt = fit_decode_tbt(list(self.decode))
+            conductor.decode_tbt = fit_decode_tbt(list(self.decode), self.decode_trim)
             done.append("decode")
         if self._due("transfer", self.transfer):
             conductor.transfer_time = fit_transfer_time(list(self.transfer), self.block_bytes)

@@ -131,6 +131,10 @@ class DecodeReplica(LoopedReplica):
         self._record_loads = record_loads
         self._load_timeline: list[tuple[int, float]] = []  # (layer, perf_counter) read
         self._recoveries = 0
+        # perf_counter when the last step ended, None after a pass without one: a step that
+        # follows another is measured from that end, so a DecodeStep is the gap between
+        # tokens a running request sees (the loop's own work between steps included)
+        self._last_step_end: float | None = None
         self._reserved_blocks: dict[str, int] = {}
         self._cached_tokens: dict[str, int] = {}  # admitted request -> prompt tokens reused
         self.stats = self._stats()
@@ -318,12 +322,17 @@ class DecodeReplica(LoopedReplica):
             tables = {k: c.block_table(k) for k in self._written} if self.write_back else {}
             start = time.perf_counter()
             deltas = c.step()
-            self.loop.emit(DecodeStep(batch, blocks, time.perf_counter() - start))
+            end = time.perf_counter()
+            since = self._last_step_end if self._last_step_end is not None else start
+            self._last_step_end = end
+            self.loop.emit(DecodeStep(batch, blocks, end - since))
             self._write_back([d.request_id for d in deltas], tables)
             self._retain([d.request_id for d in deltas if d.finished], tables)
             self._emit(deltas)
             if c.num_recoveries != self._recoveries:
                 self._lose_reservations()
+        else:
+            self._last_step_end = None
         self.stats = self._stats()
         return ran
 

@@ -62,11 +62,25 @@ def test_steps_running_several_requests_fit_the_per_request_model():
     assert fitted(48, 100) == pytest.approx(truth(48, 100), rel=1e-4)
 
 
+def test_decode_fit_trims_host_stalls():
+    # 40 steps on the truth, 2 of them (the largest batches) stalled by 0.5 s: least squares
+    # bends its slope towards the stalls; the trimmed fit keeps the truth
+    truth = LinearDecodeTBT(0.02, 0.002, 0.0)
+    samples = [(b, 10 * b, truth(b, 10 * b)) for b in range(1, 21)] * 2
+    samples[19] = (20, 200, truth(20, 200) + 0.5)
+    samples[18] = (19, 190, truth(19, 190) + 0.5)
+    plain, trimmed = fit_decode_tbt(samples), fit_decode_tbt(samples, trim=0.1)
+    assert plain(4, 40) < 0.9 * truth(4, 40) or plain(20, 200) > 1.1 * truth(20, 200)
+    assert trimmed(4, 40) == pytest.approx(truth(4, 40), rel=1e-6)
+    assert trimmed(20, 200) == pytest.approx(truth(20, 200), rel=1e-6)
+
+
 def test_decode_fit_and_transfer_time():
     truth = LinearDecodeTBT(0.005, 1e-4, 2e-6)
     samples = [(b, k, truth(b, k)) for b in (1, 4, 16) for k in (10, 100, 1000)]
     fitted = fit_decode_tbt(samples)
     assert fitted(8, 500) == pytest.approx(truth(8, 500), rel=1e-4)
+    assert fit_decode_tbt(samples, trim=0.1)(8, 500) == pytest.approx(truth(8, 500), rel=1e-4)
     assert transfer_time_fn(1024, 1024.0)(3) == 3.0
     with pytest.raises(ValueError):
         transfer_time_fn(0, 1.0)
