@@ -16,9 +16,13 @@ same arrivals and prompts in every mode; modes are interleaved, ``--repeats`` ti
 - *predictive*: the default, decode's TBT judged at the moment the request would reach it.
 
 In every mode the decode pool still guards itself: when a request's first token comes back
-from decode, a measured TBT there above the SLO (the median of the last gap between tokens
-of the requests decoding on that instance) refuses it; its prompt was computed for nothing
-(*wasted prefill tokens*). Goodput: requests that finished with TTFT <= SLO and mean time between
+from decode, the TBT of the batch it joins there (the requests decoding on that instance,
+itself included) above the SLO refuses it; its prompt was computed for nothing (*wasted
+prefill tokens*). That TBT is priced by the step-time model fitted from the instance's
+measured steps (each the gap between tokens it delivered): the model the Conductor
+predicts with, so prediction and check differ only in the batch foreseen and in refits
+between admission and arrival (``--trace`` prints both per request, with the gap measured
+last). Goodput: requests that finished with TTFT <= SLO and mean time between
 tokens <= SLO, per second of arrivals. After arrivals stop, admitted requests get
 ``--drain`` seconds; the rest are aborted (not good).
 
@@ -211,16 +215,20 @@ class Bench:
         lifetime KV blocks), priced by the step-time model fitted from that instance's
         measured steps (the gap between tokens each delivers: the model the Conductor
         predicts with), above the SLO. An instance decoding nothing else never refuses."""
-        _, did = self.pd.placement(rid)
+        pd = self.pd
+        _, did = pd.placement(rid)
         batch = [rid] + [
             r
             for r in live
-            if r != rid and self.pd.token_times(r) and self.pd.placement(r)[1] == did
+            if r != rid
+            and pd.token_times(r)
+            and pd.output(r) is None  # finished there: no longer in its batch
+            and pd.placement(r)[1] == did
         ]
         if len(batch) == 1:
             return False
         blocks = sum(-(-(live[r][1] + self.args.max_tokens) // ENGINE["block_size"]) for r in batch)
-        tbt = self.pd.conductor.decode_tbt(len(batch), blocks)
+        tbt = pd.conductor.decode_tbt(len(batch), blocks)
         refused = tbt > self.tbt_slo
         if self.args.trace:
             self.trace(rid, batch, tbt, refused)
