@@ -12,12 +12,15 @@ replica died, or Serve can no longer route to it), every open stream on it raise
 
 Invariants: a prompt's queue is registered before its ``start`` call, so no event is lost
 to a race with the channel; one pump per replica at a time, and a pump that ends with
-prompts still open on its replica subscribes again (the replica keeps their events).
+prompts still open on its replica subscribes again (the replica keeps their events). Pumps
+and aborts run in a context of their own, never as a request's child calls: Serve cancels
+a request's child calls when its client leaves, and a pump carries every prompt's events.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from typing import Any
@@ -108,7 +111,8 @@ class IngressChannels:
         assert replica_id is not None  # a replica's start always names itself
         stream.placed = (group, replica_id)
         if replica_id not in self._pumps:
-            self._pumps[replica_id] = asyncio.create_task(self._pump(group, replica_id))
+            pump = self._pump(group, replica_id)
+            self._pumps[replica_id] = asyncio.create_task(pump, context=contextvars.Context())
         return stream, first
 
     def forget(self, stream: ChannelStream, abort: bool) -> None:
@@ -116,7 +120,8 @@ class IngressChannels:
             del self._streams[stream.key]
         if abort and stream.placed is not None:
             try:
-                task = asyncio.get_running_loop().create_task(self._abort(stream))
+                loop = asyncio.get_running_loop()
+                task = loop.create_task(self._abort(stream), context=contextvars.Context())
             except RuntimeError:  # no event loop any more: the process is stopping
                 return
             self._aborts.add(task)  # held until done: a dropped task may never run
@@ -155,5 +160,10 @@ class IngressChannels:
         except Exception as e:  # the replica died: each prompt on it replays
             for stream in self._open_on(replica_id):
                 stream.queue.put_nowait(e)
+        except asyncio.CancelledError:  # the channel's call, or this pump, was cancelled
+            gone = ReplicaGone(f"the event channel of replica {replica_id} was cancelled")
+            for stream in self._open_on(replica_id):
+                stream.queue.put_nowait(gone)  # each prompt on it replays, none hangs
+            raise
         finally:
             self._pumps.pop(replica_id, None)
