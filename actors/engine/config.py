@@ -105,6 +105,9 @@ class EngineConfig:
     expert_cores: tuple[int, ...] | list[int] | None = None
     attention_resources: dict[str, float] | None = None
     expert_resources: dict[str, float] | None = None
+    # each MoE worker's emulated compute link, bytes/s: the activations it sends pay it
+    # (attention-expert traffic on the links DualPath's bench emulates; None: not limited)
+    moe_link_bytes_per_s: float | None = None
     moe_in_process: bool = False  # the MoE workers in this process (no Ray), for tests
     scheduling: str = "fcfs"
     default_ttft_slo: float | None = None
@@ -143,7 +146,10 @@ class EngineConfig:
                         f"{name} must map resource names to positive amounts, got "
                         f"{res!r}: {amount!r}"
                     )
-        for name in ("attention_cores", "expert_cores", "attention_resources", "expert_resources"):
+        if self.moe_link_bytes_per_s is not None and not self.moe_link_bytes_per_s > 0:
+            raise ValueError("moe_link_bytes_per_s must be a positive number of bytes/s or None")
+        moe_only = ("attention_cores", "expert_cores", "attention_resources", "expert_resources")
+        for name in (*moe_only, "moe_link_bytes_per_s"):
             if getattr(self, name) is not None and not self.attention_workers:
                 raise ValueError(f"{name} is for MoE workers: it needs attention_workers >= 1")
         for name in ("attention_cores", "expert_cores"):

@@ -167,6 +167,7 @@ def build_moe_executor(
         micro_batches=m,
         attention_cores=tuple(config.attention_cores or ()),
         expert_cores=tuple(config.expert_cores or ()),
+        link_bytes_per_s=config.moe_link_bytes_per_s,
     )
     balancer = None
     if config.rebalance_experts_s is not None:

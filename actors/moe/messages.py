@@ -41,6 +41,10 @@ class MoESpec:
     # a kind runs on ``worker_cores(cores, workers of the kind, i)``
     attention_cores: tuple[int, ...] = ()
     expert_cores: tuple[int, ...] = ()
+    # each worker's compute link, bytes/s (an emulated NIC, ``store/transfer/links.py``):
+    # the activations it sends (attention -> experts, replies back) pay it as EXEC traffic
+    # before they leave (None: not limited)
+    link_bytes_per_s: float | None = None
 
     @property
     def expert_workers(self) -> int:

@@ -54,6 +54,7 @@ from kernels.moe import ExpertDispatch
 from models import load_model
 from models.moe_split import AttentionPart, ExpertPart
 from policies.expert_balance import ExpertPlacement
+from store.transfer.links import EXEC, Link
 
 
 def pin_process(cores: list[int]) -> list[int]:
@@ -78,6 +79,17 @@ def pin_process(cores: list[int]) -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
+def compute_link(spec: MoESpec, name: str) -> Link | None:
+    """A worker's emulated compute link (``spec.link_bytes_per_s``), or None."""
+    rate = spec.link_bytes_per_s
+    return None if rate is None else Link(f"compute:{name}", rate)
+
+
+def sent_bytes(link: Link | None) -> int:
+    """Activation bytes a worker's link carried so far (0 without a link)."""
+    return 0 if link is None else link.bytes[EXEC]
+
+
 def _flat(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """Inputs as one flat tuple: a compiled graph hands a method with one destination its
     whole returned tuple rather than the tuple's only element."""
@@ -99,6 +111,7 @@ class _MicroBatch:
 
 class AttentionWorker:
     def __init__(self, spec: MoESpec, index: int) -> None:
+        self.link = compute_link(spec, f"attention{index}")
         self.spec = spec
         self.index = index
         self.device = torch.device(spec.device)
@@ -206,7 +219,7 @@ class AttentionWorker:
                 row_expert[rows] = e
         routes = [torch.nonzero(dest == w).flatten() for w in range(n_e)]
         mb.weights, mb.dispatch, mb.routes = weights, plan, routes
-        return tuple(
+        batches = tuple(
             ExpertBatch(
                 self._step_id,
                 layer,
@@ -217,6 +230,9 @@ class AttentionWorker:
             )
             for idx in routes
         )
+        if self.link is not None:
+            self.link.send(sum(b.hidden.nbytes + b.experts.nbytes for b in batches), EXEC)
+        return batches
 
     def _combine(self, mb: _MicroBatch, replies: tuple[StepPlan | ExpertReply, ...]) -> None:
         assert mb.dispatch is not None and mb.routes is not None and mb.weights is not None
@@ -258,6 +274,7 @@ class AttentionWorker:
 
 class ExpertWorker:
     def __init__(self, spec: MoESpec, index: int) -> None:
+        self.link = compute_link(spec, f"expert{index}")
         self.spec = spec
         self.index = index
         self.device = torch.device(spec.device)
@@ -310,6 +327,9 @@ class ExpertWorker:
                     out[p] = part_y
         self.recent.append((layer, micro_batch, served))
         step_id = batches[0].step_id if batches else -1
+        wire = [to_wire(out) for out in outs]
+        if self.link is not None:
+            self.link.send(sum(w.nbytes for w in wire), EXEC)
         timing: StageTime = ("expert", self.index, layer, micro_batch, began, time.time())
         return tuple(
             ExpertReply(
@@ -317,9 +337,9 @@ class ExpertWorker:
                 layer,
                 micro_batch,
                 self.index,
-                to_wire(out),
+                w,
                 [timing] if a == 0 else [],
                 served if a == 0 else {},
             )
-            for a, out in enumerate(outs)
+            for a, w in enumerate(wire)
         )

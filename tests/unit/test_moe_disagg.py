@@ -6,6 +6,7 @@ workers holding requests."""
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import pytest
@@ -16,6 +17,7 @@ from actors import LLM, SamplingParams
 from actors.engine.step_plan import PlanEntry
 from actors.moe.executor import LocalMoEExecutor
 from actors.moe.messages import attention_worker_of, micro_batches_of
+from actors.moe.workers import AttentionWorker, ExpertWorker, sent_bytes
 from models import write_tiny_model
 
 NEW_TOKENS = 6
@@ -203,3 +205,46 @@ def test_default_micro_batches_follow_the_rule(model_dir):
     assert llm.engine.executor.spec.micro_batches == default_micro_batches(
         cfg, 2, llm.engine.engine_config.max_num_seqs, "cpu"
     )
+
+
+def test_attention_expert_traffic_pays_the_compute_links(model_dir, prompts, reference):
+    """``moe_link_bytes_per_s``: every activation message pays its sender's emulated link
+    (EXEC class) before it leaves; tokens are unchanged, and the links carried exactly the
+    bytes the messages hold, at no more than their rate."""
+    rate = 2e6  # bytes/s, slow enough that the messages' bytes take measurable time
+    llm = _disagg(model_dir, 2, moe_link_bytes_per_s=rate)
+    executor = llm.engine.executor
+    sent = {"attention": 0, "expert": 0}
+    attend, answer = AttentionWorker._attend, ExpertWorker.expert_round
+
+    def counted_attend(self, *args):
+        batches = attend(self, *args)
+        sent["attention"] += sum(b.hidden.nbytes + b.experts.nbytes for b in batches)
+        return batches
+
+    def counted_answer(self, *args):
+        replies = answer(self, *args)
+        sent["expert"] += sum(r.out.nbytes for r in replies)
+        return replies
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AttentionWorker, "_attend", counted_attend)
+        mp.setattr(ExpertWorker, "expert_round", counted_answer)
+        began = time.monotonic()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        took = time.monotonic() - began
+    assert [o.token_ids for o in outs] == reference
+    carried = {
+        "attention": sum(sent_bytes(w.link) for w in executor.attention),
+        "expert": sum(sent_bytes(w.link) for w in executor.experts),
+    }
+    assert carried == sent and min(sent.values()) > 0
+    # each link passes at most its rate after its first burst (10 ms of traffic)
+    slowest = max(sent_bytes(w.link) for w in [*executor.attention, *executor.experts])
+    assert took >= (slowest - rate / 100) / rate
+
+
+def test_moe_link_needs_moe_workers():
+    with pytest.raises(ValueError, match="moe_link_bytes_per_s"):
+        LLM(moe_link_bytes_per_s=1e6)
