@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import MODEL, write_bench_model  # noqa: E402
 from real_prompts import add_model_options, chosen_model  # noqa: E402
 
+from actors.engine.worker_hooks import WorkerHooks  # noqa: E402
 from actors.regions.runtime import BalancerRuntime, LocalReplica  # noqa: E402
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop  # noqa: E402
 from policies.region_balancer import BalancerConfig, RegionBalancer  # noqa: E402
@@ -74,6 +75,29 @@ def percentile(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, int(q * len(s) + 0.5) - 1))]
+
+
+def build_replica(
+    model_dir: Path, a: argparse.Namespace, worker_hooks: WorkerHooks | None = None
+) -> tuple[ColocatedEngine, EngineLoop]:
+    """One replica: ``a.token_budget``, ``a.max_num_seqs``, ``a.kv_mib`` MiB of KV."""
+    engine = ColocatedEngine.build(
+        model_dir,
+        worker_hooks=worker_hooks,
+        block_size=16,
+        token_budget=a.token_budget,
+        max_num_seqs=a.max_num_seqs,
+        kv_cache_memory=a.kv_mib << 20,
+    )
+    return engine, EngineLoop(engine)
+
+
+def connect_all(lbs: list[BalancerRuntime]) -> None:
+    """Every balancer a peer of every other one."""
+    for x in lbs:
+        for y in lbs:
+            if x is not y:
+                x.connect(y)
 
 
 @dataclass
@@ -112,18 +136,7 @@ class Bench:
             self.thoughts = [turn_ids(tok, d[1]) for d in dialogues(2, 64, seed=1, max_chars=400)]
 
     def engines(self) -> dict[str, tuple[ColocatedEngine, EngineLoop]]:
-        a = self.args
-        out = {}
-        for region in REGIONS:
-            engine = ColocatedEngine.build(
-                self.model_dir,
-                block_size=16,
-                token_budget=a.token_budget,
-                max_num_seqs=a.max_num_seqs,
-                kv_cache_memory=a.kv_mib << 20,
-            )
-            out[region] = (engine, EngineLoop(engine))
-        return out
+        return {region: build_replica(self.model_dir, self.args) for region in REGIONS}
 
     def config(self, mode: str) -> BalancerConfig:
         if mode == "selective":
@@ -191,10 +204,7 @@ class Bench:
             policy = RegionBalancer(f"lb-{region}", region, self.config(mode))
             replica = LocalReplica(f"{region}0", engines[region][1])
             lbs[region] = BalancerRuntime(policy, [replica], delay, a.probe_interval)
-        for x in lbs.values():
-            for y in lbs.values():
-                if x is not y:
-                    x.connect(y)
+        connect_all(list(lbs.values()))
         for lb in lbs.values():
             lb.start()
         counts = dict(zip(REGIONS, (int(c) for c in a.clients.split(",")), strict=True))

@@ -56,3 +56,28 @@ def split_regions(
         out.append(replace(r, session_id=key))
         region_of[r.request_id] = home[key]
     return out, region_of
+
+
+def diurnal_arrivals(
+    rate: float,
+    duration: float,
+    regions: Sequence[str],
+    period: float,
+    amplitude: float = 0.8,
+    seed: int = 0,
+) -> list[tuple[float, str]]:
+    """(time, region) of Poisson arrivals at ``rate`` per second over ``[0, duration)``,
+    in time order, each one's region drawn in proportion to ``region_weights`` at its time:
+    region ``k`` then receives a Poisson stream of rate ``rate * w_k(t) / len(regions)``."""
+    if rate <= 0 or duration <= 0 or period <= 0:
+        raise ValueError("rate, duration and period must be positive")
+    if not 0.0 <= amplitude <= 1.0:
+        raise ValueError("amplitude must be in [0, 1]")
+    rng = random.Random(seed)
+    out: list[tuple[float, str]] = []
+    t = rng.expovariate(rate)
+    while t < duration:
+        w = region_weights(t, len(regions), period, amplitude)
+        out.append((t, rng.choices(list(regions), weights=w)[0]))
+        t += rng.expovariate(rate)
+    return out
