@@ -35,7 +35,10 @@ class PDSideConfig:
     """The prefill (or decode) side: ``count`` replicas, each of ``tp`` x ``spp`` (x
     ``kvp``, decode only) workers (None: the engine config's degree). ``link_budget``: the
     replica's store reads (and a decode replica's writes) pay this emulated per-node link;
-    ``record_loads``: it keeps its store-load timeline (benches and tests)."""
+    ``record_loads``: it keeps its store-load timeline (benches and tests);
+    ``kv_cache_memory``: bytes of KV per worker of each replica (None: the engine config's),
+    e.g. a decode side that holds every in-flight request larger than a prefill side that
+    holds only the prompts it is prefilling."""
 
     count: int = 1
     tp: int | None = None
@@ -43,8 +46,11 @@ class PDSideConfig:
     kvp: int | None = None
     link_budget: LinkBudget | None = None
     record_loads: bool = False
+    kv_cache_memory: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if self.count < 1:
             raise ValueError("need at least one prefill and one decode replica")
         for name in ("tp", "spp", "kvp"):
@@ -111,6 +117,12 @@ class PDClusterConfig:
             raise ValueError("decode_wait_s and decode_wait_max must be >= 0")
         if self.max_prefill_attempts < 1:
             raise ValueError("max_prefill_attempts must be at least 1")
+        sized = [s.kv_cache_memory for s in (self.prefill, self.decode) if s.kv_cache_memory]
+        if sized and self.engine.num_blocks is not None:
+            raise ValueError(
+                "a side's kv_cache_memory sizes its pool, but engine.num_blocks fixes every "
+                "pool: give one of them"
+            )
         decode = self.side_engine(self.decode)
         decode_store = self.store is not None and (
             self.store.write_back or self.read_path != PREFILL_PATH
@@ -123,8 +135,8 @@ class PDClusterConfig:
             )
 
     def side_engine(self, side: PDSideConfig) -> EngineConfig:
-        """The engine config of each replica of ``side``: its layout over ``engine``, its
-        workers also reserving ``node_resources``."""
+        """The engine config of each replica of ``side``: its layout and KV size over
+        ``engine``, its workers also reserving ``node_resources``."""
         changes: dict[str, Any] = {}
         if side.tp is not None:
             changes["tp"] = side.tp
@@ -132,6 +144,8 @@ class PDClusterConfig:
             changes["spp"] = side.spp
         if side.kvp is not None:
             changes["kvp"] = side.kvp
+        if side.kv_cache_memory is not None:
+            changes["kv_cache_memory"] = side.kv_cache_memory
         if self.node_resources:
             pinned = self.engine.worker_resources or {}
             changes["worker_resources"] = {**pinned, **self.node_resources}

@@ -24,6 +24,7 @@ from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
 from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES
 from actors.serving.engine_section import EngineSection
+from actors.serving.pd_layout import PDLayoutConfig, check_side_kv
 from policies.rate_limit import KeyRateLimits
 
 RoutingPolicyName = Literal[
@@ -210,18 +211,6 @@ class AutoscalingSectionConfig(_Strict):
         }
 
 
-class PDLayoutConfig(_Strict):
-    """The layout of each prefill (or decode) replica of a disaggregated group: tensor,
-    sequence-pipeline and (decode only) KV-parallel degrees, and its node's
-    emulated storage link (DualPath's storage NIC, ``store.transfer.links``): bytes per
-    second its store reads (and a decode replica's write-back) share; None: not limited."""
-
-    tp: int = Field(1, ge=1)
-    spp: int = Field(1, ge=1)
-    kvp: int = Field(1, ge=1)  # decode only: a prefill replica streams from one KV rank
-    storage_bytes_per_s: float | None = Field(None, gt=0)
-
-
 class ReplicaGroupConfig(_Strict):
     """``num_replicas`` replicas that share one engine config.
 
@@ -326,6 +315,7 @@ class ReplicaGroupConfig(_Strict):
                 f"{where}: a prefill replica streams each request from one KV rank; remove "
                 f"prefill.kvp={self.prefill.kvp} (decode replicas may be KV-parallel)"
             )
+        check_side_kv(where, self.engine, self.prefill, self.decode)
         store, decode = self.store, self.decode
         if store is not None and decode is not None and decode.tp * decode.spp * decode.kvp > 1:
             # both use a decode replica's cache in its own process

@@ -7,7 +7,8 @@ files go to ``<store.ssd_dir>/<replica_id>`` so replicas on one node never share
 the store section's ``read_path`` and ``write_back`` and the conductor section's
 ``scheduler`` (DualPath), ``decode_wait_s`` and ``decode_wait_max`` pass through; each
 side's ``storage_bytes_per_s`` is its replicas' emulated storage link
-(``PDSideConfig.link_budget``); ``node_resources`` (a region's node resource) pins every
+(``PDSideConfig.link_budget``) and its ``kv_cache_memory`` its replicas' KV size over the
+group engine's; ``node_resources`` (a region's node resource) pins every
 actor of the cluster to the nodes that carry it.
 """
 
@@ -65,7 +66,14 @@ def _side(count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
         return PDSideConfig(count)
     rate = layout.storage_bytes_per_s
     budget = LinkBudget(storage_bps=rate) if rate is not None else None
-    return PDSideConfig(count, tp=layout.tp, spp=layout.spp, kvp=layout.kvp, link_budget=budget)
+    return PDSideConfig(
+        count,
+        tp=layout.tp,
+        spp=layout.spp,
+        kvp=layout.kvp,
+        link_budget=budget,
+        kv_cache_memory=layout.kv_cache_memory,
+    )
 
 
 def _store(section: StoreSectionConfig | None, replica_id: str) -> StoreConfig | None:
