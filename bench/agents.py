@@ -35,7 +35,9 @@ decode replica, a KV store with decode write-back, stored prefixes read on the p
 side, Mooncake's Conductor); dualpath (the same, stored prefixes read on the side whose
 read ends first, DualPath's scheduler). Both P/D setups give each replica a storage link
 of ``--storage-mbps`` (``storage_bytes_per_s``: DualPath's storage NIC); reads and
-write-back pay it. Memory is equal: two engines of ``--kv-cache-mib`` in every setup.
+write-back pay it. Memory is equal: two engines' worth of ``--kv-cache-mib`` in every setup,
+split evenly for colocated, by role for P/D (``--pd-decode-share`` to decode: it holds every
+turn in flight while prefill holds only the prompts it is prefilling; ``agent_setups``).
 
 One run = one app started, the warm-up, every trajectory, the app deleted; runs interleaved
 (setup order rotated), ``--repeats`` each, medians over runs. Per setup: turn TTFT p50/p99
@@ -69,6 +71,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agent_setups import MODEL_NAME, SETUPS, app_config, expected_replicas, pd_kv_split  # noqa: E402
 from bench_model import MODEL, write_bench_model  # noqa: E402
 from serve_records import TokenClock, percentile, sse_chunks  # noqa: E402
 
@@ -82,8 +85,6 @@ from sim.agent_trajectories import (  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
 
 APP = "bench-agents"
-MODEL_NAME = "bench"
-SETUPS = ("colocated", "pd-prefill", "dualpath")
 
 
 @dataclass
@@ -345,50 +346,6 @@ async def run_agents(
     return run
 
 
-# -- the setups -----------------------------------------------------------------------------
-def app_config(setup: str, model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
-    engine = {
-        "block_size": 16,
-        "kv_cache_memory": args.kv_cache_mib << 20,
-        "token_budget": 512,
-        "max_num_seqs": 64,
-    }
-    cfg: dict[str, Any] = {
-        "model": model_dir,
-        "model_name": MODEL_NAME,
-        "report_interval_s": 0.1,
-        "tool_parser": "hermes",  # the bench model's template shows no tool-call format
-    }
-    if setup == "colocated":
-        cfg["routing"] = "prefix_aware"
-        cfg["groups"] = [{"name": "main", "num_replicas": 2, "engine": engine}]
-        return cfg
-    dual = setup == "dualpath"
-    link = {"storage_bytes_per_s": args.storage_mbps * 1e6} if args.storage_mbps else {}
-    cfg["groups"] = [
-        {
-            "name": "pd",
-            "num_replicas": 1,
-            "num_prefill": 1,
-            "num_decode": 1,
-            "prefill": dict(link),
-            "decode": dict(link),
-            "engine": engine,
-            "store": {
-                "dram_bytes": args.store_mib << 20,
-                "read_path": "dual" if dual else "prefill",
-                "write_back": True,
-            },
-            "conductor": {"scheduler": "dualpath" if dual else "mooncake"},
-        }
-    ]
-    return cfg
-
-
-def expected_replicas(setup: str) -> int:
-    return 2 if setup == "colocated" else 1
-
-
 def wait_healthy(url: str, replicas: int, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -499,6 +456,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-mib", type=int, default=64, help="KV per engine")
     ap.add_argument("--store-mib", type=int, default=1024, help="the KV store's DRAM")
     ap.add_argument(
+        "--pd-decode-share",
+        type=float,
+        default=0.75,
+        help="P/D: the decode replica's share of the two engines' KV (prefill: the rest)",
+    )
+    ap.add_argument(
         "--storage-mbps",
         type=float,
         default=100.0,
@@ -509,6 +472,8 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--json", help="write the medians here (for python -m sim agents --live)")
     args = ap.parse_args()
+    if not 0 < args.pd_decode_share < 1:
+        ap.error("--pd-decode-share must be in (0, 1)")
 
     trajs = trajectories(args)
     s = summary(trajs)
@@ -524,10 +489,15 @@ def main() -> None:
     kv_token = kv_token * MODEL["num_key_value_heads"] // MODEL["num_attention_heads"]
     engine_tokens = (args.kv_cache_mib << 20) // kv_token
     live = sum(t.prompt_lengths()[-1] for t in trajs[: args.concurrency])
+    prefill_kv, decode_kv = (b // kv_token for b in pd_kv_split(args))
+    longest = max(t.prompt_lengths()[-1] for t in trajs)
+    if longest + args.max_output > prefill_kv:
+        sys.exit(f"--pd-decode-share leaves prefill {prefill_kv} tokens of KV < {longest} + answer")
     print(
         f"regime: KV per engine {engine_tokens} tokens; the first {args.concurrency} agents' "
         f"final contexts {live} tokens ({live / engine_tokens:.1f}x one engine's KV); "
-        f"storage links {args.storage_mbps:g} MB/s per P/D replica",
+        f"storage links {args.storage_mbps:g} MB/s per P/D replica; P/D KV prefill "
+        f"{prefill_kv} / decode {decode_kv} tokens (longest prompt {longest})",
         flush=True,
     )
     import ray
