@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
 from actors.disagg.cluster_config import PDClusterConfig
 from actors.disagg.cluster_faults import Recovery
@@ -80,6 +81,7 @@ from actors.disagg.read_paths import ReadPaths, storage_rates
 from actors.disagg.replica_set import REPORT_WAIT_S, ReplicaSet, call_replica, plan_nodes
 from actors.disagg.request_table import RequestTable
 from actors.disagg.store_view import PDStore
+from actors.engine.controller_builder import _num_blocks as pool_blocks
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
@@ -152,7 +154,7 @@ class PDCluster:
             queue, self.table, self.placing.place, self.conductor.min_retry_after
         )
         self.replicas.start_all()
-        self.limits = self._limits(model)
+        self.limits = self._limits(model, config.engine.torch_dtype(on_gpu))
         self.builder = RequestBuilder(self.block_size, self.limits)
 
     # -- set-up -----------------------------------------------------------------------------
@@ -167,9 +169,14 @@ class PDCluster:
         engine = self.config.engine
         return CostFitter(self.block_bytes, chunk_size=engine.chunk_size or engine.token_budget)
 
-    def _limits(self, model: ModelConfig) -> RequestLimits:
-        """One request may hold at most what the smallest decode pool holds."""
-        smallest = min(v.total_blocks for v in self.decode_views.values())
+    def _limits(self, model: ModelConfig, dtype: torch.dtype) -> RequestLimits:
+        """One request may hold at most what the smallest decode pool holds, and what a
+        prefill replica's pool holds (its prompt is prefilled there whole; a side's
+        ``kv_cache_memory`` may make that pool the smaller one)."""
+        prefill = self.replicas.prefill_engine
+        max_len = prefill.context_len(model.max_position_embeddings)
+        prefill_blocks = pool_blocks(prefill, model, dtype, max_len)
+        smallest = min([prefill_blocks] + [v.total_blocks for v in self.decode_views.values()])
         return RequestLimits(
             model.vocab_size,
             self.config.engine.context_len(model.max_position_embeddings),
