@@ -31,7 +31,7 @@ Medians over the rounds of each region's attainment and P90 TTFT. The last line 
 two setups' lowest region attainment (medians).
 
     python bench/regions_cost.py --capacity      # one replica's rate, then three at once
-    python bench/regions_cost.py [--load 2.2] [--period 45] [--repeats 2]
+    python bench/regions_cost.py [--load 2.0] [--period 45] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -218,18 +218,18 @@ def main() -> None:
     p.add_argument(
         "--rate", type=float, default=0.0, help="arrivals per second in all (0: --load x capacity)"
     )
-    p.add_argument("--load", type=float, default=2.2, help="rate over one replica's capacity")
+    p.add_argument("--load", type=float, default=2.0, help="rate over one replica's capacity")
     p.add_argument("--saturate", type=int, default=40, help="requests per replica, capacity")
     p.add_argument("--period", type=float, default=45.0, help="seconds of one diurnal period")
     p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per run")
     p.add_argument("--amplitude", type=float, default=0.8)
-    p.add_argument("--slo", type=float, default=1.0, help="TTFT SLO at the client, seconds")
+    p.add_argument("--slo", type=float, default=2.0, help="TTFT SLO at the client, seconds")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--peak-replicas", type=int, default=2, help="per region, peak-local")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--max-num-seqs", type=int, default=2, help="batch size of a replica")
-    p.add_argument("--step-ms", type=float, default=50.0, help="least wall time of a step")
+    p.add_argument("--step-ms", type=float, default=100.0, help="least wall time of a step")
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--probe-interval", type=float, default=0.1)
     p.add_argument("--kv-mib", type=int, default=16, help="KV cache per replica, MiB")
