@@ -4,11 +4,11 @@ request: ``serve run`` on a private local Ray cluster, real HTTP.
 The group is small on purpose (4 sequences, 64 KV blocks, 64-token steps, no prefix cache)
 so that 8 closed-loop clients with ~180-token prompts keep prompts queued on one replica:
 Meridian's policy (``policies.autoscaling``) sees queued prefill tokens far over the target
-and asks for 2 replicas (its maximum); with one client left, queued prefill and KV usage fit one replica
-and the group shrinks, each removed replica draining before it leaves the router. The
-replica count is the router's view (``/health``): a replica counts once its first report
-arrives and stops counting when it leaves, so the test also checks membership. Every
-response must be 200 with the in-process engine's greedy tokens.
+and asks for 2 replicas (its maximum); with one client left, queued prefill and KV usage
+fit one replica and the group shrinks, each removed replica draining before it leaves the
+router. The replica count is the router's view (``/health``): a replica counts once its
+first report arrives and stops counting when it leaves, so the test also checks
+membership. Every response must be 200 with the in-process engine's greedy tokens.
 """
 
 from __future__ import annotations
