@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from engine_doubles import QuietEngineParts
 
 from actors.disagg.conductor import RequestRejected
 from actors.disagg.decode_waits import DecodeWaits
@@ -20,7 +21,6 @@ from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.serving.engine_loop import EngineLoop
 from errors import OverloadedError
 from policies.decode_wait import DecodeWaitQueue
-from policies.replica_stats import ReplicaStats
 from policies.request import Request, SamplingParams
 
 # -- the policy -------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_a_cancelled_request_leaves_the_queue():
 # -- an engine loop that defers the verdict ----------------------------------------------------
 
 
-class WaitingEngine:
+class WaitingEngine(QuietEngineParts):
     """Admits one request at a time: later ones wait until the running one finishes (after
     3 steps, one token each); a waiting one past ``max_wait`` steps is refused."""
 
@@ -234,21 +234,6 @@ class WaitingEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.queue)
-
-    def on_idle(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-    def serving_stats(self) -> ReplicaStats:
-        return ReplicaStats(0, 0, 0, 1, 1, 0.0, 0.0, time.time())
-
-    def cached_block_hashes(self) -> list[int]:
-        return []
-
-    def drain_cache_events(self) -> list[tuple[str, int]]:
-        return []
 
 
 def run_all(loop: EngineLoop, ids: list[str]) -> list[list[Any]]:

@@ -9,15 +9,16 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from engine_doubles import QuietEngineParts
+
 from actors.engine.events import Accepted, Delta, Done
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.serving.engine_loop import EngineLoop
-from policies.replica_stats import ReplicaStats
 
 TOKENS = 12
 
 
-class CountingEngine:
+class CountingEngine(QuietEngineParts):
     """Each running request gets one token per step (token i is ``i``) and finishes after
     ``TOKENS``; a step takes 2 ms."""
 
@@ -52,21 +53,6 @@ class CountingEngine:
 
     def has_unfinished(self) -> bool:
         return any(n < TOKENS for n in self.made.values())
-
-    def on_idle(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-    def serving_stats(self) -> ReplicaStats:
-        return ReplicaStats(0, 0, 0, 1, 1, 0.0, 0.0, time.time())
-
-    def cached_block_hashes(self) -> list[int]:
-        return []
-
-    def drain_cache_events(self) -> list[tuple[str, int]]:
-        return []
 
 
 def test_a_slow_consumer_gets_every_event_in_order_in_fewer_batches():

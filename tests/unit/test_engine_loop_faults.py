@@ -11,15 +11,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from engine_doubles import QuietEngineParts
 
 from actors.engine.events import Done, Failed
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.serving.engine_loop import EngineLoop
 from errors import EngineUnavailableError
-from policies.replica_stats import ReplicaStats
 
 
-class FakeEngine:
+class FakeEngine(QuietEngineParts):
     """Each request finishes after one step with one token; ``bad_release`` ids raise in
     ``release``; ``explode`` makes ``has_unfinished`` raise (a bug in the loop's path)."""
 
@@ -65,20 +65,8 @@ class FakeEngine:
             raise RuntimeError("a bug")
         return bool(self.running)
 
-    def on_idle(self) -> None:
-        pass
-
     def shutdown(self) -> None:
         self.shut_down = True
-
-    def serving_stats(self) -> ReplicaStats:
-        return ReplicaStats(0, 0, 0, 1, 1, 0.0, 0.0, time.time())
-
-    def cached_block_hashes(self) -> list[int]:
-        return []
-
-    def drain_cache_events(self) -> list[tuple[str, int]]:
-        return []
 
     def check_blocks(self) -> dict[str, int]:
         return {}
