@@ -21,10 +21,12 @@ itself included) above the SLO refuses it; its prompt was computed for nothing (
 prefill tokens*). That TBT is priced by the step-time model fitted from the instance's
 measured steps (each the gap between tokens it delivered): the model the Conductor
 predicts with, so prediction and check differ only in the batch foreseen and in refits
-between admission and arrival (``--trace`` prints both per request, with the gap measured
-last). Goodput: requests that finished with TTFT <= SLO and mean time between
-tokens <= SLO, per second of arrivals. After arrivals stop, admitted requests get
-``--drain`` seconds; the rest are aborted (not good).
+between admission and arrival; against those the Conductor judges its prediction times a
+margin, the 0.9 quantile of recent decode steps' measured / predicted time (``--trace``
+prints both per request, the margin, and the gap measured last). Goodput: requests that
+finished with TTFT <= SLO and mean time between tokens <= SLO, per second of arrivals.
+After arrivals stop, admitted requests get ``--drain`` seconds; the rest are aborted (not
+good).
 
     python bench/overload.py --pd [--duration 20] [--repeats 1]
 
@@ -242,7 +244,9 @@ class Bench:
         d = c.decisions.get(rid) if isinstance(c, TracingConductor) else None
         gaps = [t[-1] - t[-2] for t in map(self.pd.token_times, batch[1:]) if len(t) >= 2]
         measured = statistics.median(gaps) * 1e3 if gaps else float("nan")
-        pred = f"{d.predicted_tbt * 1e3:6.1f} ms @ {d.predicted_batch:2d}" if d else "-"
+        pred = "-"
+        if d:
+            pred = f"{d.predicted_tbt * 1e3:6.1f} ms x{d.tbt_margin:.2f} @ {d.predicted_batch:2d}"
         print(
             f"    {self.mode[:4]} {'REFUSED' if refused else 'ok     '} {rid[:8]}: predicted "
             f"{pred}; decode {tbt * 1e3:6.1f} ms @ {len(batch):2d}, measured gap "

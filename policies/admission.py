@@ -133,6 +133,32 @@ def blocks_per_request(used_blocks: int, num_running: int) -> int:
     return math.ceil(used_blocks / num_running) if num_running > 0 else 0
 
 
+class StepOverruns:
+    """How far measured steps run over the model that priced them: measured / predicted
+    seconds of the last ``window`` steps, each priced by the model in force when it was
+    measured. ``margin(quantile)`` is that quantile of the ratios, at least 1.0 (1.0 until
+    ``min_steps`` were measured). Steps slower than the model (a loaded host) push it up
+    before a refit moves the model, and it stays up for ``window`` steps after."""
+
+    def __init__(self, window: int = 64, min_steps: int = 8) -> None:
+        if window < 1 or min_steps < 1:
+            raise ValueError("window and min_steps must be at least 1")
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.min_steps = min_steps
+
+    def add(self, measured: float, predicted: float) -> None:
+        if measured > 0 and predicted > 0:
+            self.ratios.append(measured / predicted)
+
+    def margin(self, quantile: float) -> float:
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError("quantile must be in [0, 1]")
+        if len(self.ratios) < self.min_steps:
+            return 1.0
+        s = sorted(self.ratios)
+        return max(1.0, s[min(len(s) - 1, int(quantile * len(s)))])
+
+
 # -- TTFT early rejection: one rule for the Conductor and a colocated replica ---------------
 
 

@@ -52,6 +52,16 @@ Admission (``admission``, default ``"predictive"``):
     With ``p.queued`` known, the requests prefill delivers by ``at`` are those whose
     cumulative prefill time in queue order ends by then.
 
+Decode's tail (``early`` and ``predictive``). The decode pool checks a request's TBT again
+when it lands there, with the step model refitted since admission; on a loaded host the
+refit can price the same batch far higher. Admission therefore judges ``TBT(d) *
+margin`` against the SLO, ``margin`` the ``tbt_quantile`` of recent decode steps'
+measured / predicted time (``observe_decode_step``; ``adm.StepOverruns``, never below 1):
+where steps run at the model, margin is about 1 and this is the model; where they run
+over it, the Conductor refuses what the refit is about to refuse. Instance choice, the
+reported ``predicted_tbt`` and ``decode_time`` keep the model itself (``tbt_margin`` in
+the decision is the factor judged with).
+
 Pure: no clock, no Ray; the runtime injects fitted regressions, the simulator its cost model.
 """
 
@@ -122,6 +132,7 @@ class ConductorDecision:
     reason: str  # "ttft_slo", "tbt_slo", "decode_full", or "" when accepted
     replicate_from: str | None = None  # source of replicate_blocks (the best holder)
     predicted_batch: int = 0  # decodes (this request included) predicted_tbt is priced at
+    tbt_margin: float = 1.0  # admission judged predicted_tbt * tbt_margin against the SLO
 
 
 @dataclass
@@ -154,16 +165,20 @@ class Conductor:
         admission: str = "predictive",
         decode_duration: float | None = None,
         min_retry_after: float = 1.0,
+        tbt_quantile: float = 0.9,
     ) -> None:
         """``prefill_time(new tokens, cached tokens)`` and ``transfer_time(blocks)`` are in
         seconds; ``decode_tbt(batch size, total context blocks)`` is seconds per token;
         ``decode_duration`` is the uniform decode length t_d of the prediction variant
         (None: a request's ``max_tokens`` at the predicted TBT, ``decode_time``);
-        ``min_retry_after`` is the floor of every Retry-After."""
+        ``min_retry_after`` is the floor of every Retry-After; ``tbt_quantile``: the
+        quantile of decode steps' measured / predicted time admission scales TBT by."""
         if admission not in adm.ADMISSION_MODES:
             raise ValueError(f"admission must be one of {adm.ADMISSION_MODES}, not {admission!r}")
         if ttft_slo <= 0 or tbt_slo <= 0:
             raise ValueError("SLOs must be positive")
+        if not 0.0 <= tbt_quantile <= 1.0:
+            raise ValueError("tbt_quantile must be in [0, 1]")
         self.prefill_time = prefill_time
         self.decode_tbt = decode_tbt
         self.transfer_time = transfer_time
@@ -173,6 +188,19 @@ class Conductor:
         self.admission = admission
         self.decode_duration = decode_duration
         self.min_retry_after = min_retry_after
+        self.tbt_quantile = tbt_quantile
+        self.decode_overruns = adm.StepOverruns()
+
+    # -- decode's measured tail ----------------------------------------------------------------
+    def observe_decode_step(self, batch_size: int, context_blocks: int, seconds: float) -> None:
+        """One measured decode step (``batch_size`` requests, ``context_blocks`` blocks),
+        against ``decode_tbt`` now in force. Feed it steps measured under a fitted model
+        only: against a starting guess the ratios say nothing about the host."""
+        self.decode_overruns.add(seconds, self.decode_tbt(batch_size, context_blocks))
+
+    def tbt_margin(self) -> float:
+        """The factor admission scales the predicted TBT by (see the module docstring)."""
+        return self.decode_overruns.margin(self.tbt_quantile)
 
     # -- prefill -----------------------------------------------------------------------------
     def queue_time(self, p: PrefillInstance) -> float:
@@ -358,6 +386,7 @@ class Conductor:
         SLO and the request's blocks fit; the soonest instance wins, t_d if none ever does."""
         need = self.decode_blocks(request)
         prompt_blocks = -(-request.num_prompt_tokens // request.block_size)
+        slo = self.tbt_slo / self.tbt_margin()
         best = math.inf
         for d in decodes:
             per = adm.blocks_per_request(d.used_blocks, d.num_running)
@@ -365,7 +394,7 @@ class Conductor:
             def fits(k: int, d: DecodeInstance = d, per: int = per) -> bool:
                 used = max(0, d.used_blocks - k * per)
                 tbt = self.decode_tbt(d.num_running - k + 1, used + prompt_blocks)
-                return used + d.pending_blocks + need <= d.total_blocks and tbt <= self.tbt_slo
+                return used + d.pending_blocks + need <= d.total_blocks and tbt <= slo
 
             k = adm.finishes_needed(fits, d.num_running)
             if k is not None:
@@ -396,6 +425,7 @@ class Conductor:
 
         ttft, tbt = pre.ttft, (dec.tbt if dec is not None else math.inf)
         batch = dec.batch if dec is not None else 0
+        margin = self.tbt_margin() if self.admission != "none" else 1.0
         reason, retry = "", 0.0
         if dec is None:
             reason = "decode_full"
@@ -408,7 +438,7 @@ class Conductor:
             chosen = decodes[dec.index]
             idle = chosen.num_running == 0 and chosen.pending == 0
             judged = adm.judge_ttft(ttft, self.ttft_slo)
-            tbt_ratio = 0.0 if idle else tbt / self.tbt_slo
+            tbt_ratio = 0.0 if idle else tbt * margin / self.tbt_slo
             if max(judged.load, tbt_ratio) > 1:
                 reason = "ttft_slo" if judged.load >= tbt_ratio else "tbt_slo"
                 # Retry when both pools have drained enough: the later of the two estimates.
@@ -428,6 +458,7 @@ class Conductor:
                 retry_after=adm.retry_after_at_least(retry, self.min_retry_after),
                 reason=reason,
                 predicted_batch=batch,
+                tbt_margin=margin,
             )
         assert dec is not None
         return ConductorDecision(
@@ -443,6 +474,7 @@ class Conductor:
             reason="",
             replicate_from=pre.replicate_from,
             predicted_batch=batch,
+            tbt_margin=margin,
         )
 
 

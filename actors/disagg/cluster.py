@@ -34,8 +34,9 @@ and counts as its own, a home shard on its node; prefixes the Conductor wants on
 instance (``transfer_from``, ``replicate_blocks``) are copied there before its prefill.
 
 With ``fit_costs`` (default) the Conductor's estimates are refitted (``CostFitter``) from
-the steps and store loads this deployment measures. Replicas and shards spread over the
-cluster's nodes (``placement.nodes``, ``actors.disagg.replica_set``).
+the steps and store loads this deployment measures, and decode steps measured under a
+fitted model feed its TBT margin (``Conductor.observe_decode_step``). Replicas and
+shards spread over the cluster's nodes (``placement.nodes``, ``actors.disagg.replica_set``).
 
 A request that finds no decode room waits (``actors.disagg.decode_waits``: FIFO, bounded by
 ``decode_wait_s`` and ``decode_wait_max``) and is placed by a later ``poll`` once decode
@@ -368,6 +369,8 @@ class PDCluster:
                 fitter.add_transfer(e.blocks, e.seconds)
             elif isinstance(e, DecodeStep):
                 fitter.add_decode_step(e.batch, e.blocks, e.seconds)
+                if fitter.num_fits["decode"]:  # against a fitted model, not the guess
+                    self.conductor.observe_decode_step(e.batch, e.blocks, e.seconds)
         self.replicas.apply_stats(rid, report.stats)
         return deltas
 

@@ -233,3 +233,24 @@ def test_measured_prediction_error_scales_predictions():
     j = gate.judge(load(queued), 1, 0)
     assert j.predicted_ttft == pytest.approx(1.2) and not j.meets_slo
     assert j.retry_after == pytest.approx(1.0)  # 0.2 s over, at least min_retry_after
+
+
+# -- decode steps' overrun of the model ----------------------------------------------------
+def test_step_overruns_give_a_quantile_of_measured_over_predicted_never_below_one():
+    o = adm.StepOverruns(window=10, min_steps=4)
+    for _ in range(3):
+        o.add(0.3, 0.1)
+    assert o.margin(0.9) == 1.0  # fewer than min_steps: no margin yet
+    o.add(0.1, 0.1)
+    assert o.margin(0.9) == pytest.approx(3.0)
+    assert o.margin(0.0) == pytest.approx(1.0)
+    for _ in range(10):  # the window keeps the last 10: faster than predicted
+        o.add(0.05, 0.1)
+    assert o.margin(0.9) == 1.0  # a fast host never loosens admission below the model
+    o.add(0.0, 0.1)  # an unmeasured step is not a ratio
+    o.add(0.1, 0.0)
+    assert len(o.ratios) == 10
+    with pytest.raises(ValueError):
+        o.margin(1.5)
+    with pytest.raises(ValueError):
+        adm.StepOverruns(window=0)

@@ -368,3 +368,36 @@ def test_an_idle_decode_instance_never_refuses_on_tbt():
         busy = decodes(1, num_running=1, used_blocks=10)
         d = slow.schedule(request(), [PrefillInstance("p0")], busy, 0.0)
         assert not d.accepted and d.reason == "tbt_slo"
+
+
+def test_admission_judges_decode_tbt_times_its_measured_overrun():
+    # decode_tbt(2, 12 + 13 blocks) ~ 12.25 ms: within a 20 ms SLO at the model, over it
+    # once decode's steps run 2x the model (a loaded host the next refit would price in)
+    prefills = [PrefillInstance("p0")]
+    for mode in ("early", "predictive"):
+        c = conductor(admission=mode, tbt_slo=0.02)
+        pool = decodes(1, num_running=1, used_blocks=12, remaining_tokens=[1000])
+        d = c.schedule(request(), prefills, pool, now=0.0)
+        assert d.accepted and d.tbt_margin == 1.0
+        for _ in range(8):
+            c.observe_decode_step(2, 20, 2 * decode_tbt(2, 20))
+        assert c.tbt_margin() == pytest.approx(2.0)
+        d = c.schedule(request(), prefills, pool, now=0.0)
+        assert not d.accepted and d.reason == "tbt_slo" and d.tbt_margin == pytest.approx(2.0)
+        assert d.predicted_tbt == pytest.approx(decode_tbt(2, 12 + 13))  # the model's own
+        assert d.retry_after is not None and d.retry_after >= 1.0
+        # an idle instance still admits; "none" judges nothing
+        assert c.schedule(request(), prefills, decodes(1), now=0.0).accepted
+        c.admission = "none"
+        assert c.schedule(request(), prefills, pool, now=0.0).accepted
+
+
+def test_the_overrun_quantile_reads_the_tail_of_decode_steps():
+    c = conductor(tbt_quantile=0.5)
+    for k in range(10):  # one step in ten runs 3x over the model
+        c.observe_decode_step(4, 40, (3.0 if k == 0 else 1.0) * decode_tbt(4, 40))
+    assert c.tbt_margin() == pytest.approx(1.0)
+    c.tbt_quantile = 0.95
+    assert c.tbt_margin() == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        conductor(tbt_quantile=2.0)
