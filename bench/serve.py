@@ -346,6 +346,11 @@ def main() -> None:
         action="store_true",
         help="with --defaults: a side that runs beside a CPU-bound process at nice 0",
     )
+    ap.add_argument(
+        "--cpu-profile",
+        action="store_true",
+        help="with --defaults: each run's CPU time by part (engines, ingress, proxy, client...)",
+    )
     args = ap.parse_args()
     chat = args.dataset != "random"
     if args.kv_cache_mib is None:
@@ -363,6 +368,8 @@ def main() -> None:
         ap.error("--peer-url needs --model-dir: the folder the peer serves")
     if args.cpu_hog and (chat or not args.defaults):
         ap.error("--cpu-hog needs --defaults and the random dataset")
+    if args.cpu_profile and (chat or not args.defaults):
+        ap.error("--cpu-profile needs --defaults and the random dataset")
     if args.defaults:
         main_defaults(args, chat)
         return
@@ -435,6 +442,7 @@ def main_defaults(args: argparse.Namespace, chat: bool) -> None:
     """``--defaults``: nothing of this bench's own tuning (cores, threads, budget, KV size)
     reaches the server; it runs as ``make serve`` runs it (``bench/serve_defaults.py``)."""
     from serve_defaults import make_serve_env, run_defaults, serve_run
+    from serve_profile import CpuProfile
 
     with tempfile.TemporaryDirectory() as tmp:
         if chat:
@@ -451,11 +459,12 @@ def main_defaults(args: argparse.Namespace, chat: bool) -> None:
             f"{model}, groups: [{{name: main}}]}}; {args.dataset} workload; {load()}",
             flush=True,
         )
-        with serve_run(model) as (url, name):
+        with serve_run(model) as (url, name, pid):
             if chat:
                 asyncio.run(run_chat_sides(args, url, name))
             else:
-                asyncio.run(run_defaults(args, url, name))
+                profile = CpuProfile(pid) if args.cpu_profile else None
+                asyncio.run(run_defaults(args, url, name, profile))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 from serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
+from serve_profile import CpuProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,9 +87,9 @@ def served_model(url: str) -> str | None:
 
 
 @contextlib.contextmanager
-def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, str]]:
-    """``serve run`` in its own session on a defaults config; yields (URL, model id) once
-    the app answers, then stops it (SIGINT, as Ctrl-C; then the whole session). Its folder
+def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, str, int]]:
+    """``serve run`` in its own session on a defaults config; yields (URL, model id, its
+    pid) once the app answers, then stops it (SIGINT, as Ctrl-C; then the whole session). Its folder
     (config, log, Ray's files) is removed after a clean run and kept after a failure."""
     tmp = Path(tempfile.mkdtemp(prefix="mrd-", dir="/tmp"))  # short: Ray's socket paths
     port = free_port()
@@ -117,7 +118,7 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the app did not answer within 900 s; see {log}")
             time.sleep(1.0)
-        yield url, name
+        yield url, name, proc.pid
         clean = True
     finally:
         stop_session(proc)
@@ -169,14 +170,16 @@ def cpu_hog() -> Iterator[None]:
         hog.wait()
 
 
-async def run_defaults(args: argparse.Namespace, url: str, model: str) -> None:
+async def run_defaults(
+    args: argparse.Namespace, url: str, model: str, profile: CpuProfile | None = None
+) -> None:
     """``--defaults``: the app as ``serve run`` starts it, against the peer and/or itself
     beside a CPU hog. Prints whether its req/s ever falls as streams rise."""
     client = HttpClient(url, model, args.new_tokens, None, True)
     sides = [http_side("meridian", client)]
     if args.cpu_hog:
         sides.append(http_side("with-hog", client, hog=True))
-    results, with_peer = await run_with_peer(args, sides, client)
+    results, with_peer = await run_with_peer(args, sides, client, profile)
     rates = [median_rate(results, "meridian", c) for c in args.concurrency]
     rises = all(b >= a for a, b in zip(rates, rates[1:], strict=False))
     steps = " -> ".join(f"{r:.2f}" for r in rates)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httpx
 from bench_model import MODEL
+from serve_profile import CpuProfile
 from serve_records import Run, Sample, TokenClock, print_table, sse_chunks
 
 
@@ -157,7 +158,7 @@ def http_side(name: str, client: HttpClient, hog: bool = False) -> Side:
 
 
 async def run_with_peer(
-    args: argparse.Namespace, sides: list[Side], own: HttpClient
+    args: argparse.Namespace, sides: list[Side], own: HttpClient, profile: CpuProfile | None = None
 ) -> tuple[dict[tuple[str, int], list[Run]], bool]:
     """``run_sides``, with ``--peer-url``'s server as one more side named ``peer``; closes
     ``own`` and the peer's client after. Returns the results and whether a peer ran."""
@@ -167,7 +168,7 @@ async def run_with_peer(
         peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
         sides = [*sides, Side("peer", peer.one, no_itl)]
     try:
-        return await run_sides(args, sides), peer is not None
+        return await run_sides(args, sides, profile), peer is not None
     finally:
         await own.close()
         if peer is not None:
@@ -175,10 +176,11 @@ async def run_with_peer(
 
 
 async def run_sides(
-    args: argparse.Namespace, sides: list[Side]
+    args: argparse.Namespace, sides: list[Side], profile: CpuProfile | None = None
 ) -> dict[tuple[str, int], list[Run]]:
     """Every concurrency level, ``--repeats`` times, the sides taking turns (the one that
-    goes first rotating with the repeat); the same prompts for every side of a repeat."""
+    goes first rotating with the repeat); the same prompts for every side of a repeat.
+    ``profile`` reads every thread's CPU time around each run (``--cpu-profile``)."""
     from serve_defaults import cpu_hog
 
     warm = prompts_for(-1, 4, args.prompt_len)
@@ -193,8 +195,13 @@ async def run_sides(
                 prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
                 run = Run(side.name, c, input_tokens=sum(map(len, prompts)))
                 before = await side.itl()
-                with cpu_hog() if side.hog else contextlib.nullcontext():
+                done: list[tuple[float, int]] = []  # (seconds, output tokens) for the profile
+                with (
+                    profile.watch(side.name, c, done) if profile else contextlib.nullcontext(),
+                    cpu_hog() if side.hog else contextlib.nullcontext(),
+                ):
                     run.duration, run.samples = await closed_loop(side.one, prompts, c)
+                    done.append((run.duration, sum(s.output_tokens for s in run.samples)))
                 await asyncio.sleep(side.settle)
                 run.engine_itl = mean_between(before, await side.itl())
                 results.setdefault((side.name, c), []).append(run)
@@ -207,6 +214,11 @@ async def run_sides(
     print()
     for c in args.concurrency:
         print_table(f"{c} streams", {s.name: results[(s.name, c)] for s in sides})
+        if profile:
+            itl = {
+                s.name: statistics.median(r.engine_itl for r in results[(s.name, c)]) for s in sides
+            }
+            profile.print(c, itl)
     print()
     return results
 
