@@ -73,6 +73,13 @@ meridian/peer at <top> streams: <ratio>``, or with ``--cpu-hog`` ``cpu-hog/alone
 streams: <ratio>`` (issue 25: >= 0.7).
 
     python bench/serve.py --defaults --model-dir DIR --peer-url http://host:8001 [--cpu-hog]
+
+``--cpu-profile`` (with ``--defaults``): around each run, every thread's CPU time on the
+machine from ``/proc``, summed by part (the replicas' engine threads and their other
+threads, ingress, router, Serve proxy and controller, raylet and GCS, the peer's engine and
+API server, this client, other work), as cores and CPU ms per output token, with the
+engine threads' wait for a core (``bench/serve_profile.py``). ``--group`` replaces the
+config's one group (a YAML mapping, default ``{name: main}``) to try another layout.
 """
 
 from __future__ import annotations
@@ -347,6 +354,11 @@ def main() -> None:
         help="with --defaults: a side that runs beside a CPU-bound process at nice 0",
     )
     ap.add_argument(
+        "--group",
+        default="{name: main}",
+        help="with --defaults: the config's one group, a YAML mapping (to try another layout)",
+    )
+    ap.add_argument(
         "--cpu-profile",
         action="store_true",
         help="with --defaults: each run's CPU time by part (engines, ingress, proxy, client...)",
@@ -456,10 +468,10 @@ def main_defaults(args: argparse.Namespace, chat: bool) -> None:
             model = str(write_bench_model(Path(tmp) / "bench"))
         print(
             f"--defaults: `serve run` as `make serve` ({make_serve_env()}) on {{model: "
-            f"{model}, groups: [{{name: main}}]}}; {args.dataset} workload; {load()}",
+            f"{model}, groups: [{args.group}]}}; {args.dataset} workload; {load()}",
             flush=True,
         )
-        with serve_run(model) as (url, name, pid):
+        with serve_run(model, args.group) as (url, name, pid):
             if chat:
                 asyncio.run(run_chat_sides(args, url, name))
             else:
