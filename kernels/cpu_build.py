@@ -1,12 +1,14 @@
 """C++ extensions compiled on first use with ``-march=native``, then cached.
 
-Built through ``torch.utils.cpp_extension`` with the machine's C++ compiler. The build's name
-carries a digest of the CPU's feature flags and of the sources: a node with other CPU
-features (a shared home folder) never loads a build it cannot run, and two checkouts (whose
-build files name their own source paths) never rebuild over each other's or wait on each
-other's build lock. Where a build fails (no compiler, no
-headers), :meth:`CompiledExtension.load` returns None once, logs why, and keeps the reason
-in :meth:`CompiledExtension.error`, so callers keep serving on torch.
+Built through ``torch.utils.cpp_extension`` with the machine's C++ compiler, from a copy of
+the sources inside the build's own folder (``build_root() / build_name()``). The name
+carries a digest of the CPU's feature flags, the compiler flags, Python's and torch's
+versions and the sources' bytes, never their path: a node with other CPU features (a shared
+home folder) never loads a build it cannot run, and every copy of the same sources (another
+checkout, a Ray job's uploaded working dir) loads the one build that ``make setup`` made
+instead of compiling again (about two minutes on two cores). Where a build fails (no
+compiler, no headers), :meth:`CompiledExtension.load` returns None once, logs why, and keeps
+the reason in :meth:`CompiledExtension.error`, so callers keep serving on torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +35,24 @@ def _cpu_flags() -> str:
             if line.startswith("flags"):
                 return line
     return ""
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def build_root() -> Path:
+    """Where builds live: ``TORCH_EXTENSIONS_DIR`` if set; in a virtual environment that we
+    may write, its ``share/meridian-kernels`` (so every process of that environment finds
+    the build ``make setup`` made, whatever its HOME or working dir); else the user's cache."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "share" / "meridian-kernels"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "meridian-kernels"
 
 
 class CompiledExtension:
@@ -51,10 +72,29 @@ class CompiledExtension:
         self._error: str | None = None
 
     def build_name(self) -> str:
-        identity = f"{platform.machine()} {_cpu_flags()} {' '.join(FLAGS)}".encode()
-        identity += str(self.sources[0].resolve().parent).encode()
-        identity += b"".join(path.read_bytes() for path in self.sources + self.headers)
-        return f"{self.name}_{hashlib.sha1(identity).hexdigest()[:10]}"
+        identity = f"{platform.machine()} {_cpu_flags()} {' '.join(FLAGS)}"
+        identity += f" {sys.version_info[:2]} {_torch_version()}"
+        digest = hashlib.sha1(identity.encode())
+        for path in self.sources + self.headers:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        return f"{self.name}_{digest.hexdigest()[:10]}"
+
+    def build_directory(self) -> Path:
+        return build_root() / self.build_name()
+
+    def _stage_sources(self, folder: Path) -> list[Path]:
+        """Copies of the sources and headers in ``folder`` (written only where missing or
+        different, atomically, so a build in progress never reads half a file and an
+        unchanged copy keeps the timestamp ninja compares); returns the sources' copies."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in self.sources + self.headers:
+            data = path.read_bytes()
+            copy = folder / path.name
+            if not copy.exists() or copy.read_bytes() != data:
+                partial = folder / f".{path.name}.{os.getpid()}"
+                partial.write_bytes(data)
+                os.replace(partial, copy)
+        return [folder / path.name for path in self.sources]
 
     def enabled(self) -> bool:
         return os.environ.get(self.switch, "1") != "0"
@@ -71,11 +111,14 @@ class CompiledExtension:
                 try:
                     from torch.utils.cpp_extension import load as build
 
+                    directory = self.build_directory()
+                    sources = self._stage_sources(directory / "src")
                     self._module = build(
-                        name=self.build_name(),
-                        sources=[str(path) for path in self.sources],
-                        extra_include_paths=[str(self.sources[0].parent)],
+                        name=directory.name,
+                        sources=[str(path) for path in sources],
+                        extra_include_paths=[str(directory / "src")],
                         extra_cflags=FLAGS,
+                        build_directory=str(directory),
                         verbose=False,
                     )
                 except Exception as exc:  # a missing compiler or headers: keep serving on torch
