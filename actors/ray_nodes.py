@@ -35,7 +35,9 @@ def alive_nodes() -> list[Node]:
     )
 
 
-def pinned(cls: Any, node_id: str, soft: bool = False) -> Any:
+def pinned(cls: Any, node_id: str, soft: bool = False, **options: Any) -> Any:
     """``cls`` (a remote class) with its actors pinned to ``node_id``; ``soft`` lets Ray
-    start one elsewhere when that node is gone (for replacements)."""
-    return cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=soft))
+    start one elsewhere when that node is gone (for replacements). ``options``: Ray's other
+    actor options (a ``name``, ...)."""
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=soft)
+    return cls.options(scheduling_strategy=strategy, **options)

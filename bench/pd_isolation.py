@@ -155,6 +155,11 @@ def main() -> None:
         ap, "sharegpt: real prompts (ShareGPT first turns, MT-bench text), needs --model"
     )
     ap.add_argument("--http", action="store_true", help="through serve run and HTTP clients")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --http: where the P/D app's time goes (bench/pd_profile.py)",
+    )
     args = ap.parse_args()
     model_dir = chosen_model(ap, args) or write_bench_model(Path(tempfile.mkdtemp()) / "bench")
     prompts = real_prompts(args.model) if args.dataset != "random" else random_prompts
@@ -162,7 +167,9 @@ def main() -> None:
         from pd_isolation_http import run_http
 
         limit = SHORT_PARAMS.max_tokens
-        med = run_http(model_dir, prompts, gaps, pct, args.repeats, limit, BEFORE_TOKENS)
+        med = run_http(
+            model_dir, prompts, gaps, pct, args.repeats, limit, BEFORE_TOKENS, args.profile
+        )
         report(med, args.repeats, "isolation-http")
         return
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

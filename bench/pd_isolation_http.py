@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from pd_profile import GAP_X, Profiler, RunProfile, decode_step_times, print_table, split_gaps
 
 Prompts = Callable[[int], tuple[list[list[int]], list[int]]]
 Gaps = Callable[[list[list[float]], float, float], tuple[list[float], list[float]]]
@@ -68,9 +69,18 @@ def waited(deadline: float, what: str) -> None:
 
 
 async def one_run(
-    url: str, model: str, prompts: Prompts, seed: int, short_tokens: int, before_tokens: int
+    url: str,
+    model: str,
+    prompts: Prompts,
+    seed: int,
+    short_tokens: int,
+    before_tokens: int,
+    profiler: Profiler | None = None,
 ) -> tuple[list[list[float]], float, float]:
-    """(each short request's token times, the long prompt's send time, its first token)."""
+    """(each short request's token times, the long prompt's send time, its first token).
+    ``profiler`` is told when every short request has its first token (``start``), when the
+    long prompt is sent (``arrival``) and when its first token came (``first``)."""
+    mark = profiler.mark if profiler is not None else lambda name: None
     short, long = prompts(seed)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
@@ -81,15 +91,22 @@ async def one_run(
         ]
         try:
             deadline = time.monotonic() + TIMEOUT_S
+            started = False
             while min(len(t) for t in times) < before_tokens:
+                if not started and min(len(t) for t in times) >= 1:
+                    started = True
+                    mark("start")
                 for t, ts in zip(tasks, times, strict=True):
                     if t.done():
                         t.result()  # raises what ended a stream early
                         raise RuntimeError(f"a short request ended after {len(ts)} tokens")
                 waited(deadline, "the short requests' first tokens")
                 await asyncio.sleep(0.002)
+            if not started:
+                mark("start")
             long_times: list[float] = []
             arrival = time.monotonic()
+            mark("arrival")
             long_task = asyncio.create_task(stream_times(client, model, long, 2, long_times))
             while not long_times:
                 if long_task.done():
@@ -98,6 +115,7 @@ async def one_run(
                 waited(deadline, "the long prompt's first token")
                 await asyncio.sleep(0.002)
             first = long_times[0]
+            mark("first")
         finally:
             for t in tasks:
                 t.cancel()
@@ -118,37 +136,71 @@ def run_http(
     repeats: int,
     short_tokens: int,
     before_tokens: int,
+    profile: bool = False,
 ) -> dict[str, list[float]]:
     """Both apps up, warmed up, then ``repeats`` interleaved runs; the medians per app of
-    (p50 before, p99 before, p50 during, p99 during), in seconds."""
+    (p50 before, p99 before, p50 during, p99 during), in seconds. ``profile``: the P/D
+    app's runs are profiled (``bench/pd_profile.py``) and the readings printed."""
     from serve_defaults import serve_run
 
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in GROUPS}
+    profiled: list[tuple[RunProfile, list[list[float]], float, float, float]] = []
     with contextlib.ExitStack() as stack:
         apps = {
             name: stack.enter_context(serve_run(str(model_dir), group))
             for name, group in GROUPS.items()
         }
-        for name, (url, model) in apps.items():
+        profiler = None
+        if profile:
+            if len(apps["P/D"]) < 3:
+                raise RuntimeError("--profile needs serve_run to yield the serve run pid")
+            profiler = Profiler(apps["P/D"][2])
+            stack.callback(profiler.close)
+        for name, (url, model, *_) in apps.items():
             print(f"{name}: {url} serves {model}", flush=True)
             for seed in (98, 99):  # warm-up: first-use costs stay out of the figures
                 asyncio.run(one_run(url, model, prompts, seed, short_tokens, before_tokens))
         for i in range(repeats):
             order = list(apps.items()) if i % 2 == 0 else list(apps.items())[::-1]
-            for name, (url, model) in order:
+            for name, (url, model, *_) in order:
+                prof = profiler if name == "P/D" else None
+                if prof is not None:
+                    prof.start()
                 times, arrival, first = asyncio.run(
-                    one_run(url, model, prompts, i, short_tokens, before_tokens)
+                    one_run(url, model, prompts, i, short_tokens, before_tokens, prof)
                 )
                 before, during = gaps(times, arrival, first)
                 figs = (pct(before, 0.5), pct(before, 0.99), pct(during, 0.5), pct(during, 0.99))
                 runs[name].append(figs)
+                if prof is not None:
+                    profiled.append((prof.collect(), times, arrival, first, figs[0]))
                 print(
                     f"run {i} {name:9s} "
                     + " ".join(f"{x * 1e3:7.1f}" for x in figs)
                     + f"  ({len(during)} gaps during, long TTFT {(first - arrival) * 1e3:.0f} ms)",
                     flush=True,
                 )
+        if profiled:
+            report_profile(profiled, decode_step_times(apps["P/D"][2]))
     return {
         name: [statistics.median(r[k] for r in rows) for k in range(4)]
         for name, rows in runs.items()
     }
+
+
+def report_profile(
+    profiled: list[tuple[RunProfile, list[list[float]], float, float, float]],
+    steps: list[tuple[float, float]],
+) -> None:
+    """Per P/D run: the long gaps' excess split engine / delivery; then the table."""
+    print(f"\nP/D gaps during the prefill above {GAP_X:g}x the p50 before, excess over it")
+    for i, (_, times, arrival, first, p50) in enumerate(profiled):
+        split, engine_p50, engine_p99 = split_gaps(times, arrival, first, steps, p50)
+        worst = ", ".join(f"{g * 1e3:.0f} ({e * 1e3:.0f})" for g, e in split.worst[:4])
+        print(
+            f"run {i}: engine step interval p50 before {engine_p50 * 1e3:.1f} ms, p99 during "
+            f"{engine_p99 * 1e3:.1f} ms; {split.gaps} long gaps, excess {split.excess * 1e3:.0f}"
+            f" ms = engine {split.engine * 1e3:.0f} + delivery {split.delivery * 1e3:.0f}; "
+            f"longest gaps ms (engine's part): {worst}"
+        )
+    print_table([p for p, *_ in profiled])

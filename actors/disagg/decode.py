@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ from models.config import read_model_config
 from policies.request import Request
 from store.kv_store_errors import KVStoreError
 from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
+
+STEP_TIMES = 4096  # steps whose times ``step_times`` keeps (minutes of decoding)
 
 
 class DecodeReplica(LoopedReplica):
@@ -135,6 +138,8 @@ class DecodeReplica(LoopedReplica):
         # follows another is measured from that end, so a DecodeStep is the gap between
         # tokens a running request sees (the loop's own work between steps included)
         self._last_step_end: float | None = None
+        # (start, end) perf_counter of the last STEP_TIMES steps, for bench/pd_profile.py
+        self._step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES)
         self._reserved_blocks: dict[str, int] = {}
         self._cached_tokens: dict[str, int] = {}  # admitted request -> prompt tokens reused
         self.stats = self._stats()
@@ -227,6 +232,12 @@ class DecodeReplica(LoopedReplica):
             finally:
                 client.unpin(pin)
             self.loaded_blocks += n
+
+    def step_times(self) -> list[tuple[float, float]]:
+        """(start, end) ``time.perf_counter()`` of this replica's last ``STEP_TIMES``
+        engine steps (CLOCK_MONOTONIC on Linux: one clock for every process of the
+        machine, as ``time.monotonic()``)."""
+        return list(self._step_times)
 
     def link_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes granted so far on this replica's emulated links (``NodeLinks.granted``;
@@ -325,6 +336,7 @@ class DecodeReplica(LoopedReplica):
             end = time.perf_counter()
             since = self._last_step_end if self._last_step_end is not None else start
             self._last_step_end = end
+            self._step_times.append((start, end))
             self.loop.emit(DecodeStep(batch, blocks, end - since))
             self._write_back([d.request_id for d in deltas], tables)
             self._retain([d.request_id for d in deltas if d.finished], tables)

@@ -15,6 +15,7 @@ waits in one thread while other calls are served.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import ray
@@ -213,7 +214,10 @@ class ReplicaSet:
 
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
-        moves off a node that is gone)."""
+        moves off a node that is gone). Named ``pd-<rid>-<unique>`` so that a tool attached
+        to the cluster finds it (``ray.util.list_named_actors``; bench/pd_profile.py)."""
+        name = f"pd-{rid}-{uuid.uuid4().hex[:12]}"
         if restart:
-            return pinned(cls, self.plan.replace(rid, cluster_nodes(self.config)), soft=True)
-        return pinned(cls, self.plan.node_id(rid))
+            node = self.plan.replace(rid, cluster_nodes(self.config))
+            return pinned(cls, node, soft=True, name=name)
+        return pinned(cls, self.plan.node_id(rid), name=name)

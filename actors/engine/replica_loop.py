@@ -22,8 +22,8 @@ which inherit the set) and no other thread of the process; ``torch_threads`` cap
 intra-op threads. ``disjoint_cores`` splits a node's cores among its replicas;
 ``split_cores`` gives prefill and decode replicas on one node cores of their own.
 
-Priority: the loop thread runs at nice 0 whatever the process's niceness and carries its
-``name`` in ``/proc`` (``thread_priority``).
+Priority: the loop thread runs at nice 0 whatever the process's niceness (or at its
+``nice``) and carries its ``name`` in ``/proc`` (``thread_priority``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from actors.engine.thread_priority import name_this_thread, run_at_normal_priority
+from actors.engine.thread_priority import (
+    name_this_thread,
+    run_at_nice,
+    run_at_normal_priority,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +96,12 @@ class ReplicaLoop:
         cpu_cores: Sequence[int] | None = None,
         torch_threads: int | None = None,
         on_exit: Callable[[], None] | None = None,
+        nice: int | None = None,
     ) -> None:
         """``step()`` runs one iteration if there is work and says whether it ran one;
         without work the loop sleeps up to ``idle_wait_s`` or until something is posted.
-        ``on_exit()`` runs on the loop thread once the loop ends (stopped or failed)."""
+        ``on_exit()`` runs on the loop thread once the loop ends (stopped or failed).
+        ``nice``: the loop thread's nice value (default: normal priority, nice 0)."""
         self._step = step
         self._idle_wait_s = idle_wait_s
         self._on_exit = on_exit
@@ -105,6 +111,7 @@ class ReplicaLoop:
         self._out_cond = threading.Condition()
         self._stop = False
         self._pin = (list(cpu_cores) if cpu_cores else None, torch_threads)
+        self._nice = nice
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -176,7 +183,10 @@ class ReplicaLoop:
     def _run(self) -> None:
         try:
             name_this_thread(self._thread.name)
-            run_at_normal_priority()
+            if self._nice is None:
+                run_at_normal_priority()
+            else:
+                run_at_nice(self._nice)
             pin_this_thread(*self._pin)
             while not self._stop:
                 self._wake.clear()
