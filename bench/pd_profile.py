@@ -27,15 +27,20 @@ told apart by the title Ray gives each (``ray::ServeReplica:<app>:<deployment>``
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+TICK = os.sysconf("SC_CLK_TCK")  # /proc/stat's units per second
+MACHINE = "machine"  # every core's CPU time, for the other-work row
 SAMPLE_S = 0.005  # the engine threads' sampling period
 GAP_X = 2.0  # a gap above this many times the p50 before is split
 
@@ -57,6 +62,7 @@ ROWS = (
     "profiler",
     "other work",
 )
+OTHER = ROWS[-1]
 ENGINE_ROWS = (DECODE_ENGINE, PREFILL_ENGINE, CONDUCTOR_LOOP)
 
 Key = tuple[int, int]  # (pid, tid)
@@ -108,7 +114,9 @@ def _descendants(root: int, parents: dict[int, int]) -> set[int]:
 
 
 def threads(root: int, client: int) -> dict[Key, str]:
-    """Every thread on the machine and its row."""
+    """Every thread of the app, the client and the profiler, and its row (other work is
+    the machine's CPU time less theirs: reading every thread of a busy machine takes too
+    long)."""
     parents, cmdlines = {}, {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -120,6 +128,8 @@ def threads(root: int, client: int) -> dict[Key, str]:
     ours = _descendants(root, parents)
     out = {}
     for pid, cmdline in cmdlines.items():
+        if pid not in ours and pid not in (client, os.getpid()):
+            continue
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError, ValueError):
@@ -147,7 +157,15 @@ def snapshot(roles: dict[Key, str]) -> dict[str, tuple[int, int]]:
         if got is not None:
             out[role][0] += got[0]
             out[role][1] += got[1]
+    out[MACHINE] = [machine_cpu_ns(), 0]
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def machine_cpu_ns() -> int:
+    """CPU time of every core so far, idle and iowait left out (``/proc/stat``), ns."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))
+    return busy * 1_000_000_000 // TICK
 
 
 def _sampler(conn: Connection, root: int, client: int) -> None:
@@ -198,6 +216,9 @@ class RunProfile:
             r0, w0 = sa.get(row, (0, 0))
             r1, w1 = sb.get(row, (0, 0))
             out[row] = ((r1 - r0) / 1e9 / span, (w1 - w0) / 1e9 / span)
+        machine = (sb[MACHINE][0] - sa[MACHINE][0]) / 1e9 / span
+        ours = sum(cpu for row, (cpu, _) in out.items() if row != OTHER)
+        out[OTHER] = (max(0.0, machine - ours), float("nan"))  # its wait is not read
         return out
 
     def cores(self, row: str, a: str, b: str) -> dict[int, float]:
@@ -302,31 +323,43 @@ def gcs_address(root: int) -> str | None:
     return None
 
 
+STEP_TIMES_SCRIPT = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+out = []
+for actor in ray.util.list_named_actors(all_namespaces=True):
+    if actor["name"].startswith("pd-d"):
+        handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+        out += ray.get(handle.step_times.remote(), timeout=60)
+print(json.dumps(out))
+"""
+
+
 def decode_step_times(root: int) -> list[tuple[float, float]]:
     """Every decode replica's kept step times, from a driver attached to the app's Ray
-    cluster (its P/D replicas are named ``pd-<id>-<unique>``, decode ids ``d<j>``)."""
-    import ray
-
+    cluster (its P/D replicas are named ``pd-<id>-<unique>``, decode ids ``d<j>``); a
+    process of its own, started as the cluster's are (token authentication on)."""
     address = gcs_address(root)
     if address is None:
         raise RuntimeError("no raylet under the serve run process names its GCS address")
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as the cluster's processes run
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-    try:
-        out: list[tuple[float, float]] = []
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["name"].startswith("pd-d"):
-                handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-                out += ray.get(handle.step_times.remote(), timeout=60)
-        return out
-    finally:
-        ray.shutdown()
+    out = subprocess.run(
+        [sys.executable, "-c", STEP_TIMES_SCRIPT, address],
+        env=os.environ | {"RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"reading the decode replicas' step times failed: {out.stderr[-2000:]}")
+    return [(a, b) for a, b in json.loads(out.stdout.strip().splitlines()[-1])]
 
 
 def print_table(profiles: list[RunProfile]) -> None:
     """Per row, medians over runs: CPU-s/s and wait-s/s before and during; engine
     threads' cores during."""
-    print("\nwhere the P/D app's time goes (median over runs), per second of wall time")
+    load = os.getloadavg()[0]
+    print(f"\nwhere the P/D app's time goes (median over runs; load now {load:.1f}), per s")
     heads = ("CPU before", "wait before", "CPU during", "wait during")
     print(f"{'':26s} " + " ".join(f"{h:>11s}" for h in heads))
     before = [p.rates("start", "arrival") for p in profiles]
@@ -337,7 +370,7 @@ def print_table(profiles: list[RunProfile]) -> None:
             for rates in (before, during)
             for k in (0, 1)
         ]
-        if max(figs) < 0.005:
+        if max(x for x in figs if x == x) < 0.005:  # x == x: not the NaN of other work
             continue
         print(f"{row:26s} " + " ".join(f"{x:11.2f}" for x in figs))
     for row in ENGINE_ROWS:
