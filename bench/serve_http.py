@@ -196,9 +196,9 @@ async def run_sides(
                 run = Run(side.name, c, input_tokens=sum(map(len, prompts)))
                 before = await side.itl()
                 done: list[tuple[float, int]] = []  # (seconds, output tokens) for the profile
-                with (
-                    profile.watch(side.name, c, done) if profile else contextlib.nullcontext(),
+                with (  # the hog outside the profile's reads, so they count it
                     cpu_hog() if side.hog else contextlib.nullcontext(),
+                    profile.watch(side.name, c, done) if profile else contextlib.nullcontext(),
                 ):
                     run.duration, run.samples = await closed_loop(side.one, prompts, c)
                     done.append((run.duration, sum(s.output_tokens for s in run.samples)))
