@@ -81,13 +81,13 @@ ENGINE = dict(block_size=16, chunk_size=256, token_budget=512, max_num_seqs=64, 
 class Run:
     mode: str
     offered: int = 0
-    rejected: int = 0  # at arrival (429)
+    rejected: int = 0  # 429: at arrival, or after waiting for decode room
     reasons: dict[str, int] = field(default_factory=dict)  # the Conductor's, at arrival
     refused_at_decode: int = 0  # after prefill: decode's own TBT check
     wasted_prefill_tokens: int = 0
     good: int = 0
     finished: int = 0
-    aborted: int = 0  # unfinished at the end of the drain
+    aborted: int = 0  # unfinished at the end of the drain, or ended without a token
     ttft: list[float] = field(default_factory=list)
     tbt: list[float] = field(default_factory=list)  # each finished request's mean
     seconds: float = 1.0
@@ -203,7 +203,18 @@ class Bench:
                     run.refused_at_decode += 1
                     run.wasted_prefill_tokens += live.pop(rid)[1]
             for rid in [r for r in live if pd.output(r) is not None]:
-                self.finish(run, rid, live.pop(rid)[0])
+                arrival = live.pop(rid)[0]
+                refused = pd.refusal(rid)
+                if pd.token_times(rid):
+                    self.finish(run, rid, arrival)
+                elif refused is not None:  # waited for decode room, then its 429
+                    pd.release(rid)
+                    run.rejected += 1
+                    reason = f"{refused.reason} (waited)"
+                    run.reasons[reason] = run.reasons.get(reason, 0) + 1
+                else:  # ended without a token (out of attempts)
+                    pd.release(rid)
+                    run.aborted += 1
         for rid in live:  # not finished by the end of the drain
             pd.abort(rid)
             pd.release(rid)
