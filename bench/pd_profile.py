@@ -208,7 +208,8 @@ class RunProfile:
     samples: dict[str, list[tuple[float, int, int, int]]]
 
     def rates(self, a: str, b: str) -> dict[str, tuple[float, float]]:
-        """Per row: (CPU-s/s, wait-s/s) between marks ``a`` and ``b``."""
+        """Per row: (CPU-s/s, wait-s/s) between marks ``a`` and ``b`` (engine threads from
+        their samples, the rest from the marks' snapshots)."""
         (ta, sa), (tb, sb) = self.marks[a], self.marks[b]
         span = max(tb - ta, 1e-9)
         out = {}
@@ -216,6 +217,14 @@ class RunProfile:
             r0, w0 = sa.get(row, (0, 0))
             r1, w1 = sb.get(row, (0, 0))
             out[row] = ((r1 - r0) / 1e9 / span, (w1 - w0) / 1e9 / span)
+        for row in ENGINE_ROWS:  # from the samples: each read at its own time
+            pts = [x for x in self.samples.get(row, []) if ta <= x[0] <= tb]
+            if len(pts) > 1:
+                dt = pts[-1][0] - pts[0][0]
+                out[row] = (
+                    (pts[-1][1] - pts[0][1]) / 1e9 / dt,
+                    (pts[-1][2] - pts[0][2]) / 1e9 / dt,
+                )
         machine = (sb[MACHINE][0] - sa[MACHINE][0]) / 1e9 / span
         ours = sum(cpu for row, (cpu, _) in out.items() if row != OTHER)
         out[OTHER] = (max(0.0, machine - ours), float("nan"))  # its wait is not read

@@ -40,7 +40,7 @@ from typing import Any
 
 from actors.disagg.kv_routes import KVTarget
 from actors.disagg.kv_stream import KVDestination, SharedCacheWorkers
-from actors.disagg.looped_replica import LoopedReplica
+from actors.disagg.looped_replica import LoopedReplica, run_actor_process_at_normal_priority
 from actors.disagg.messages import (
     DecodeStats,
     DecodeStep,
@@ -90,6 +90,7 @@ class DecodeReplica(LoopedReplica):
         of the cache in its own segment; with ``kvp`` > 1 each KV rank's workers hold that
         rank's pool, and a request's blocks lie on the ranks its reservation spans
         (``KVDestination.ranks``), as a colocated KV-parallel replica lays them out."""
+        run_actor_process_at_normal_priority()
         self.replica_id = replica_id
         folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
         model = read_model_config(folder)

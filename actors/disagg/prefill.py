@@ -39,7 +39,7 @@ from actors.disagg.fault_injection import ExitAfterLayers
 from actors.disagg.kv_routes import piece_ranges
 from actors.disagg.kv_stream import KVDestination, LayerStreamer, StreamingWorkers, StreamReport
 from actors.disagg.layer_loader import LayerLoad, LayerLoader
-from actors.disagg.looped_replica import LoopedReplica
+from actors.disagg.looped_replica import LoopedReplica, run_actor_process_at_normal_priority
 from actors.disagg.messages import (
     CacheEvent,
     PrefillDone,
@@ -113,6 +113,7 @@ class PrefillReplica(LoopedReplica):
         ``link_budget``: store reads pay this replica's emulated storage link (on one
         machine each replica stands for its own node). ``record_loads``: keep the load /
         compute timeline (``load_timeline``)."""
+        run_actor_process_at_normal_priority()
         self.replica_id = replica_id
         self.node_id = current_node_id()
         if config.kvp != 1:

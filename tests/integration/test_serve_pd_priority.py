@@ -1,0 +1,57 @@
+"""``serve run`` of a plain config with one 1+1 prefill/decode group (no ``pin_cores``, no
+priorities) on a Ray cluster started with no environment variables: Ray starts its workers
+at its default niceness, yet every thread of the prefill and decode replica processes (the
+engine threads, the Conductor's long poll, Ray's reply threads) runs at nice 0
+(``ENGINE_NICE``, actors/engine/defaults.py), and the two engines run on the cores
+``split_cores`` gives them."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+from bad_requests import MODEL
+from serve_common import serve_running
+from test_serve_defaults import cluster_processes, threads
+
+from actors.engine.replica_loop import split_cores
+
+pytestmark = [
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(local_ray_cluster, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("RAY_worker_niceness", "RAY_SERVE_ENABLE_DIRECT_INGRESS", "OMP_NUM_THREADS"):
+            mp.delenv(name, raising=False)
+        cluster = local_ray_cluster(dashboard=False)
+    group = {"name": "pd", "num_prefill": 1, "num_decode": 1}
+    app_args = {"model_name": MODEL, "groups": [group | {"engine": {"kv_cache_memory": 1 << 25}}]}
+    with serve_running(cluster, app_args, tmp_path_factory.mktemp("serve"), replicas=1) as url:
+        yield cluster, url
+
+
+def test_pd_replica_processes_run_every_thread_at_nice_0_engines_on_split_cores(served):
+    cluster, url = served
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
+    procs = cluster_processes(cluster.address)
+    (controller,) = [pid for pid, title in procs.items() if "ServeController" in title]
+    assert os.getpriority(os.PRIO_PROCESS, controller) > 0  # Ray's own default is untouched
+    (prefill,) = [pid for pid, title in procs.items() if "PrefillReplica" in title]
+    (decode,) = [pid for pid, title in procs.items() if "DecodeReplica" in title]
+    engines = {}
+    for pid in (prefill, decode):
+        for tid, name in threads(pid).items():
+            assert os.getpriority(os.PRIO_PROCESS, tid) == 0, (procs[pid], name)
+            if name in ("prefill-p0", "decode-d0"):
+                engines[name] = tid
+    assert set(engines) == {"prefill-p0", "decode-d0"}
+    cores = split_cores(1, 1)
+    for name, rid in (("prefill-p0", "p0"), ("decode-d0", "d0")):
+        expected = set(cores[rid]) if cores else os.sched_getaffinity(0)
+        assert os.sched_getaffinity(engines[name]) == expected, name
