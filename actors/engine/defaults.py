@@ -6,7 +6,9 @@ and ``thread_priority`` read them from this module.
 ``ENGINE_NICE`` (0): every engine thread (colocated, prefill, decode replica loops; MoE
 attention and expert workers' rounds) runs at this nice value whatever Ray's
 ``worker_niceness`` (15 unless RAY_worker_niceness is set), and so does every thread of the
-Serve app's ingress, router and replica processes (``thread_priority``). Where a process
+Serve app's ingress, router and replica processes and of a P/D cluster's prefill and decode
+replica processes, whose Conductor long poll and Ray reply threads carry every token
+(``thread_priority``; ``looped_replica``). Where a process
 may not raise a priority, one logged line says how (RAY_worker_niceness=0, CAP_SYS_NICE,
 ``ulimit -e 20``).
 
