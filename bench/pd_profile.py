@@ -11,11 +11,12 @@ Two readings, both from outside the server:
   "during" (the long prompt's prefill), and each engine thread's cores (field 39 of its
   ``stat``, the CPU it last ran on, sampled every ``SAMPLE_S``). A separate process reads
   them, so the client's own timing is not held up by the reading.
-- per gap of a short request's stream above ``GAP_X`` x the P/D p50 before, during the
-  prefill: how much of its excess over that p50 was the decode engine's own step being
-  late (``DecodeReplica.step_times``: each step's start and end on the replica's clock,
-  CLOCK_MONOTONIC as the client's) and how much the token's way to the client (replica ->
-  Conductor -> ingress -> client). The engine's share of a gap is the longest interval
+- per gap of a short request's stream above ``GAP_X`` x the P/D p50 before (or the
+  engine's p50 step interval before, if larger: tokens that reach the client in one chunk
+  make the client's p50 0), during the prefill: how much of its excess over that p50 was
+  the decode engine's own step being late (``DecodeReplica.step_times``: each step's start
+  and end on the replica's clock, CLOCK_MONOTONIC as the client's) and how much the
+  token's way to the client (replica -> Conductor -> ingress -> client). The engine's share of a gap is the longest interval
   between consecutive step ends that ends inside the gap, less the engine's own p50
   interval before; the rest is delivery.
 
@@ -298,15 +299,17 @@ def split_gaps(
     during = [d for t, d in intervals if arrival <= t <= first]
     engine_p50 = statistics.median(before) if before else 0.0
     engine_p99 = sorted(during)[min(len(during) - 1, int(0.99 * len(during)))] if during else 0.0
+    # tokens that reach the client in one chunk make its p50 0: then the engine's pace
+    ref = max(p50_before, engine_p50)
     out = GapSplit()
     for ts in times:
         for a, b in zip(ts, ts[1:], strict=False):
             gap = b - a
-            if not (arrival <= b <= first) or gap <= GAP_X * p50_before:
+            if not (arrival <= b <= first) or gap <= GAP_X * ref:
                 continue
             inside = [d for t, d in intervals if a < t <= b]
             late = max(0.0, max(inside, default=0.0) - engine_p50)
-            excess = gap - p50_before
+            excess = gap - ref
             share = min(late, excess)
             out.gaps += 1
             out.excess += excess
