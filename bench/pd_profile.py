@@ -11,14 +11,14 @@ Two readings, both from outside the server:
   "during" (the long prompt's prefill), and each engine thread's cores (field 39 of its
   ``stat``, the CPU it last ran on, sampled every ``SAMPLE_S``). A separate process reads
   them, so the client's own timing is not held up by the reading.
-- per gap of a short request's stream above ``GAP_X`` x the P/D p50 before (or the
-  engine's p50 step interval before, if larger: tokens that reach the client in one chunk
-  make the client's p50 0), during the prefill: how much of its excess over that p50 was
-  the decode engine's own step being late (``DecodeReplica.step_times``: each step's start
-  and end on the replica's clock, CLOCK_MONOTONIC as the client's) and how much the
-  token's way to the client (replica -> Conductor -> ingress -> client). The engine's share of a gap is the longest interval
-  between consecutive step ends that ends inside the gap, less the engine's own p50
-  interval before; the rest is delivery.
+- per gap of a short request's stream above ``GAP_X`` x the P/D p50 before (or the engine's
+  p50 step interval before, if larger: tokens that reach the client in one chunk make the
+  client's p50 0), during the prefill: how much of its excess over that p50 was the decode
+  engine's own step being late (``DecodeReplica.step_times``: each step's start and end on
+  the replica's clock, CLOCK_MONOTONIC as the client's) and how much the token's way to the
+  client (replica -> Conductor -> ingress -> client). The engine's share of a gap is the
+  longest interval between consecutive step ends that ends inside the gap, less the engine's
+  own p50 interval before; the rest is delivery.
 
 The Serve processes are those under the ``serve run`` process (its pid from ``serve_run``),
 told apart by the title Ray gives each (``ray::ServeReplica:<app>:<deployment>``,
