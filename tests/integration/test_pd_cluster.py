@@ -239,6 +239,10 @@ def test_conductor_estimates_are_refitted_from_measured_steps():
     assert isinstance(pd.conductor.prefill_time, LinearPrefillTime)
     assert pd.conductor.prefill_time.chunk_size == OPTS["chunk_size"]
     assert isinstance(pd.conductor.decode_tbt, LinearDecodeTBT)
+    # decode steps measured under a fitted model (not those before the first decode fit)
+    # feed admission's TBT margin, which never goes below 1
+    ratios = pd.conductor.decode_overruns.ratios
+    assert 1 <= len(ratios) < len(fitter.decode) and pd.conductor.tbt_margin() >= 1.0
     # predictive admission by default, decode priced by that fit: each running request's
     # remaining tokens (reported by its decode replica) at the predicted TBT
     assert pd.conductor.admission == "predictive" and pd.conductor.decode_duration is None
