@@ -159,22 +159,25 @@ class ReplicaServer:
 
     # -- reporting (its own thread: blocking handle calls never touch the event loop) -----
     def _report_forever(self) -> None:
-        first, last_stats, last_push = True, None, 0.0
+        first, last_stats, last_metrics, last_push = True, None, None, 0.0
         while not self._stop.is_set():
             self._stop.wait(self.interval)
             resync, events = self.loop.take_events()
             stats = self.loop.stats()
             counters = stats.counters()
-            idle = not events and resync is None and counters == last_stats
+            metrics = self.loop.metrics_snapshot()  # a finished request changes only these
+            idle = (
+                not events and resync is None and counters == last_stats and metrics == last_metrics
+            )
             if idle and time.monotonic() - last_push < HEARTBEAT_S:
                 continue  # nothing new: only a heartbeat every HEARTBEAT_S
-            last_stats, last_push = counters, time.monotonic()
+            last_stats, last_metrics, last_push = counters, metrics, time.monotonic()
             try:
                 need_resync = self.router.report.remote(
                     self.replica_id,
                     self.group,
                     stats,
-                    self.loop.metrics_snapshot(),
+                    metrics,
                     events,
                     resync,
                     first,

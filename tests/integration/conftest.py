@@ -21,12 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# Reference outputs are computed in this process while a cluster's workers wait on their
-# channels (they poll). With two intra-op threads on two cores, every OpenMP barrier waits
-# for a thread the scheduler has parked behind a poller: a reference generation took 14-43 s
-# instead of under 1 s. One thread keeps it at its solo speed.
-torch.set_num_threads(1)
-
 REPO = Path(__file__).resolve().parents[2]
 
 # One auth mode for every Ray session of the test process: a driver keeps the token state of
@@ -164,6 +158,20 @@ class LocalRayCluster:
         kill_group(self.proc, grace=3)
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Reference outputs are computed in this process while a cluster's workers wait on
+    their channels (they poll). With two intra-op threads on two cores, every OpenMP barrier
+    waits for a thread the scheduler has parked behind a poller: a reference generation took
+    14-43 s instead of under 1 s. One thread keeps it at its solo speed; the unit tests after
+    these modules get their threads back. Module scope and autouse: set before the module's
+    own fixtures (its cluster, its references)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
