@@ -6,13 +6,17 @@ Segments are files under a tmpfs folder (``/dev/shm`` on Linux), mapped with ``M
 attaching pre-faults the mapping (``MAP_POPULATE``) so the first copy out of it runs at
 memcpy speed instead of paying a page fault per 4 KiB.
 
-Names are ``meridian-kv-<pid>-<hex>``: a segment whose creator died (a killed shard) can be
-found and removed with ``remove_stale_segments``. The mapping stays valid in a process that
+Names are ``meridian-kv-<pid>-<hex>``, and the owner holds a shared ``flock`` on the file
+while it lives: a segment whose creator died (a killed shard or replica never unlinks its
+file) is one whose pid is gone and whose lock nobody holds, in any pid namespace that shares
+the folder. ``create`` removes such segments first (``remove_stale_segments``), so killed
+processes cannot fill the node's shared memory. The mapping stays valid in a process that
 attached it even after the owner unlinked it; it is freed when the last mapping goes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -39,11 +43,14 @@ def _pid_alive(pid: int) -> bool:
 class SharedSegment:
     """``nbytes`` of shared memory; ``array`` is a writable flat ``uint8`` view of it."""
 
-    def __init__(self, name: str, nbytes: int, mm: mmap.mmap, path: Path, owner: bool) -> None:
+    def __init__(
+        self, name: str, nbytes: int, mm: mmap.mmap, path: Path, owner_fd: int | None
+    ) -> None:
         self.name = name
         self.nbytes = nbytes
         self.path = path
-        self.owner = owner
+        self.owner = owner_fd is not None
+        self._owner_fd = owner_fd  # open, with a shared flock, while the owner lives
         self._mmap: mmap.mmap | None = mm
         self.array = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
@@ -60,18 +67,19 @@ class SharedSegment:
             raise TransferError(
                 f"shared-memory folder {shm_dir!r} does not exist; pass shm_dir= a tmpfs folder"
             )
+        remove_stale_segments(shm_dir)
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         path = folder / name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, nbytes)
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _populate_flag())
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        seg = cls(name, nbytes, mm, path, owner=True)
+        seg = cls(name, nbytes, mm, path, owner_fd=fd)
         if prefault:
             seg.array[:: mmap.PAGESIZE] = 0  # one write per page allocates it
         return seg
@@ -95,7 +103,7 @@ class SharedSegment:
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _populate_flag())
         finally:
             os.close(fd)
-        return cls(name, nbytes, mm, path, owner=False)
+        return cls(name, nbytes, mm, path, owner_fd=None)
 
     @property
     def closed(self) -> bool:
@@ -112,8 +120,10 @@ class SharedSegment:
             mm.close()
         except BufferError:  # a view still exports the buffer; the GC unmaps later
             pass
-        if self.owner:
+        if self._owner_fd is not None:
             self.path.unlink(missing_ok=True)
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
     def __enter__(self) -> SharedSegment:
         return self
@@ -127,7 +137,8 @@ def _populate_flag() -> int:
 
 
 def remove_stale_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
-    """Unlink segments whose creating process is dead; returns their names."""
+    """Unlink segments whose creating process is dead and whose owner's lock nobody holds
+    (a live owner in another pid namespace keeps its lock); returns their names."""
     removed: list[str] = []
     folder = Path(shm_dir)
     if not folder.is_dir():
@@ -137,7 +148,24 @@ def remove_stale_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
             pid = int(path.name[len(PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not _pid_alive(pid) and not _locked(path):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+def _locked(path: Path) -> bool:
+    """Whether some process holds the owner's lock on ``path`` (True if it cannot be read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock, if it got one
+    return False

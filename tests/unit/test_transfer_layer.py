@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +16,7 @@ import torch
 from kernels.kv_cache import allocate_kv_cache
 from store.kv_block_layout import KVBlockLayout
 from store.kv_store_errors import BackendUnavailableError, InvalidBlockError, TransferError
-from store.shared_segment import SharedSegment, remove_stale_segments
+from store.shared_segment import PREFIX, SharedSegment, remove_stale_segments
 from store.transfer import Endpoint, TransferEngine, backend_names
 from store.transfer.endpoint import normalize_ops
 from store.transfer.nixl_backend import nixl_api
@@ -72,6 +76,30 @@ def test_segment_is_a_real_shared_file_and_goes_away():
     with pytest.raises(TransferError, match="gone"):
         SharedSegment.attach(seg.name, SEG)
     assert seg.name not in remove_stale_segments()
+
+
+def test_a_killed_owners_segment_is_removed_by_the_next_create(tmp_path):
+    code = (
+        "import os, signal, sys; from store.shared_segment import SharedSegment; "
+        f"s = SharedSegment.create({SEG}, shm_dir={str(tmp_path)!r}); print(s.name, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    killed = out.stdout.strip()
+    assert killed and (tmp_path / killed).exists()  # SIGKILL: the owner never unlinked it
+    # a dead pid whose lock is still held (a live owner in another pid namespace) stays
+    held = tmp_path / f"{PREFIX}999999999-00"
+    held.write_bytes(b"0" * SEG)
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        seg = SharedSegment.create(SEG, shm_dir=str(tmp_path))
+        assert not (tmp_path / killed).exists()
+        assert held.exists() and seg.path.exists()
+        seg.close()
+    finally:
+        os.close(fd)
+    assert remove_stale_segments(str(tmp_path)) == [held.name]
 
 
 def test_kv_cache_blocks_move_in_one_copy_through_the_layer():
