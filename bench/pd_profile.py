@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from proc_table import descendants, processes, stat_fields
+
 TICK = os.sysconf("SC_CLK_TCK")  # /proc/stat's units per second
 MACHINE = "machine"  # every core's CPU time, for the other-work row
 SAMPLE_S = 0.005  # the engine threads' sampling period
@@ -69,11 +71,6 @@ ENGINE_ROWS = (DECODE_ENGINE, PREFILL_ENGINE, CONDUCTOR_LOOP)
 Key = tuple[int, int]  # (pid, tid)
 
 
-def _fields(stat: str) -> list[str]:
-    """``stat``'s fields after ``comm`` (which may hold spaces): index 0 is field 3."""
-    return stat[stat.rindex(")") + 2 :].split()
-
-
 def _role(cmdline: str, comm: str, pid: int, ours: set[int], client: int) -> str:
     if pid == client:
         return "client"
@@ -101,32 +98,12 @@ def _role(cmdline: str, comm: str, pid: int, ours: set[int], client: int) -> str
     return "Ray other"
 
 
-def _descendants(root: int, parents: dict[int, int]) -> set[int]:
-    children: dict[int, list[int]] = defaultdict(list)
-    for pid, ppid in parents.items():
-        children[ppid].append(pid)
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in out:
-            out.add(pid)
-            todo.extend(children[pid])
-    return out
-
-
 def threads(root: int, client: int) -> dict[Key, str]:
     """Every thread of the app, the client and the profiler, and its row (other work is
     the machine's CPU time less theirs: reading every thread of a busy machine takes too
     long)."""
-    parents, cmdlines = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                pid = int(entry)
-                parents[pid] = int(_fields(Path(f"/proc/{pid}/stat").read_text())[1])
-                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-                cmdlines[pid] = raw.replace(b"\0", b" ").decode(errors="replace")
-    ours = _descendants(root, parents)
+    parents, cmdlines = processes()
+    ours = descendants(root, parents)
     out = {}
     for pid, cmdline in cmdlines.items():
         if pid not in ours and pid not in (client, os.getpid()):
@@ -144,7 +121,7 @@ def read_thread(key: Key) -> tuple[int, int, int] | None:
     pid, tid = key
     try:
         run, wait = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
-        cpu = _fields(Path(f"/proc/{pid}/task/{tid}/stat").read_text())[36]
+        cpu = stat_fields(Path(f"/proc/{pid}/task/{tid}/stat").read_text())[36]
     except (OSError, ValueError, IndexError):
         return None
     return int(run), int(wait), int(cpu)
@@ -321,17 +298,11 @@ def split_gaps(
 
 def gcs_address(root: int) -> str | None:
     """The GCS address of the Ray cluster that ``serve run`` (``root``) started."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                parents[int(entry)] = int(_fields(Path(f"/proc/{entry}/stat").read_text())[1])
-    for pid in _descendants(root, parents):
-        with contextlib.suppress(OSError):
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            for arg in args.split("\0"):
-                if arg.startswith("--gcs-address="):
-                    return arg.split("=", 1)[1]
+    parents, cmdlines = processes()
+    for pid in descendants(root, parents):
+        for arg in cmdlines.get(pid, "").split():
+            if arg.startswith("--gcs-address="):
+                return arg.split("=", 1)[1]
     return None
 
 

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proc_table import descendants, processes, stat_fields
+
 TICK = os.sysconf("SC_CLK_TCK")  # utime / stime units per second
 ENGINE_THREAD = "meridian-engine"
 
@@ -51,11 +53,6 @@ class TaskTimes:
     waited: float  # seconds runnable but waiting for a core (schedstat run_delay)
 
 
-def _stat_fields(text: str) -> list[str]:
-    """The fields after ``comm`` (which may hold spaces and parentheses)."""
-    return text[text.rindex(")") + 2 :].split()
-
-
 def _process_part(cmdline: str, pid: int, ours: set[int], client: int) -> str:
     if pid == client:
         return CLIENT
@@ -81,32 +78,10 @@ def _process_part(cmdline: str, pid: int, ours: set[int], client: int) -> str:
     return OTHER
 
 
-def _descendants(root: int, parents: dict[int, int]) -> set[int]:
-    children: dict[int, list[int]] = defaultdict(list)
-    for pid, ppid in parents.items():
-        children[ppid].append(pid)
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in out:
-            out.add(pid)
-            todo.extend(children[pid])
-    return out
-
-
 def snapshot(root: int | None, client: int) -> dict[tuple[int, int], TaskTimes]:
     """Every thread on the machine: (pid, tid) -> its part and times so far."""
-    parents: dict[int, int] = {}
-    cmdlines: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            pid = int(entry)
-            parents[pid] = int(_stat_fields(Path(f"/proc/{pid}/stat").read_text())[1])
-            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-            cmdlines[pid] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    ours = _descendants(root, parents) if root is not None else set()
+    parents, cmdlines = processes()
+    ours = descendants(root, parents) if root is not None else set()
     out: dict[tuple[int, int], TaskTimes] = {}
     for pid, cmdline in cmdlines.items():
         part = _process_part(cmdline, pid, ours, client)
@@ -114,7 +89,7 @@ def snapshot(root: int | None, client: int) -> dict[tuple[int, int], TaskTimes]:
             for tid_s in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError, ValueError, IndexError):
                     task = Path(f"/proc/{pid}/task/{tid_s}")
-                    f = _stat_fields((task / "stat").read_text())
+                    f = stat_fields((task / "stat").read_text())
                     cpu = (int(f[11]) + int(f[12])) / TICK  # utime, stime
                     waited = int((task / "schedstat").read_text().split()[1]) / 1e9
                     if part == "replica":

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import serve_profile as sp  # noqa: E402
+from proc_table import descendants  # noqa: E402
 
 linux = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 
@@ -39,7 +40,7 @@ def test_parts_by_process_title():
 
 def test_descendants_follow_parent_links():
     parents = {1: 0, 2: 1, 3: 2, 4: 1, 5: 0, 6: 5}
-    assert sp._descendants(1, parents) == {1, 2, 3, 4}
+    assert descendants(1, parents) == {1, 2, 3, 4}
 
 
 def test_reading_sums_deltas_by_part_and_counts_new_threads_from_zero():
