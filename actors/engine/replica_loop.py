@@ -22,8 +22,8 @@ which inherit the set) and no other thread of the process; ``torch_threads`` cap
 intra-op threads. ``disjoint_cores`` splits a node's cores among its replicas;
 ``split_cores`` gives prefill and decode replicas on one node cores of their own.
 
-Priority: the loop thread runs at nice 0 whatever the process's niceness (or at its
-``nice``) and carries its ``name`` in ``/proc`` (``thread_priority``).
+Priority: the loop thread runs at nice 0 whatever the process's niceness and carries its
+``name`` in ``/proc`` (``thread_priority``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any
 
 from actors.engine.thread_priority import (
     name_this_thread,
-    run_at_nice,
     run_at_normal_priority,
 )
 
@@ -96,12 +95,10 @@ class ReplicaLoop:
         cpu_cores: Sequence[int] | None = None,
         torch_threads: int | None = None,
         on_exit: Callable[[], None] | None = None,
-        nice: int | None = None,
     ) -> None:
         """``step()`` runs one iteration if there is work and says whether it ran one;
         without work the loop sleeps up to ``idle_wait_s`` or until something is posted.
-        ``on_exit()`` runs on the loop thread once the loop ends (stopped or failed).
-        ``nice``: the loop thread's nice value (default: normal priority, nice 0)."""
+        ``on_exit()`` runs on the loop thread once the loop ends (stopped or failed)."""
         self._step = step
         self._idle_wait_s = idle_wait_s
         self._on_exit = on_exit
@@ -111,7 +108,6 @@ class ReplicaLoop:
         self._out_cond = threading.Condition()
         self._stop = False
         self._pin = (list(cpu_cores) if cpu_cores else None, torch_threads)
-        self._nice = nice
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -183,10 +179,7 @@ class ReplicaLoop:
     def _run(self) -> None:
         try:
             name_this_thread(self._thread.name)
-            if self._nice is None:
-                run_at_normal_priority()
-            else:
-                run_at_nice(self._nice)
+            run_at_normal_priority()
             pin_this_thread(*self._pin)
             while not self._stop:
                 self._wake.clear()

@@ -55,25 +55,6 @@ def run_at_normal_priority() -> int | None:
     return ENGINE_NICE
 
 
-def run_at_nice(nice: int) -> int | None:
-    """Set the calling thread to nice ``nice`` exactly (above 0: a thread that must yield
-    to the ones at nice 0, e.g. a prefill replica's engine); returns the nice value it runs
-    at now (None where unsupported). Lowering a nice value may be refused (logged once,
-    ``FIX``); raising it never is."""
-    if not supported():
-        return None
-    tid = threading.get_native_id()
-    now = os.getpriority(os.PRIO_PROCESS, tid)
-    if now == nice:
-        return nice
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except PermissionError:
-        _refused(now)
-        return now
-    return nice
-
-
 def run_process_at_normal_priority() -> None:
     """Every thread of this process (and the threads they start later) at nice 0: for the
     Serve app's own processes (ingress, router, replica), whose request handling would

@@ -159,21 +159,3 @@ def test_a_whole_process_runs_at_0_threads_started_later_included():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "0", "0"]  # the late thread, the early one, main
-
-
-def test_run_at_nice_lowers_a_threads_priority_to_exactly_that_value():
-    # raising a nice value needs no privilege
-    assert _in_thread_at(0, lambda: (thread_priority.run_at_nice(7), _nice())) == (7, 7)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value needs root here")
-def test_a_replica_loop_given_a_nice_value_runs_at_it_under_a_niced_creator():
-    def start_loop():
-        return ReplicaLoop(lambda: False, "prefill-p0", idle_wait_s=0.01, nice=5)
-
-    loop = _in_thread_at(15, start_loop)
-    try:
-        tid = loop.call(threading.get_native_id).result(timeout=10)
-        assert os.getpriority(os.PRIO_PROCESS, tid) == 5
-    finally:
-        loop.stop()
