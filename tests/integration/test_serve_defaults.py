@@ -25,15 +25,22 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def served(local_ray_cluster, tmp_path_factory):
+    group = {"name": "main"}  # 2 replicas
+    with serve_plain(local_ray_cluster, tmp_path_factory, group, replicas=2) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serve_plain(local_ray_cluster, tmp_path_factory, group: dict, replicas: int):
+    """``serve run`` of a config holding only the model and ``group`` (a small KV pool), on
+    a cluster started without Ray's tuning variables; yields (cluster, url)."""
     with pytest.MonkeyPatch.context() as mp:
         for name in ("RAY_worker_niceness", "RAY_SERVE_ENABLE_DIRECT_INGRESS", "OMP_NUM_THREADS"):
             mp.delenv(name, raising=False)
         cluster = local_ray_cluster(dashboard=False)
-    app_args = {
-        "model_name": MODEL,
-        "groups": [{"name": "main", "engine": {"kv_cache_memory": 1 << 25}}],  # 2 replicas
-    }
-    with serve_running(cluster, app_args, tmp_path_factory.mktemp("serve"), replicas=2) as url:
+    app_args = {"model_name": MODEL, "groups": [group | {"engine": {"kv_cache_memory": 1 << 25}}]}
+    tmp = tmp_path_factory.mktemp("serve")
+    with serve_running(cluster, app_args, tmp, replicas=replicas) as url:
         yield cluster, url
 
 

@@ -12,8 +12,7 @@ import os
 import httpx
 import pytest
 from bad_requests import MODEL
-from serve_common import serve_running
-from test_serve_defaults import cluster_processes, threads
+from test_serve_defaults import cluster_processes, serve_plain, threads
 
 from actors.engine.replica_loop import split_cores
 
@@ -25,14 +24,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def served(local_ray_cluster, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("RAY_worker_niceness", "RAY_SERVE_ENABLE_DIRECT_INGRESS", "OMP_NUM_THREADS"):
-            mp.delenv(name, raising=False)
-        cluster = local_ray_cluster(dashboard=False)
     group = {"name": "pd", "num_prefill": 1, "num_decode": 1}
-    app_args = {"model_name": MODEL, "groups": [group | {"engine": {"kv_cache_memory": 1 << 25}}]}
-    with serve_running(cluster, app_args, tmp_path_factory.mktemp("serve"), replicas=1) as url:
-        yield cluster, url
+    with serve_plain(local_ray_cluster, tmp_path_factory, group, replicas=1) as served:
+        yield served
 
 
 def test_pd_replica_processes_run_every_thread_at_nice_0_engines_on_split_cores(served):
