@@ -5,8 +5,9 @@ the sources inside the build's own folder (``build_root() / build_name()``). The
 carries a digest of the CPU's feature flags, the compiler flags, Python's and torch's
 versions and the sources' bytes, never their path: a node with other CPU features (a shared
 home folder) never loads a build it cannot run, and every copy of the same sources (another
-checkout, a Ray job's uploaded working dir) loads the one build that ``make setup`` made
-instead of compiling again (about two minutes on two cores). Where a build fails (no
+checkout, a Ray job's uploaded working dir, a fresh clone's new virtual environment) loads
+the one build that the first ``make setup`` made instead of compiling again (about two
+minutes on two cores). Where a build fails (no
 compiler, no headers), :meth:`CompiledExtension.load` returns None once, logs why, and keeps
 the reason in :meth:`CompiledExtension.error`, so callers keep serving on torch.
 """
@@ -44,13 +45,11 @@ def _torch_version() -> str:
 
 
 def build_root() -> Path:
-    """Where builds live: ``TORCH_EXTENSIONS_DIR`` if set; in a virtual environment that we
-    may write, its ``share/meridian-kernels`` (so every process of that environment finds
-    the build ``make setup`` made, whatever its HOME or working dir); else the user's cache."""
+    """Where builds live: ``TORCH_EXTENSIONS_DIR`` if set, else the user's cache
+    (``$XDG_CACHE_HOME`` or ``~/.cache``) ``/meridian-kernels``: shared by every checkout,
+    virtual environment and Ray job of the user, each build named by its content."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
-        return Path(sys.prefix) / "share" / "meridian-kernels"
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(cache) / "meridian-kernels"
 

@@ -58,6 +58,9 @@ def clean_env() -> dict[str, str]:
     }
     path = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p != venv_bin]
     env["PATH"] = os.pathsep.join(path)
+    # the block's HOME is fresh (no Ray token yet), but the CPU kernels that `make setup`
+    # compiled stay in the cache of the user who ran it (kernels/cpu_build.py)
+    env.setdefault("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     return env
 
 

@@ -4,7 +4,6 @@ folder, so a Ray job's uploaded copy of the code loads the build ``make setup`` 
 from __future__ import annotations
 
 import shutil
-import sys
 
 from kernels import cpu_build
 from kernels.cpu_build import CompiledExtension
@@ -47,11 +46,9 @@ def test_the_build_compiles_copies_inside_its_own_folder(tmp_path, monkeypatch):
     assert [p.stat().st_mtime_ns for p in staged] == before
 
 
-def test_a_virtual_environment_holds_its_own_builds(monkeypatch, tmp_path):
+def test_builds_live_in_the_users_cache_unless_torch_is_told(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    monkeypatch.setattr(sys, "base_prefix", "/usr")
-    assert cpu_build.build_root() == tmp_path / "share" / "meridian-kernels"
-    monkeypatch.setattr(sys, "base_prefix", str(tmp_path))  # no venv: the user's cache
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert cpu_build.build_root() == tmp_path / "cache" / "meridian-kernels"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch"))
+    assert cpu_build.build_root() == tmp_path / "torch"
