@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from proc_table import descendants, processes, stat_fields
+from proc_table import descendants, processes, serve_process, stat_fields
 
 TICK = os.sysconf("SC_CLK_TCK")  # /proc/stat's units per second
 MACHINE = "machine"  # every core's CPU time, for the other-work row
@@ -82,20 +82,10 @@ def _role(cmdline: str, comm: str, pid: int, ours: set[int], client: int) -> str
         return DECODE_ENGINE if comm.startswith("decode-") else "decode other threads"
     if "PrefillReplica" in cmdline:
         return PREFILL_ENGINE if comm.startswith("prefill-") else "prefill other threads"
-    if "ServeReplica:" in cmdline:
-        deployment = cmdline.split("ServeReplica:", 1)[1].split()[0].lower()
-        if "ingress" in deployment:
-            return "ingress"
-        if "router" in deployment:
-            return "router"
+    part = serve_process(cmdline)
+    if part == "replica":
         return CONDUCTOR_LOOP if comm == "meridian-engine" else "P/D Serve replica other"
-    if "ProxyActor" in cmdline:
-        return "Serve proxy"
-    if "ServeController" in cmdline:
-        return "Serve controller"
-    if "raylet" in cmdline or "gcs_server" in cmdline:
-        return "raylet + GCS"
-    return "Ray other"
+    return part
 
 
 def threads(root: int, client: int) -> dict[Key, str]:

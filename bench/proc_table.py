@@ -43,3 +43,23 @@ def descendants(root: int, parents: dict[int, int]) -> set[int]:
             out.add(pid)
             todo.extend(children[pid])
     return out
+
+
+def serve_process(cmdline: str) -> str:
+    """The part of a Serve app that a Ray process of it is, by the title Ray gives it:
+    ingress, router, replica (any other deployment), Serve proxy, Serve controller, raylet
+    + GCS, or Ray other."""
+    if "ServeReplica:" in cmdline:
+        deployment = cmdline.split("ServeReplica:", 1)[1].split()[0].lower()
+        if "ingress" in deployment:
+            return "ingress"
+        if "router" in deployment:
+            return "router"
+        return "replica"
+    if "ProxyActor" in cmdline:
+        return "Serve proxy"
+    if "ServeController" in cmdline:
+        return "Serve controller"
+    if "raylet" in cmdline or "gcs_server" in cmdline:
+        return "raylet + GCS"
+    return "Ray other"

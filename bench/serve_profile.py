@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proc_table import descendants, processes, stat_fields
+from proc_table import descendants, processes, serve_process, stat_fields
 
 TICK = os.sysconf("SC_CLK_TCK")  # utime / stime units per second
 ENGINE_THREAD = "meridian-engine"
@@ -57,20 +57,7 @@ def _process_part(cmdline: str, pid: int, ours: set[int], client: int) -> str:
     if pid == client:
         return CLIENT
     if pid in ours:
-        if "ServeReplica:" in cmdline:
-            deployment = cmdline.split("ServeReplica:", 1)[1].split()[0].lower()
-            if "ingress" in deployment:
-                return "ingress"
-            if "router" in deployment:
-                return "router"
-            return "replica"
-        if "ProxyActor" in cmdline:
-            return "Serve proxy"
-        if "ServeController" in cmdline:
-            return "Serve controller"
-        if "raylet" in cmdline or "gcs_server" in cmdline:
-            return "raylet + GCS"
-        return "Ray other"
+        return serve_process(cmdline)
     if cmdline.startswith("VLLM::"):
         return VLLM_ENGINE
     if "vllm" in cmdline:
