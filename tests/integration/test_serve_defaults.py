@@ -68,16 +68,22 @@ def threads(pid: int) -> dict[int, str]:
     return out
 
 
-def test_engine_threads_run_at_nice_0_on_disjoint_cores(served):
-    cluster, url = served
+def processes_after_a_completion(served: tuple) -> dict[int, str]:
+    """Serve one completion, then ``cluster_processes`` of the app's cluster; checks that Ray
+    itself still starts its workers at its default niceness (no variable was set)."""
     import httpx
 
+    cluster, url = served
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
     assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
     procs = cluster_processes(cluster.address)
-    # Ray itself still starts its workers at its default niceness (no variable was set)
     (controller,) = [pid for pid, title in procs.items() if "ServeController" in title]
     assert os.getpriority(os.PRIO_PROCESS, controller) > 0
+    return procs
+
+
+def test_engine_threads_run_at_nice_0_on_disjoint_cores(served):
+    procs = processes_after_a_completion(served)
     engines = [
         (pid, tid)
         for pid in procs

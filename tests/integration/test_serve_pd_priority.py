@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 
-import httpx
 import pytest
-from bad_requests import MODEL
-from test_serve_defaults import cluster_processes, serve_plain, threads
+from test_serve_defaults import processes_after_a_completion, serve_plain, threads
 
 from actors.engine.replica_loop import split_cores
 
@@ -30,12 +28,7 @@ def served(local_ray_cluster, tmp_path_factory):
 
 
 def test_pd_replica_processes_run_every_thread_at_nice_0_engines_on_split_cores(served):
-    cluster, url = served
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
-    assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
-    procs = cluster_processes(cluster.address)
-    (controller,) = [pid for pid, title in procs.items() if "ServeController" in title]
-    assert os.getpriority(os.PRIO_PROCESS, controller) > 0  # Ray's own default is untouched
+    procs = processes_after_a_completion(served)
     (prefill,) = [pid for pid, title in procs.items() if "PrefillReplica" in title]
     (decode,) = [pid for pid, title in procs.items() if "DecodeReplica" in title]
     engines = {}
