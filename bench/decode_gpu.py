@@ -1,0 +1,178 @@
+"""Decode speed on one GPU against the memory-bandwidth limit and transformers' generate.
+
+The pretrained SmolLM2-135M-Instruct (GGUF, dequantized) in bfloat16, the in-process engine
+(torch attention backend). For each batch: prompts of ``--prompt-len`` random tokens,
+``--new-tokens`` greedy tokens each. A decode step's time = (time of an N-token generate -
+time of a 1-token generate) / (N - 1), the same for transformers' ``generate`` on the same
+model, dtype and batch; the two sides interleaved, medians of ``--repeats``.
+
+HBM fraction = bytes a decode step must read (every weight once, plus the batch's KV cache at
+its mean context) / step time / the device's copy bandwidth, measured in the same run (a
+device-to-device copy, bytes read plus written).
+
+``--profile``: then the Python profile (cProfile, by own time) of 32 decode steps at batch 1,
+to show where a launch-bound step spends its host time.
+
+    python bench/decode_gpu.py [--batches 1 32 256] [--prompt-len 128] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from actors import LLM, SamplingParams  # noqa: E402
+from models.pretrained import resolve_model  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def generate_ours(llm: LLM, prompts: list[list[int]], k: int) -> None:
+    llm.engine.kv.evict_all_cached()  # no prefix hits between repeats
+    p = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=p)
+    assert all(len(o.token_ids) == k for o in outs)
+
+
+def generate_hf(hf, ids: torch.Tensor, k: int) -> None:
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=k,
+            min_new_tokens=k,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out.shape[1] == ids.shape[1] + k
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+
+    import transformers
+
+    dtype = torch.bfloat16
+    path = resolve_model(args.model)
+    bandwidth = copy_bandwidth()
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype=dtype,
+        attention_backend="torch",
+        kv_cache_memory=8 << 30,
+        max_num_seqs=max(args.batches),
+        token_budget=8192,
+    )
+    if path.suffix == ".gguf":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    hf = hf.to(device="cuda", dtype=dtype).eval()
+    cfg = hf.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"model: {args.model}, {weight_bytes / 1e6:.0f} MB of weights in {dtype}")
+    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.repeats} repeats")
+    print(
+        f"{'batch':>5} {'ours ms/step':>12} {'ours tok/s':>10} {'ours HBM':>8} "
+        f"{'HF ms/step':>10} {'HF tok/s':>9} {'HF HBM':>6} {'ours/HF':>7}"
+    )
+    rng = random.Random(0)
+    n = args.new_tokens
+    for b in args.batches:
+        prompts = [
+            [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(b)
+        ]
+
+        ours = partial(generate_ours, llm, prompts)
+        theirs = partial(generate_hf, hf, torch.tensor(prompts, device="cuda"))
+        ours(2), theirs(2)  # warm-up
+        steps: dict[str, list[float]] = {"ours": [], "hf": []}
+        for _ in range(args.repeats):
+            for name, fn in (("ours", ours), ("hf", theirs)):
+                t1, tn = timed(lambda fn=fn: fn(1)), timed(lambda fn=fn: fn(n))
+                steps[name].append((tn - t1) / (n - 1))
+        step_bytes = weight_bytes + b * (args.prompt_len + n / 2) * kv_bytes_per_token
+        o, h = statistics.median(steps["ours"]), statistics.median(steps["hf"])
+        print(
+            f"{b:>5} {o * 1e3:>12.2f} {b / o:>10.0f} {step_bytes / o / bandwidth:>8.1%} "
+            f"{h * 1e3:>10.2f} {b / h:>9.0f} {step_bytes / h / bandwidth:>6.1%} {h / o:>7.2f}"
+        )
+
+    if args.profile:
+        profile_decode(
+            llm.engine, [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)]
+        )
+
+
+def profile_decode(engine, prompt: list[int], steps: int = 32) -> None:
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    rid = engine.add_request(engine.request_builder().build(prompt, params))
+    for _ in range(4):  # the prefill and a few decode steps
+        engine.step()
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    print(f"profiled {steps} decode steps at batch 1: {ms:.2f} ms/step")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    while engine.has_unfinished():
+        engine.step()
+    engine.release(rid)
+
+
+if __name__ == "__main__":
+    main()

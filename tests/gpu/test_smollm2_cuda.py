@@ -1,0 +1,76 @@
+"""The pretrained SmolLM2-135M-Instruct (its GGUF file, dequantized) on CUDA in bfloat16 and
+float16: our engine's greedy tokens equal transformers' on the same device and dtype.
+
+transformers runs the same weights in the same dtype, teacher-forced on our tokens, so at
+every position both have seen the same prefix. Where the two pick different tokens, half
+precision's rounding flipped a near-tie: the gap in transformers' logits must be under
+``TIE[dtype]``. Skipped without CUDA or without the model's package."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from errors import PackageUnavailable
+from models.pretrained import resolve_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+transformers = pytest.importorskip("transformers")
+
+MODEL = "SmolLM2-135M-Instruct"
+NEW_TOKENS = 32
+# logit gaps a half-precision flip may have: an ulp of a logit near 16 is 0.125 in bfloat16
+# (7 mantissa bits), 0.0156 in float16 (10); two summation orders differ by a few ulps
+TIE = {torch.bfloat16: 0.5, torch.float16: 0.0625}
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "List three prime numbers and say why each is prime.",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return resolve_model(MODEL)
+    except PackageUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_greedy_tokens_equal_transformers_on_cuda(gguf_path, dtype):
+    engine = ReplicaController.build(
+        str(gguf_path), dtype=dtype, device="cuda", attention_backend="torch"
+    )
+    assert engine.device.type == "cuda"
+    tok = engine.tokenizer
+    prompts = []
+    for q in QUESTIONS:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    builder = engine.request_builder()
+    ids = [engine.add_request(builder.build(p, params)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.release(i).token_ids for i in ids]
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    model = model.to(device="cuda", dtype=dtype).eval()
+    flips = []
+    for prompt, got in zip(prompts, outs, strict=True):
+        assert len(got) == NEW_TOKENS
+        seq = torch.tensor([prompt + got[:-1]], device="cuda")
+        with torch.no_grad():
+            logits = model(seq).logits[0, len(prompt) - 1 :].float()  # [NEW_TOKENS, vocab]
+        want = logits.argmax(-1).tolist()
+        for k, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a != b:
+                gap = (logits[k, b] - logits[k, a]).item()
+                flips.append((k, gap))
+                assert gap < TIE[dtype], f"token {k}: ours {a}, transformers {b} (gap {gap:.3f})"
+    print(f"{dtype}: {len(flips)} of {NEW_TOKENS * len(prompts)} tokens differ: {flips}")
