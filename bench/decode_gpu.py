@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors import LLM, SamplingParams  # noqa: E402
+from models.hf_reference import hf_generate, hf_pretrained  # noqa: E402
 from models.pretrained import resolve_model  # noqa: E402
 
 
@@ -61,19 +62,6 @@ def generate_ours(llm: LLM, prompts: list[list[int]], k: int) -> None:
     assert all(len(o.token_ids) == k for o in outs)
 
 
-def generate_hf(hf, ids: torch.Tensor, k: int) -> None:
-    with torch.inference_mode():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=k,
-            min_new_tokens=k,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    assert out.shape[1] == ids.shape[1] + k
-
-
 def timed(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -92,8 +80,6 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
 
-    import transformers
-
     dtype = torch.bfloat16
     path = resolve_model(args.model)
     bandwidth = copy_bandwidth()
@@ -106,13 +92,7 @@ def main() -> None:
         max_num_seqs=max(args.batches),
         token_budget=8192,
     )
-    if path.suffix == ".gguf":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name
-        )
-    else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path))
-    hf = hf.to(device="cuda", dtype=dtype).eval()
+    hf = hf_pretrained(path).to(device="cuda", dtype=dtype)
     cfg = hf.config
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -133,7 +113,7 @@ def main() -> None:
         ]
 
         ours = partial(generate_ours, llm, prompts)
-        theirs = partial(generate_hf, hf, torch.tensor(prompts, device="cuda"))
+        theirs = partial(hf_generate, hf, torch.tensor(prompts, device="cuda"))
         ours(2), theirs(2)  # warm-up
         steps: dict[str, list[float]] = {"ours": [], "hf": []}
         for _ in range(args.repeats):

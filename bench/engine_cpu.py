@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_model import MODEL, write_bench_model  # noqa: E402
 
 from actors import LLM, SamplingParams  # noqa: E402
+from models.hf_reference import hf_generate, hf_pretrained  # noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:
@@ -59,16 +60,7 @@ def hf(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[
     ids = torch.tensor(prompts)
 
     def run(n: int):
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out.shape[1] == ids.shape[1] + n
+        hf_generate(model, ids, n)
 
     run(2)
     t1 = best_of(lambda: run(1), repeats)
@@ -116,12 +108,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    import transformers
-
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_bench_model(Path(tmp) / "bench")
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        hf_model = hf_pretrained(model_dir)
         llm = LLM(model_dir, block_size=16, token_budget=8192, max_num_seqs=64)
         rng = random.Random(0)
         print(f"model: {MODEL}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens")

