@@ -35,7 +35,6 @@ def pd_config(num_prefill: int = 1, num_decode: int = 1, **fields: Any) -> PDClu
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     ray.init(
-        "local",  # a new cluster of its own, never another test process's
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

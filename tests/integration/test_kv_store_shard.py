@@ -40,7 +40,6 @@ def cluster():
     # workers import this module (the Worker actor below) by name
     here = str(Path(__file__).resolve().parent)
     ray.init(
-        "local",  # a new cluster of its own, never another test process's
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -28,7 +28,6 @@ def two_nodes():
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(
-        "local",  # a new cluster of its own, never another test process's
         address=cluster.address,
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(nixl_root)])}},

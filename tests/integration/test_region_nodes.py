@@ -35,7 +35,6 @@ def region_nodes():
     eu = cluster.add_node(num_cpus=1, resources={"region-eu": 1})
     cluster.wait_for_nodes()
     ray.init(
-        "local",  # a new cluster of its own, never another test process's
         address=cluster.address,
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
