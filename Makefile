@@ -35,9 +35,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	# two workers, each test module whole on one (its module-scoped cluster): on two cores
-	# 20m48s against 25m18s serially, as most of an integration test is processes starting
-	$(PY) -m pytest -q -rs --durations=15 -n 2 --dist loadfile
+	$(PY) -m pytest -q -rs --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/engine_cpu.py

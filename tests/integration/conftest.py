@@ -8,7 +8,6 @@ cluster of the user).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import signal
@@ -34,32 +33,16 @@ _handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A port free now and never returned before in this test run: the OS may hand the same
+    """A port free now and never returned before in this process: the OS may hand the same
     ephemeral port to two binds in a row, and ``ray start`` refuses one port given to two
-    of its components. Under pytest-xdist the workers claim ports in one shared file, so
-    two workers' clusters never get the same one."""
+    of its components."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         if port not in _handed_out:
             _handed_out.add(port)
-            if _claim_across_workers(port):
-                return port
-
-
-def _claim_across_workers(port: int) -> bool:
-    """True if no other xdist worker of this run has claimed ``port`` (always, without xdist)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
-        return True
-    with open(Path(tempfile.gettempdir()) / f"meridian-test-ports-{run}", "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-        f.seek(0)
-        if str(port) in f.read().split():
-            return False
-        f.write(f"{port}\n")
-        return True
+            return port
 
 
 def kill_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 20) -> None:
