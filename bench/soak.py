@@ -138,6 +138,7 @@ def running_app(phase: Phase, num_cpus: int = 4) -> Iterator[str]:
     os.environ.update(env)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
+        "local",  # a new cluster, never one that `ray start` recorded on this machine
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,

@@ -35,6 +35,7 @@ def pd_config(num_prefill: int = 1, num_decode: int = 1, **fields: Any) -> PDClu
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     ray.init(
+        "local",  # a new cluster, never one that `ray start` recorded on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -40,6 +40,7 @@ def cluster():
     # workers import this module (the Worker actor below) by name
     here = str(Path(__file__).resolve().parent)
     ray.init(
+        "local",  # a new cluster, never one that `ray start` recorded on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

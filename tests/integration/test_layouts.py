@@ -54,7 +54,7 @@ PARAMS = [
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.update(CHANNEL_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
     yield
     ray.shutdown()
 

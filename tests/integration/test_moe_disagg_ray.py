@@ -28,7 +28,7 @@ LAYOUT = dict(attention_workers=2, expert_workers=3, micro_batches=3)
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.update(CHANNEL_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
     yield
     ray.shutdown()
 

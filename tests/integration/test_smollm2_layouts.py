@@ -47,7 +47,7 @@ def cluster(model):
     import os
 
     os.environ.update(CHANNEL_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
     yield
     ray.shutdown()
 

@@ -42,7 +42,7 @@ WARM = [[(k + 11 * i) % 250 + 3 for i in range(500 + 97 * k)] for k in range(6)]
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.update(CHANNEL_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
     yield
     ray.shutdown()
 
