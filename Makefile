@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 serve: $(STAMP)
-	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(VENV)/bin/serve run serve_config.yaml
+	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8000 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8050 $(VENV)/bin/serve run serve_config.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,6 +32,8 @@ from serve_http import HttpClient, http_side, median_rate, paired_ratio, run_wit
 from serve_profile import CpuProfile
 
 ROOT = Path(__file__).resolve().parent.parent
+DIRECT_MIN = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"  # Ray Serve's direct-ingress port range
+DIRECT_MAX = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
 
 
 def make_serve_env(makefile: Path = ROOT / "Makefile") -> dict[str, str]:
@@ -96,6 +98,10 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
     config, log = tmp / "config.yaml", tmp / "serve.log"
     config.write_text(defaults_yaml(model, port, group))
     env = os.environ | make_serve_env() | {"RAY_TMPDIR": str(tmp / "ray")}
+    direct = DIRECT_MIN in env  # the recipe serves on the ingress replica's own port
+    if direct:  # a free one here, as the Makefile's is on this machine's 8000
+        direct_port = free_port()
+        env |= {DIRECT_MIN: str(direct_port), DIRECT_MAX: str(direct_port + 50)}
     serve = str(Path(sys.executable).parent / "serve")
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -106,7 +112,7 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{direct_port if direct else port}"
     # SIGTERM to the bench unwinds it (SystemExit), so the session below is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clean = False

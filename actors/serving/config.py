@@ -22,7 +22,7 @@ from pydantic import (
 from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
-from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES
+from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES, REPORT_INTERVAL_S
 from actors.serving.engine_section import EngineSection
 from actors.serving.pd_layout import PDLayoutConfig, check_side_kv
 from policies.rate_limit import KeyRateLimits
@@ -514,7 +514,8 @@ class ServeConfig(_Strict):
     session_header: str = Field("x-session-id", min_length=1, pattern=r"^[A-Za-z0-9-]+$")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)  # empty: no auth
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    report_interval_s: float = Field(0.1, gt=0)  # replica -> router event/stat pushes
+    # replica -> router event/stat pushes while busy
+    report_interval_s: float = Field(REPORT_INTERVAL_S, gt=0)
     ingress_replicas: int = Field(1, ge=1)
     regions: RegionsSectionConfig | None = None  # None: one global router
     # how chat answers spell tool calls (actors/serving/tool_parsers.py); None: detected

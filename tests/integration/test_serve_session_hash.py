@@ -46,7 +46,7 @@ def served_by(server: Server, body: dict, headers: dict[str, str]) -> str:
     r = server.http.post("/v1/completions", json=body, headers=headers)
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # replicas report to the router every 0.1 s
+    while time.monotonic() < deadline:  # replicas report to the router every report_interval_s
         after = served(server)
         grew = [rid for rid, n in after.items() if n > before.get(rid, 0.0)]
         if grew:
