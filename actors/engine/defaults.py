@@ -30,6 +30,9 @@ and metrics to the router deployment (an idle one every 2 s). Each push is a Ser
 call that costs the replica's Python threads and the router's; the router records its own
 routing decisions at once, so a push only confirms them. At 0.1 s the pushes took 0.06 of a
 core more than at 0.5 s in `bench/serve.py --defaults` at 8 streams on this 2-core machine.
+``REGION_REPORT_INTERVAL_S`` (0.1 s): the same with a ``regions`` section, whose balancers
+place each request by its region's waiting counts, which these pushes carry: at 0.5 s a
+second request sent right after the first found its region still full and was forwarded.
 
 ``DECODE_WAIT_S`` (30 s) and ``DECODE_WAIT_MAX`` (64): a disaggregated request that finds no
 decode room waits in a FIFO at the Conductor (``policies.decode_wait``) at most this long,
@@ -44,5 +47,6 @@ PIN_CORES = True
 TOKEN_BUDGET = 512
 CHUNK_SIZE: int | None = None
 REPORT_INTERVAL_S = 0.5
+REGION_REPORT_INTERVAL_S = 0.1
 DECODE_WAIT_S = 30.0
 DECODE_WAIT_MAX = 64

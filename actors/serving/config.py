@@ -22,7 +22,13 @@ from pydantic import (
 from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
-from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES, REPORT_INTERVAL_S
+from actors.engine.defaults import (
+    DECODE_WAIT_MAX,
+    DECODE_WAIT_S,
+    PIN_CORES,
+    REGION_REPORT_INTERVAL_S,
+    REPORT_INTERVAL_S,
+)
 from actors.serving.engine_section import EngineSection
 from actors.serving.pd_layout import PDLayoutConfig, check_side_kv
 from policies.rate_limit import KeyRateLimits
@@ -514,14 +520,22 @@ class ServeConfig(_Strict):
     session_header: str = Field("x-session-id", min_length=1, pattern=r"^[A-Za-z0-9-]+$")
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)  # empty: no auth
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    # replica -> router event/stat pushes while busy
-    report_interval_s: float = Field(REPORT_INTERVAL_S, gt=0)
+    # replica -> router event/stat pushes while busy; None: ``report_interval()``
+    report_interval_s: float | None = Field(None, gt=0)
     ingress_replicas: int = Field(1, ge=1)
     regions: RegionsSectionConfig | None = None  # None: one global router
     # how chat answers spell tool calls (actors/serving/tool_parsers.py); None: detected
     # from the model's chat template
     tool_parser: Literal["hermes", "llama3_json"] | None = None
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
+
+    def report_interval(self) -> float:
+        """Seconds between a busy replica's pushes to the router: ``report_interval_s``, else
+        ``REPORT_INTERVAL_S``, or ``REGION_REPORT_INTERVAL_S`` with regions, whose balancers
+        place each request by the waiting counts these pushes carry."""
+        if self.report_interval_s is not None:
+            return self.report_interval_s
+        return REPORT_INTERVAL_S if self.regions is None else REGION_REPORT_INTERVAL_S
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

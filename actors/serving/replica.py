@@ -5,7 +5,7 @@ config a ``PDCluster`` of prefill and decode replica actors (``PDEngine``) that 
 replica owns and shuts down when it stops.
 
 Replica -> router: a reporter thread pushes the replica's block stored/evicted events,
-stats and metrics to the router deployment every ``report_interval_s`` (sooner never,
+stats and metrics to the router deployment every ``cfg.report_interval()`` (sooner never,
 later only if the router is slow). Each push waits for the previous one, so the router
 applies one replica's events in the order they happened. The first push makes the router
 route to a new replica; the last, when the replica stops, is ``leave``.
@@ -97,7 +97,7 @@ class ReplicaServer:
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, cores, threads)
         self.channels = ReplicaChannels(self.loop, self.replica_id)
         self.router = router
-        self.interval = cfg.report_interval_s
+        self.interval = cfg.report_interval()
         scaling = g.autoscaling
         self.drain_timeout_s = scaling.drain_timeout_s if scaling else DRAIN_TIMEOUT_S
         self._stop = threading.Event()

@@ -296,3 +296,14 @@ def test_regions_choose_by_trie_or_session_hash():
     assert isinstance(balancer.policy.snapshot_choice, SessionHashChoice)  # peers too
     with pytest.raises(ConfigError, match="local_view must be trie"):
         ServeConfig.parse({"regions": {**regions, "local_view": "index"}})
+
+
+def test_report_interval_is_slower_without_regions_unless_set():
+    from actors.engine.defaults import REGION_REPORT_INTERVAL_S, REPORT_INTERVAL_S
+
+    regions = {"regions": [{"name": "us", "groups": ["default"]}]}
+    assert ServeConfig.parse({}).report_interval() == REPORT_INTERVAL_S == 0.5
+    assert ServeConfig.parse({"regions": regions}).report_interval() == REGION_REPORT_INTERVAL_S
+    assert ServeConfig.parse({"regions": regions, "report_interval_s": 2}).report_interval() == 2
+    with pytest.raises(ValueError, match="report_interval_s"):
+        ServeConfig.parse({"report_interval_s": 0})
