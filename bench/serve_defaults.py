@@ -98,10 +98,10 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
     config, log = tmp / "config.yaml", tmp / "serve.log"
     config.write_text(defaults_yaml(model, port, group))
     env = os.environ | make_serve_env() | {"RAY_TMPDIR": str(tmp / "ray")}
-    direct = DIRECT_MIN in env  # the recipe serves on the ingress replica's own port
-    if direct:  # a free one here, as the Makefile's is on this machine's 8000
-        direct_port = free_port()
-        env |= {DIRECT_MIN: str(direct_port), DIRECT_MAX: str(direct_port + 50)}
+    url_port = port  # Serve's proxy, unless the recipe serves on the ingress replica's own
+    if DIRECT_MIN in env:  # port: a free one here, as the Makefile's is this machine's 8000
+        url_port = free_port()
+        env |= {DIRECT_MIN: str(url_port), DIRECT_MAX: str(url_port + 50)}
     serve = str(Path(sys.executable).parent / "serve")
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -112,7 +112,7 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    url = f"http://127.0.0.1:{direct_port if direct else port}"
+    url = f"http://127.0.0.1:{url_port}"
     # SIGTERM to the bench unwinds it (SystemExit), so the session below is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clean = False

@@ -50,3 +50,8 @@ REPORT_INTERVAL_S = 0.5
 REGION_REPORT_INTERVAL_S = 0.1
 DECODE_WAIT_S = 30.0
 DECODE_WAIT_MAX = 64
+
+
+def report_interval_for(regions: bool) -> float:
+    """The report interval of a Serve config without its own: with or without ``regions``."""
+    return REGION_REPORT_INTERVAL_S if regions else REPORT_INTERVAL_S

@@ -22,13 +22,7 @@ from pydantic import (
 from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
-from actors.engine.defaults import (
-    DECODE_WAIT_MAX,
-    DECODE_WAIT_S,
-    PIN_CORES,
-    REGION_REPORT_INTERVAL_S,
-    REPORT_INTERVAL_S,
-)
+from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES, report_interval_for
 from actors.serving.engine_section import EngineSection
 from actors.serving.pd_layout import PDLayoutConfig, check_side_kv
 from policies.rate_limit import KeyRateLimits
@@ -530,12 +524,9 @@ class ServeConfig(_Strict):
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
 
     def report_interval(self) -> float:
-        """Seconds between a busy replica's pushes to the router: ``report_interval_s``, else
-        ``REPORT_INTERVAL_S``, or ``REGION_REPORT_INTERVAL_S`` with regions, whose balancers
-        place each request by the waiting counts these pushes carry."""
-        if self.report_interval_s is not None:
-            return self.report_interval_s
-        return REPORT_INTERVAL_S if self.regions is None else REGION_REPORT_INTERVAL_S
+        """``report_interval_s``, else this config's default (``actors/engine/defaults.py``)."""
+        explicit = self.report_interval_s
+        return explicit if explicit is not None else report_interval_for(self.regions is not None)
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
