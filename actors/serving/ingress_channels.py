@@ -6,9 +6,10 @@ one ``events`` stream per replica this ingress has prompts on, fanned out to the
     async for batch in stream: ...                 # lists of events, as the relay reads them
     stream.cancel()                                # an unfinished prompt is aborted
 
-``first`` is the replica's ``Accepted`` or ``Refused``. When a replica's channel fails (the
-replica died, or Serve can no longer route to it), every open stream on it raises
-``ReplicaGone`` or Ray's error, which the relay answers with a replay.
+``first`` is the replica's ``Accepted`` or ``Refused``. A replica's events come on its
+channel's socket (``channel_socket.py``). When a replica's channel fails (the replica died,
+its socket broke, or Serve can no longer route to it), every open stream on it raises
+``ReplicaGone``, ``ChannelBroken`` or Ray's error, which the relay answers with a replay.
 
 Invariants: a prompt's queue is registered before its ``start`` call, so no event is lost
 to a race with the channel; one pump per replica at a time, and a pump that ends with
@@ -26,6 +27,7 @@ import uuid
 from typing import Any
 
 from actors.engine.events import Accepted, Event, Verdict
+from actors.serving.channel_socket import channel_batches
 from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
 from actors.serving.replica_channel import WRONG_REPLICA
 from actors.serving.router import fresh_serve_internal_request_id
@@ -148,7 +150,7 @@ class IngressChannels:
             while True:
                 with fresh_serve_internal_request_id():
                     gen = self.replicas[group].options(stream=True).events.remote(msg)
-                async for items in gen:
+                async for items in channel_batches(gen):
                     for key, item in items:
                         if item == WRONG_REPLICA:
                             raise ReplicaGone(f"replica {replica_id} is gone; retry the request")

@@ -21,6 +21,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from actors.engine.events import Accepted, Delta, Event, Failed, Refused
 from actors.engine.stream_ledger import ReplayDiverged, StreamLedger
 from actors.serving import openai_protocol as oai
+from actors.serving.channel_socket import ChannelBroken
 from actors.serving.config import ServeConfig
 from actors.serving.ingress_channels import IngressChannels, ReplicaGone
 from actors.serving.region_entry import RegionEntry
@@ -30,7 +31,8 @@ from policies.routing import RouteRequest
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # per prompt: the first run and two replays on another replica
-REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaGone)  # died mid-request
+# died mid-request, or its channel broke
+REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaGone, ChannelBroken)
 
 
 @dataclass(frozen=True)

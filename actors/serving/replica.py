@@ -80,6 +80,7 @@ class ReplicaServer:
     """
 
     def __init__(self, cfg: ServeConfig, group: str, router: Any) -> None:
+        import ray
         from ray import serve
 
         run_process_at_normal_priority()  # all of this process, as RAY_worker_niceness=0
@@ -95,7 +96,8 @@ class ReplicaServer:
         )
         threads = len(cores) if cores and engine_config.cpu_cores is None else None
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, cores, threads)
-        self.channels = ReplicaChannels(self.loop, self.replica_id)
+        host = ray.util.get_node_ip_address()  # the channels' sockets listen here
+        self.channels = ReplicaChannels(self.loop, self.replica_id, host)
         self.router = router
         self.interval = cfg.report_interval()
         scaling = g.autoscaling

@@ -10,12 +10,14 @@ one ingress started on this replica, one item per wake-up of the event loop.
                         then go to the channel of its ``ingress``, tagged with the prompt's
                         key (its first choice's request id), and its last event is
                         followed by ``(key, None)``.
-    events(OpenChannel) the channel as a stream of lists of ``(key, event)``. It ends by
-                        itself once nothing of that ingress is live here for
-                        ``IDLE_END_S`` (so Serve's graceful drain, which waits for ongoing
-                        calls, ends); events queued meanwhile wait for the next ``events``
-                        call. If the stream is dropped otherwise (the ingress died), its
-                        requests abort.
+    events(OpenChannel) the channel: lists of ``(key, event)``, one per loop wake-up, on a
+                        socket of its own (``channel_socket.py``: the call yields the
+                        socket's address, then stays open while the lists go on the
+                        socket). It ends by itself once nothing of that ingress is live
+                        here for ``IDLE_END_S`` (so Serve's graceful drain, which waits
+                        for ongoing calls, ends); events queued meanwhile wait for the
+                        next ``events`` call. If the call is dropped or its socket fails
+                        otherwise (the ingress died), its requests abort.
     abort(AbortPrompt)  abort one prompt (its client left).
 (The messages: ``messages.py``.)
 
@@ -28,8 +30,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from actors.engine.events import Accepted, Delta, Event, Refused, Verdict
+from actors.serving.channel_socket import ChannelListener, send_batch
 from actors.serving.engine_loop import EngineLoop
 from actors.serving.loop_mailbox import mailbox_of
 from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
@@ -47,9 +51,10 @@ class _Channel:
 
 
 class ReplicaChannels:
-    def __init__(self, loop: EngineLoop, replica_id: str) -> None:
+    def __init__(self, loop: EngineLoop, replica_id: str, host: str = "127.0.0.1") -> None:
         self.loop = loop
         self.replica_id = replica_id
+        self.host = host  # where the channels' sockets listen: this node's address
         self._channels: dict[str, _Channel] = {}
 
     def _channel(self, ingress: str) -> _Channel:
@@ -96,13 +101,16 @@ class ReplicaChannels:
             channel.remaining.pop(msg.key, None)
             self.loop.abort(channel.live.pop(msg.key))
 
-    async def events(self, msg: OpenChannel) -> AsyncIterator[list[tuple[str, Event | None | str]]]:
+    async def events(self, msg: OpenChannel) -> AsyncIterator[list[tuple[str, Any]]]:
         if msg.replica_id != self.replica_id:
             yield [("", WRONG_REPLICA)]
             return
         channel = self._channel(msg.ingress)
         ended_idle = False
+        listener = await ChannelListener.open(self.host)
         try:
+            yield [("", listener.address)]
+            writer = await listener.accept()
             while True:
                 try:
                     first = await asyncio.wait_for(channel.queue.get(), IDLE_END_S)
@@ -126,8 +134,9 @@ class ReplicaChannels:
                             del channel.live[key]
                             out.append((key, None))
                 if out:
-                    yield out
+                    await send_batch(writer, out)
         finally:
+            listener.close()
             if not ended_idle:  # nobody reads this channel any more
                 for ids in channel.live.values():
                     self.loop.abort(ids)

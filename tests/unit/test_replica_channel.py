@@ -14,6 +14,7 @@ import pytest
 
 from actors.engine.events import Accepted, Delta, Done, Refused
 from actors.serving import replica_channel
+from actors.serving.channel_socket import channel_batches
 from actors.serving.engine_loop import ColocatedEngine, EngineLoop
 from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
 from actors.serving.replica_channel import WRONG_REPLICA, ReplicaChannels
@@ -64,7 +65,7 @@ def test_one_stream_carries_every_prompt_in_order(channels):
         tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         ended: list[str] = []
         items = 0
-        stream = chans.events(OpenChannel(ingress="i1", replica_id="r1"))
+        stream = channel_batches(chans.events(OpenChannel(ingress="i1", replica_id="r1")))
         async for batch in stream:
             items += 1
             for key, item in batch:
@@ -92,7 +93,7 @@ def test_abort_frees_blocks_and_a_dropped_stream_aborts_the_rest(channels):
         a, b = (builder.build(t, LONG, request_id=f"long{i}") for i, t in enumerate(prompts(2)))
         for r in (a, b):
             assert await chans.start(StartPrompt(requests=[r], ingress="i2")) == (Accepted("r1"))
-        stream = chans.events(OpenChannel(ingress="i2", replica_id="r1"))
+        stream = channel_batches(chans.events(OpenChannel(ingress="i2", replica_id="r1")))
         await anext(stream)
         assert in_use(loop) > 0
         chans.abort(AbortPrompt(ingress="i2", key="long0"))
@@ -114,14 +115,14 @@ def test_an_idle_stream_ends_and_a_misrouted_one_says_so(channels, monkeypatch):
     monkeypatch.setattr(replica_channel, "IDLE_END_S", 0.1)
 
     async def main():
-        misrouted = chans.events(OpenChannel(ingress="i3", replica_id="r9"))
+        misrouted = channel_batches(chans.events(OpenChannel(ingress="i3", replica_id="r9")))
         assert [b async for b in misrouted] == [[("", WRONG_REPLICA)]]
         # a refused prompt puts nothing on the channel, which then ends when idle
         bad = builder.build(prompts(1)[0], GREEDY, request_id="bad")
         chans.loop.max_waiting = 0
         refused = await chans.start(StartPrompt(requests=[bad], ingress="i3"))
         assert isinstance(refused, Refused) and refused.status == 429
-        idle = chans.events(OpenChannel(ingress="i3", replica_id="r1"))
+        idle = channel_batches(chans.events(OpenChannel(ingress="i3", replica_id="r1")))
         assert [b async for b in idle] == []
 
     asyncio.run(main())
