@@ -1,8 +1,8 @@
 """An event channel's socket (``actors/serving/channel_socket.py``) with real TCP
 connections on this machine: batches arrive whole and in order, a connection without the
 token does not take the channel, a socket cut inside a frame or a call that fails after
-its socket closed fails the reader, and a call that carries its batches itself is read as
-it is."""
+its socket closed fails the reader, a call that carries its batches itself is read as it
+is, and closing the reader closes the call."""
 
 from __future__ import annotations
 
