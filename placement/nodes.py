@@ -93,6 +93,32 @@ class NodePlacement:
             else:
                 raise PlacementError(self._no_room(ordered))
 
+    def add(self, replica: ReplicaSpec) -> str:
+        """Place one more replica (a pool that grows): on the node with room that holds
+        the fewest replicas of its kind (ties: node order); returns that node's id."""
+        room = [n for n in self.nodes if fits(self._free(n), replica.needs)]
+        if not room:
+            raise PlacementError(self._no_room([replica]))
+        kind = replica.replica_id[:1]
+        node = min(
+            room,
+            key=lambda n: sum(
+                1 for k, w in self._where.items() if w == n.node_id and k[:1] == kind
+            ),
+        )
+        self._put(replica.replica_id, node, replica.needs)
+        return node.node_id
+
+    def record(self, key: str, node_id: str, needs: Mapping[str, float]) -> None:
+        """``key`` runs on ``node_id`` already (an actor found running): follow it."""
+        node = self._known.get(node_id) or next(n for n in self.nodes if n.node_id == node_id)
+        self._put(key, node, dict(needs))
+
+    def remove(self, key: str) -> None:
+        """``key`` left the deployment (a pool that shrinks): its room is free again."""
+        self._where.pop(key, None)
+        self._needs.pop(key, None)
+
     def place_shards(self, per_node: int) -> list[str]:
         """KV-store shard ids ``s0, s1, ...``: ``per_node`` on every node, node by node."""
         ids: list[str] = []

@@ -131,7 +131,9 @@ class PDCluster:
             )
         self.placement_plan = plan_nodes(config, on_gpu)
         store = config.store
-        self.store = PDStore(store, self.block_bytes, self.placement_plan) if store else None
+        self.store = (
+            PDStore(store, self.block_bytes, self.placement_plan, config.pool) if store else None
+        )
         reads = self.read_paths.mode != PREFILL_PATH
         self.replicas = ReplicaSet(
             config, self.model_dir, self.placement_plan, self.store, on_gpu, reads

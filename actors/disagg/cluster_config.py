@@ -77,7 +77,10 @@ class PDClusterConfig:
     the cluster runs only on nodes that carry it, and its workers reserve it too.
     ``decode_wait_s`` / ``decode_wait_max``: a request that finds no decode room waits
     (FIFO) at most this long, at most this many at once, before a 429
-    (``policies.decode_wait``; defaults in ``actors.engine.defaults``; 0 s: refuse at once)."""
+    (``policies.decode_wait``; defaults in ``actors.engine.defaults``; 0 s: refuse at once).
+    ``pool``: the name of a shared pool (``actors.disagg.pool_actors``): replicas and store
+    shards are detached actors that outlive this cluster's process, and a cluster started
+    under the same name attaches to the live ones (None: private actors, gone with it)."""
 
     model_dir: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -94,6 +97,7 @@ class PDClusterConfig:
     node_resources: dict[str, float] = field(default_factory=dict)
     decode_wait_s: float = DECODE_WAIT_S
     decode_wait_max: int = DECODE_WAIT_MAX
+    pool: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine.cpu_cores is not None:

@@ -169,6 +169,18 @@ class DecodeReplica(LoopedReplica):
         """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""
         self.loop.post(lambda: self._abort(key))
 
+    def reset(self) -> None:
+        """A new Conductor attaches (``actors.disagg.pool_actors``): abort every reservation
+        and running request the old one placed, and drop the events not yet taken."""
+
+        def reset() -> None:
+            for key in {*self.controller.request_ids(), *self._reserved_blocks}:
+                self._abort(key)
+            self.stats = self._stats()
+            self.loop.take(0)
+
+        self.loop.call(reset).result()
+
     def load_prefix(self, key: str, hashes: list[int], block_ids: list[int]) -> Iterator[int]:
         """DualPath's decode read path, layer by layer: read the longest stored prefix of
         ``hashes`` (Full Blocks, through this replica's storage link) into blocks

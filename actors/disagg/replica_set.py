@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from actors.disagg import pool_actors
 from actors.disagg.cluster_config import PDClusterConfig
 from actors.disagg.decode import DecodeReplica
 from actors.disagg.messages import DecodeStats, PrefillStats
@@ -48,14 +49,19 @@ def plan_nodes(config: PDClusterConfig, on_gpu: bool) -> NodePlacement:
     """Each replica's node (prefill ``p<i>``, decode ``d<j>``) on the live nodes the
     cluster may use."""
     plan = NodePlacement(cluster_nodes(config))
-    worker = {"GPU": 1.0} if on_gpu else {}
-    pw = _workers(config.side_engine(config.prefill))
-    dw = _workers(config.side_engine(config.decode))
     plan.place(
-        [ReplicaSpec(f"p{i}", "prefill", pw, worker) for i in range(config.prefill.count)]
-        + [ReplicaSpec(f"d{j}", "decode", dw, worker) for j in range(config.decode.count)]
+        [replica_spec(config, f"p{i}", on_gpu) for i in range(config.prefill.count)]
+        + [replica_spec(config, f"d{j}", on_gpu) for j in range(config.decode.count)]
     )
     return plan
+
+
+def replica_spec(config: PDClusterConfig, rid: str, on_gpu: bool) -> ReplicaSpec:
+    """What replica ``rid`` (``p<i>`` prefill, ``d<j>`` decode) needs of its node."""
+    worker = {"GPU": 1.0} if on_gpu else {}
+    if rid[0] == "p":
+        return ReplicaSpec(rid, "prefill", _workers(config.side_engine(config.prefill)), worker)
+    return ReplicaSpec(rid, "decode", _workers(config.side_engine(config.decode)), worker)
 
 
 def cluster_nodes(config: PDClusterConfig) -> list[Node]:
@@ -93,6 +99,7 @@ class ReplicaSet:
             else {}
         )
         self._decode_reads_store = decode_reads_store
+        self._on_gpu = on_gpu
         self.prefills: dict[str, Any] = {}
         self.decodes: dict[str, Any] = {}
         self.prefill_views: dict[str, PrefillInstance] = {}
@@ -103,10 +110,42 @@ class ReplicaSet:
         self.polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
 
     def start_all(self) -> None:
+        """Start every replica; in a shared pool (``config.pool``) first attach to the live
+        replicas a previous Conductor left (``attach``), then start the missing ones."""
+        found = pool_actors.find(self.config.pool) if self.config.pool else {}
+        for rid, handle in sorted(found.items()):
+            if rid[0] == "p" or rid[0] == "d":
+                self.attach(rid, handle)
         for pid in self.prefill_ids:
-            self.start_prefill(pid)
+            if pid not in self.prefills:
+                self.start_prefill(pid)
         for did in self.decode_ids:
-            self.start_decode(did)
+            if did not in self.decodes:
+                self.start_decode(did)
+
+    def attach(self, rid: str, handle: Any) -> None:
+        """Take over a live replica of the shared pool: it drops what the previous
+        Conductor placed on it (those requests are replayed by their callers); its
+        prefix cache and its stats are read back."""
+        node = ray.get(handle.node.remote())
+        self.plan.record(rid, node, replica_spec(self.config, rid, self._on_gpu).needs)
+        if rid[0] == "p":
+            cached = ray.get(handle.reset.remote())
+            self.prefills[rid] = handle
+            self.prefill_views[rid] = PrefillInstance(rid)
+            self.local_cached[rid] = set(cached)
+            self.prefill_nodes[rid] = node
+            if rid not in self.prefill_ids:
+                self.prefill_ids.append(rid)
+        else:
+            ray.get(handle.reset.remote())
+            self.decodes[rid] = handle
+            self.decode_views[rid] = DecodeInstance(rid)
+            if rid not in self.decode_ids:
+                self.decode_ids.append(rid)
+        report = ray.get(handle.report.remote(0.0))
+        self.apply_stats(rid, report.stats)
+        self.watch(rid, handle)
 
     # -- starting and replacing -------------------------------------------------------------
     def start_prefill(self, pid: str) -> None:
@@ -215,9 +254,14 @@ class ReplicaSet:
     def _pinned(self, cls: Any, rid: str, restart: bool) -> Any:
         """``cls`` pinned to ``rid``'s node: hard at first, soft for a replacement (which
         moves off a node that is gone). Named ``pd-<rid>-<unique>`` so that a tool attached
-        to the cluster finds it (``ray.util.list_named_actors``; bench/pd_profile.py)."""
-        name = f"pd-{rid}-{uuid.uuid4().hex[:12]}"
+        to the cluster finds it (``ray.util.list_named_actors``; bench/pd_profile.py), or in
+        a shared pool detached under the pool's name (``pool_actors``)."""
+        pool = self.config.pool
+        if pool is not None:
+            options = pool_actors.pool_actor_options(pool, rid)
+        else:
+            options = {"name": f"pd-{rid}-{uuid.uuid4().hex[:12]}"}
         if restart:
             node = self.plan.replace(rid, cluster_nodes(self.config))
-            return pinned(cls, node, soft=True, name=name)
-        return pinned(cls, self.plan.node_id(rid), name=name)
+            return pinned(cls, node, soft=True, **options)
+        return pinned(cls, self.plan.node_id(rid), **options)

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from actors.disagg import pool_actors
 from actors.kvstore.shard import KVStoreClient, kv_store_shard_actor
 from actors.ray_nodes import pinned
 from placement.nodes import NodePlacement
@@ -50,18 +51,31 @@ class StoreConfig:
 
 
 class PDStore:
-    def __init__(self, cfg: StoreConfig, block_bytes: int, placement: NodePlacement) -> None:
+    def __init__(
+        self,
+        cfg: StoreConfig,
+        block_bytes: int,
+        placement: NodePlacement,
+        pool: str | None = None,
+    ) -> None:
+        """``pool``: the shards are a shared pool's (``actors.disagg.pool_actors``): live
+        ones a previous Conductor started are attached, and the directory is rebuilt from
+        their event logs."""
         if cfg.ssd_bytes > 0 and cfg.ssd_dir is None:
             raise ValueError("StoreConfig.ssd_bytes > 0 needs ssd_dir")
         self.cfg, self.block_bytes, self.placement = cfg, block_bytes, placement
+        self.pool = pool
         self._shard_cls = kv_store_shard_actor()
         self.shards: dict[str, Any] = {}
         self.num_restarts = 0
+        found = pool_actors.find(pool) if pool is not None else {}
         for sid in placement.place_shards(cfg.num_shards):
-            self.shards[sid] = self._start(sid)
+            self.shards[sid] = found[sid] if sid in found else self._start(sid)
         self.client = KVStoreClient("pd-conductor")
         for sid, handle in self.shards.items():
             self.client.add_shard(sid, handle)
+        if found:
+            self.client.refresh()  # the blocks the attached shards hold
         self._stats: dict[str, dict[str, int]] = {}  # shard -> its latest stats()
         self._stats_calls: dict[str, Any] = {}  # shard -> its stats() call in flight
         self._stats_asked = 0.0
@@ -72,8 +86,9 @@ class PDStore:
         if cfg.ssd_bytes > 0 and cfg.ssd_dir is not None:
             suffix = f"-r{self.num_restarts}" if self.num_restarts else ""  # never a dead one's
             ssd_dir = str(Path(cfg.ssd_dir) / f"shard-{sid[1:]}{suffix}")
+        names = pool_actors.pool_actor_options(self.pool, sid) if self.pool is not None else {}
         return pinned(
-            self._shard_cls, self.placement.node_id(sid), soft=self.num_restarts > 0
+            self._shard_cls, self.placement.node_id(sid), soft=self.num_restarts > 0, **names
         ).remote(
             sid,
             self.block_bytes,

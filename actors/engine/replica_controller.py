@@ -223,6 +223,10 @@ class ReplicaController:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight)
 
+    def request_ids(self) -> list[str]:
+        """Every request added and not yet released, and every reservation."""
+        return [*self._requests, *self._reserved]
+
     def has_request(self, request_id: str) -> bool:
         """Added and not yet released (reservations are not requests yet)."""
         return request_id in self._requests

@@ -29,13 +29,26 @@ from policies.dualpath import PREFILL_PATH
 from store.transfer.links import LinkBudget
 
 
+def shared_pool_name(app: str, group: ReplicaGroupConfig) -> str | None:
+    """The name of ``group``'s shared pool in Serve application ``app``: a disaggregated
+    group of one Serve replica (its Conductor) is one cluster whose replicas and shards
+    outlive the Conductor's process (``actors.disagg.pool_actors``); with ``num_replicas``
+    above 1 each Serve replica owns a private island (None)."""
+    if not group.disaggregated or group.num_replicas != 1:
+        return None
+    return f"{app}/{group.name}"
+
+
 def pd_cluster_config(
     model: str | None,
     group: ReplicaGroupConfig,
     replica_id: str,
     node_resources: dict[str, float] | None = None,
+    pool: str | None = None,
 ) -> PDClusterConfig:
-    """The cluster of Serve replica ``replica_id`` of the disaggregated ``group``."""
+    """The cluster of Serve replica ``replica_id`` of the disaggregated ``group``;
+    ``pool``: the group's shared pool (``shared_pool_name``), whose SSD files go to
+    ``<store.ssd_dir>/<group>`` (they outlive one Conductor)."""
     if group.num_prefill is None or group.num_decode is None:
         raise ValueError(f"group {group.name!r} is not disaggregated")
     conductor = group.conductor or ConductorSectionConfig()
@@ -44,7 +57,7 @@ def pd_cluster_config(
         engine=group.engine,
         prefill=_side(group.num_prefill, group.prefill),
         decode=_side(group.num_decode, group.decode),
-        store=_store(group.store, replica_id),
+        store=_store(group.store, group.name if pool is not None else replica_id),
         conductor=ConductorOptions(
             admission=conductor.admission,
             ttft_slo=conductor.ttft_slo,
@@ -58,6 +71,7 @@ def pd_cluster_config(
         decode_wait_max=conductor.decode_wait_max,
         node_resources=dict(node_resources or {}),
         pin_cores=group.pin_cores,
+        pool=pool,
     )
 
 
@@ -76,10 +90,10 @@ def _side(count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
     )
 
 
-def _store(section: StoreSectionConfig | None, replica_id: str) -> StoreConfig | None:
+def _store(section: StoreSectionConfig | None, folder: str) -> StoreConfig | None:
     if section is None:
         return None
-    ssd_dir = str(Path(section.ssd_dir) / replica_id) if section.ssd_dir else None
+    ssd_dir = str(Path(section.ssd_dir) / folder) if section.ssd_dir else None
     return StoreConfig(
         section.dram_bytes,
         section.ssd_bytes,

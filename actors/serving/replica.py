@@ -52,15 +52,18 @@ def _engine(
     replica_id: str,
     config: EngineConfig,
     pin: dict[str, float],
+    app: str,
 ) -> ServingEngine:
     """``config``: the group's engine config as the Serve config makes it (with its
     region's node resource for the workers); ``pin``: that resource alone, which every
-    actor of a disaggregated group's cluster reserves."""
+    actor of a disaggregated group's cluster reserves; ``app``: the Serve application,
+    whose name a shared pool's actors carry."""
     if group.disaggregated:
         from actors.disagg.engine import PDEngine
-        from actors.serving.pd_group import pd_cluster_config
+        from actors.serving.pd_group import pd_cluster_config, shared_pool_name
 
-        return PDEngine.for_config(pd_cluster_config(model, group, replica_id, pin))
+        pool = shared_pool_name(app, group)
+        return PDEngine.for_config(pd_cluster_config(model, group, replica_id, pin, pool))
     slo = group.admission.ttft_slo if group.admission is not None else None
     return ColocatedEngine.build(model, config, ttft_slo=slo)
 
@@ -90,7 +93,7 @@ class ReplicaServer:
         self.replica_id = context.replica_id.unique_id
         pin = cfg.regions.group_resources(group) if cfg.regions is not None else {}
         engine_config = cfg.group_engine_config(g)
-        self.engine = _engine(cfg.model, g, self.replica_id, engine_config, pin)
+        self.engine = _engine(cfg.model, g, self.replica_id, engine_config, pin, context.app_name)
         cores = engine_config.cpu_cores or replica_cores(
             cfg, g, context.rank.local_rank, len(alive_nodes())
         )

@@ -1,0 +1,141 @@
+"""One cluster over two Ray nodes (two raylets on this machine): prefill replicas on both
+nodes, one KV store shard per node, one Conductor.
+
+- A prefix prefilled on one prefill replica is read from the pool by the other prefill
+  replica, on the other node, and its KV streams to the decode replica across nodes: the
+  tokens equal the single-process engine's.
+- A shared pool (``PDClusterConfig.pool``) outlives its Conductor's process: a Conductor
+  killed while requests run leaves the replicas and shards alive, the next Conductor
+  attaches to those same actors, keeps the pool's cache, and serves exactly; shutting it
+  down removes the pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import ray
+from pd_common import PARAMS, REPO, colocated, pd_config, tokens
+from ray.cluster_utils import Cluster
+
+from actors.disagg import pool_actors
+from actors.disagg.cluster import PDCluster
+from actors.disagg.cluster_config import PDClusterConfig
+from actors.disagg.store_view import StoreConfig
+from store.hashing import chained_block_hashes
+from store.transfer.nixl_backend import nixl_api
+
+BS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(
+        address=cluster.address,
+        log_to_driver=False,
+        # this module too: the Conductor's host actor is defined here
+        runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'integration'}"}},
+    )
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def drain(pd: PDCluster) -> None:
+    while pd.has_unfinished():
+        pd.poll()
+
+
+def test_a_prefix_prefilled_on_one_replica_is_read_by_another_on_another_node():
+    store = StoreConfig(dram_bytes=4 << 20)
+    pd = PDCluster(pd_config(2, store=store, fit_costs=False))
+    nodes = {rid: ray.get(h.node.remote()) for rid, h in {**pd.prefills, **pd.decodes}.items()}
+    assert nodes["p0"] != nodes["p1"] and nodes["d0"] == nodes["p0"]  # p1 streams across
+    assert sorted(pd.shards) == ["s0", "s1"]  # a shard per node, p0 and p1 each at home
+    shared = tokens(1, 16)
+    first = pd.submit(shared + tokens(2, 3), PARAMS)
+    assert pd.placement(first)[0] == "p0"  # idle instances tie: the first
+    drain(pd)
+    pd.release(first)
+    while any(v.queued_tokens for v in pd.prefill_views.values()):
+        pd.poll()  # p0's last report (queue empty) reaches the Conductor: a true tie
+    busy = pd.submit(tokens(3, 40), PARAMS)  # queues on p0
+    second_prompt = shared + tokens(4, 5)
+    second = pd.submit(second_prompt, PARAMS)
+    assert pd.placement(busy)[0] == "p0" and pd.placement(second)[0] == "p1"
+    hashes = chained_block_hashes(shared, BS)
+    assert ray.get(pd.shards["s1"].match_prefix.remote(hashes)) == len(hashes)  # on p1's node
+    drain(pd)
+    pd.release(busy)
+    out = pd.release(second)
+    assert out.token_ids == colocated([second_prompt])[0]
+    assert out.num_cached_tokens == len(shared)  # read from the pool, not recomputed
+    stats = pd.prefill_stats()["p1"]
+    assert stats.loaded_blocks == len(hashes)
+    across = "nixl" if nixl_api() is not None else "tcp"
+    assert list(stats.backends.values()) == [across]  # p1 -> d0 on the other node
+    assert set(pd.check_blocks().values()) == {0}
+    pd.shutdown()
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class ConductorHost:
+    """A Conductor in a process of its own, so that a test can kill that process."""
+
+    def __init__(self, config: PDClusterConfig) -> None:
+        self.pd = PDCluster(config)
+        self.outputs: dict[str, list[int]] = {}
+
+    def actor_ids(self) -> dict[str, str]:
+        pd = self.pd
+        handles = {**pd.prefills, **pd.decodes, **pd.shards}
+        return {rid: h._actor_id.hex() for rid, h in handles.items()}
+
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+        outs = self.pd.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        return [(o.token_ids, o.num_cached_tokens) for o in outs]
+
+    def start_load(self, prompts: list[list[int]]) -> None:
+        """Submit ``prompts`` and keep polling in a thread (the load a kill interrupts)."""
+        ids = [self.pd.submit(p, PARAMS) for p in prompts]
+        threading.Thread(target=drain, args=(self.pd,), daemon=True).start()
+        self._ids = ids
+
+    def tokens_streamed(self) -> int:
+        return sum(len(self.pd.token_times(rid)) for rid in self._ids)
+
+    def check_blocks(self) -> dict[str, int]:
+        return self.pd.check_blocks()
+
+    def shutdown(self) -> None:
+        self.pd.shutdown()
+
+
+def test_a_new_conductor_attaches_to_the_pool_it_left_and_keeps_its_cache():
+    pool = "test/pool"
+    config = pd_config(2, store=StoreConfig(dram_bytes=4 << 20), fit_costs=False, pool=pool)
+    shared = tokens(10, 16)
+    host: Any = ConductorHost.remote(config)
+    ((warm, _),) = ray.get(host.generate.remote([shared + tokens(11, 3)]))
+    before = ray.get(host.actor_ids.remote())
+    load = [tokens(20 + i, 30) for i in range(4)]
+    ray.get(host.start_load.remote(load))
+    while ray.get(host.tokens_streamed.remote()) == 0:
+        pass  # requests are decoding now
+    ray.kill(host)  # the Conductor's process dies mid-load; its pool must not
+    assert set(pool_actors.find(pool)) == set(before)
+
+    again: Any = ConductorHost.remote(config)
+    assert ray.get(again.actor_ids.remote()) == before  # the same actors, attached
+    prompts = [shared + tokens(12, 5), *load]
+    outs = ray.get(again.generate.remote(prompts))
+    assert [t for t, _ in outs] == colocated(prompts)
+    assert outs[0][1] == len(shared)  # the prefix the first Conductor's request left
+    assert set(ray.get(again.check_blocks.remote()).values()) == {0}
+    ray.get(again.shutdown.remote())
+    assert pool_actors.find(pool) == {}
