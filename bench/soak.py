@@ -200,11 +200,15 @@ def live_actors() -> list[ActorInfo]:
     return out
 
 
+SERVE_KINDS = ("ingress", "router", "replica")  # actors named in Serve's namespace
+
+
 def kill(actor: ActorInfo) -> None:
-    """A crash: ``ray.kill`` of a named (Serve) actor, SIGKILL of an unnamed one's process."""
+    """A crash: ``ray.kill`` of a Serve actor (so Serve sees it die at once), SIGKILL of any
+    other actor's process."""
     import ray
 
-    if actor.name:
+    if actor.kind in SERVE_KINDS and actor.name:
         ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
     else:
         os.kill(actor.pid, signal.SIGKILL)
