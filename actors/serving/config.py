@@ -366,7 +366,13 @@ class SessionsConfig(_Strict):
     """KV retention of sessions (``store.retention``): a request's ``kv_retention_s`` (else
     its tenant's entry in ``tenant_kv_retention_s``, else ``default_kv_retention_s``) is how
     long the KV store keeps the turn's blocks ahead of LRU eviction after the turn ends.
-    A request asking for more than ``max_kv_retention_s`` gets 400 naming the field."""
+    A request asking for more than ``max_kv_retention_s`` gets 400 naming the field.
+
+    Only a disaggregated group's KV store (its ``store`` section) retains blocks, and the
+    router may send a request to any group, so retention is refused, never ignored, unless
+    every group has a store (``ServeConfig.storeless_group``): a nonzero default or tenant entry
+    is a ``ConfigError`` naming it, and a request asking for more than 0 gets 400 naming
+    ``kv_retention_s`` (``ServeConfig.session_retention_s``)."""
 
     default_kv_retention_s: float = Field(0.0, ge=0)
     max_kv_retention_s: float = Field(600.0, ge=0)
@@ -374,17 +380,19 @@ class SessionsConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> SessionsConfig:
-        defaults = {"default_kv_retention_s": self.default_kv_retention_s}
-        defaults |= {
-            f"tenant_kv_retention_s[{t!r}]": v for t, v in self.tenant_kv_retention_s.items()
-        }
-        for name, value in defaults.items():
+        for name, value in self.defaults().items():
             if not 0 <= value <= self.max_kv_retention_s:
                 raise ValueError(
                     f"sessions.{name} must be in [0, max_kv_retention_s = "
                     f"{self.max_kv_retention_s}], got {value}"
                 )
         return self
+
+    def defaults(self) -> dict[str, float]:
+        """The default retentions, each by its key under ``sessions``."""
+        tenants = self.tenant_kv_retention_s.items()
+        named = {f"tenant_kv_retention_s[{t!r}]": v for t, v in tenants}
+        return {"default_kv_retention_s": self.default_kv_retention_s} | named
 
     def retention_s(self, asked: float | None, tenant: str | None) -> float:
         """The retention a request gets; ValueError (a 400 on ``kv_retention_s``) above
@@ -528,6 +536,25 @@ class ServeConfig(_Strict):
         explicit = self.report_interval_s
         return explicit if explicit is not None else report_interval_for(self.regions is not None)
 
+    def storeless_group(self) -> str | None:
+        """A group without a KV store to retain sessions' KV in (None: every group has one).
+        The router ranks the replicas of every group, so the ingress cannot know a
+        request's group before routing it: retention needs a store in each."""
+        return next((g.name for g in self.groups if g.store is None), None)
+
+    def session_retention_s(self, asked: float | None, tenant: str | None) -> float:
+        """The ``kv_retention_s`` a request gets (``SessionsConfig.retention_s``); ValueError
+        (a 400 on ``kv_retention_s``) above the bound, or above 0 with a storeless group."""
+        retention = self.sessions.retention_s(asked, tenant)
+        bare = self.storeless_group()
+        if retention > 0 and bare is not None:
+            raise ValueError(
+                f"kv_retention_s needs a KV store to keep the turn in, and group {bare!r} "
+                "of this server has none; leave kv_retention_s out or send 0 (the server "
+                "retains KV only when every group is disaggregated with a store section)"
+            )
+        return retention
+
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
         names = [g.name for g in self.groups]
@@ -547,6 +574,15 @@ class ServeConfig(_Strict):
             raise ValueError("every group needs the same engine.block_size (one hash chain)")
         if self.limits.default_max_tokens > self.limits.max_tokens:
             raise ValueError("limits.default_max_tokens must be <= limits.max_tokens")
+        bare = self.storeless_group()
+        kept = [(name, v) for name, v in self.sessions.defaults().items() if v > 0]
+        if kept and bare is not None:
+            name, value = kept[0]
+            raise ValueError(
+                f"sessions.{name} = {value} retains KV in a disaggregated group's KV store, "
+                f"and group {bare!r} has none; give every group num_prefill, num_decode and "
+                f"a store section, or set sessions.{name} to 0"
+            )
         return self
 
     @property

@@ -158,9 +158,9 @@ class Ingress:
     ) -> list[RequestOutput]:
         tenant = self._check_key(api_key)
         salt = tenant.tenant if tenant else None
-        for p in params:  # the bound on kv_retention_s holds for this door too
+        for p in params:  # kv_retention_s's bound and store rule hold for this door too
             try:
-                self.cfg.sessions.retention_s(p.kv_retention_s, salt)
+                self.cfg.session_retention_s(p.kv_retention_s, salt)
             except ValueError as e:
                 raise InvalidRequestError(str(e), "kv_retention_s") from None
         builder = await self._request_builder()
@@ -241,7 +241,7 @@ class Ingress:
         except ValidationError as e:
             raise oai.validation_error(e) from None
         try:  # the turn's KV retention: asked, else the tenant's or the server's default
-            retention = self.cfg.sessions.retention_s(req.kv_retention_s, salt)
+            retention = self.cfg.session_retention_s(req.kv_retention_s, salt)
         except ValueError as e:
             raise oai.APIError(400, str(e), "kv_retention_s") from None
         req = req.model_copy(update={"kv_retention_s": retention})

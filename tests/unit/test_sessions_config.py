@@ -19,11 +19,12 @@ BODY = {"model": "m", "prompt": "hi", "session_id": "agent-7"}
 def test_retention_resolves_request_then_tenant_then_server_default():
     cfg = ServeConfig.parse(
         {
+            "groups": [{"name": "pd", "num_prefill": 1, "num_decode": 1, "store": {}}],
             "sessions": {
                 "default_kv_retention_s": 5,
                 "max_kv_retention_s": 60,
                 "tenant_kv_retention_s": {"acme": 30},
-            }
+            },
         }
     ).sessions
     assert cfg.retention_s(None, None) == 5
