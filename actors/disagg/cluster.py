@@ -64,6 +64,7 @@ from actors.disagg.cluster_placement import RequestPlacement
 from actors.disagg.conductor import RequestRejected, default_conductor
 from actors.disagg.decode_waits import DecodeWaits
 from actors.disagg.dualpath_placement import DualPathPlacer
+from actors.disagg.elastic_pools import ElasticPools
 from actors.disagg.messages import (
     CacheEvent,
     DecodeStep,
@@ -157,6 +158,9 @@ class PDCluster:
             queue, self.table, self.placing.place, self.conductor.min_retry_after
         )
         self.replicas.start_all()
+        self.pools = ElasticPools(
+            self.replicas, self.table, config.prefill.scaling, config.decode.scaling
+        )
         self.limits = self._limits(model, config.engine.torch_dtype(on_gpu))
         self.builder = RequestBuilder(self.block_size, self.limits)
 
@@ -339,6 +343,7 @@ class PDCluster:
             deltas += self._apply(report)
         self._retry_pending()
         self.waits.place_waiting()
+        self.pools.step(time.monotonic())
         if self.fitter is not None:
             self.fitter.refit(self.conductor)
         return deltas
@@ -483,7 +488,8 @@ class PDCluster:
         return self.recovery.refresh_store()
 
     def shutdown(self) -> None:
-        for handle in self.replicas.all_handles():
+        starting = [h for h, _ in self.replicas.starting.values()]
+        for handle in [*self.replicas.all_handles(), *starting]:
             call_replica(handle.shutdown)
             ray.kill(handle)
         if self.store is not None:

@@ -27,6 +27,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES
 from policies.conductor import Conductor
 from policies.dualpath import PREFILL_PATH
+from policies.pool_scaling import PoolScaling
 from store.transfer.links import LinkBudget
 
 
@@ -38,7 +39,9 @@ class PDSideConfig:
     ``record_loads``: it keeps its store-load timeline (benches and tests);
     ``kv_cache_memory``: bytes of KV per worker of each replica (None: the engine config's),
     e.g. a decode side that holds every in-flight request larger than a prefill side that
-    holds only the prompts it is prefilling."""
+    holds only the prompts it is prefilling. ``scaling``: the side's pool grows and shrinks
+    on its own signal within the given bounds (``actors.disagg.elastic_pools``; None: it
+    stays at ``count``, which is then its starting size)."""
 
     count: int = 1
     tp: int | None = None
@@ -47,8 +50,15 @@ class PDSideConfig:
     link_budget: LinkBudget | None = None
     record_loads: bool = False
     kv_cache_memory: int | None = None
+    scaling: PoolScaling | None = None
 
     def __post_init__(self) -> None:
+        s = self.scaling
+        if s is not None and not s.min_replicas <= self.count <= s.max_replicas:
+            raise ValueError(
+                f"a scaled pool starts with count={self.count} replicas, outside its bounds "
+                f"[{s.min_replicas}, {s.max_replicas}]"
+            )
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if self.count < 1:

@@ -83,9 +83,10 @@ class RequestPlacement:
             self.store.refresh()
         prefills = []
         for view in r.prefill_views.values():
-            view.cached = r.local_cached[view.instance_id] | self.home_blocks(view.instance_id)
-            prefills.append(view)
-        decodes = list(r.decode_views.values())
+            if r.accepting(view.instance_id):
+                view.cached = r.local_cached[view.instance_id] | self.home_blocks(view.instance_id)
+                prefills.append(view)
+        decodes = [v for v in r.decode_views.values() if r.accepting(v.instance_id)]
         rule: Assignment | None = None  # DualPath's placement, with its read side
         hit = self.stored_blocks(request)
         if self.dualpath is not None:

@@ -127,6 +127,7 @@ class PDEngine:
         store = self.cluster.store
         tiers = store.tier_counts() if store is not None else {}
         kept = store.retention_counts() if store is not None else {}
+        pools = self.cluster.pools
         return PDCounters(
             kv_transfer_bytes=sum(r.bytes_streamed for r in reports),
             kv_transfer_layers=sum(r.layers_streamed for r in reports),
@@ -143,6 +144,8 @@ class PDEngine:
             store_expired_retentions=kept.get("expired_retentions", 0),
             decode_waits=self.cluster.waits.num_waited,
             decode_wait_seconds=self.cluster.waits.seconds_waited,
+            pool_replicas=tuple(pools.sizes().items()),
+            pool_needs=tuple((p, d.signal, d.need) for p, d in pools.decisions().items()),
         )
 
     def cached_block_hashes(self) -> list[int]:

@@ -172,3 +172,7 @@ class PDCounters:
     # requests placed after waiting for decode room, and their waits summed (seconds)
     decode_waits: int = 0
     decode_wait_seconds: float = 0.0
+    # each pool's replicas now (taking work or starting), and for a scaled pool the
+    # replicas its load needs at its target and the signal (``policies.pool_scaling``)
+    pool_replicas: tuple[tuple[str, int], ...] = ()
+    pool_needs: tuple[tuple[str, str, float], ...] = ()  # (pool, signal, need)

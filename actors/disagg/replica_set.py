@@ -3,8 +3,10 @@
 ``ReplicaSet`` owns, per replica id (``p<i>``, ``d<j>``): the actor handle, the Conductor's
 view of it (``PrefillInstance`` / ``DecodeInstance``, updated from its reports), a prefill
 replica's node and the block hashes its own prefix cache holds, and one outstanding long
-poll (``report``) on every live replica. ``start_prefill`` / ``start_decode`` start a replica
-under its id, or a fresh actor in place of a dead one (``forget`` drops the old one first).
+poll (``report``) on every live replica. ``start`` starts a replica under its id, or a
+fresh actor in place of a dead one (``forget`` drops the old one first); a pool grows by
+``begin_start`` / ``poll_starting`` (never waited on) and shrinks by ``draining`` a replica
+(no new work) and then ``retire``-ing it.
 
 Placement: replicas and store shards spread over the cluster's nodes (``placement.nodes``);
 with several nodes prefill and decode run apart and stream KV over TCP. On a GPU cluster
@@ -15,6 +17,7 @@ waits in one thread while other calls are served.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from typing import Any
 
@@ -108,20 +111,19 @@ class ReplicaSet:
         self.local_cached: dict[str, set[int]] = {}  # prefill id -> its prefix cache's hashes
         self.prefill_nodes: dict[str, str] = {}
         self.polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
+        self.starting: dict[str, tuple[Any, Any]] = {}  # id -> (handle, its node() call)
+        self.draining: set[str] = set()  # no new work placed on these; retired once idle
 
     def start_all(self) -> None:
         """Start every replica; in a shared pool (``config.pool``) first attach to the live
         replicas a previous Conductor left (``attach``), then start the missing ones."""
         found = pool_actors.find(self.config.pool) if self.config.pool else {}
         for rid, handle in sorted(found.items()):
-            if rid[0] == "p" or rid[0] == "d":
+            if rid[0] in "pd":
                 self.attach(rid, handle)
-        for pid in self.prefill_ids:
-            if pid not in self.prefills:
-                self.start_prefill(pid)
-        for did in self.decode_ids:
-            if did not in self.decodes:
-                self.start_decode(did)
+        for rid in [*self.prefill_ids, *self.decode_ids]:
+            if rid not in self.prefills and rid not in self.decodes:
+                self.start(rid)
 
     def attach(self, rid: str, handle: Any) -> None:
         """Take over a live replica of the shared pool: it drops what the previous
@@ -129,63 +131,119 @@ class ReplicaSet:
         prefix cache and its stats are read back."""
         node = ray.get(handle.node.remote())
         self.plan.record(rid, node, replica_spec(self.config, rid, self._on_gpu).needs)
-        if rid[0] == "p":
-            cached = ray.get(handle.reset.remote())
-            self.prefills[rid] = handle
-            self.prefill_views[rid] = PrefillInstance(rid)
-            self.local_cached[rid] = set(cached)
-            self.prefill_nodes[rid] = node
-            if rid not in self.prefill_ids:
-                self.prefill_ids.append(rid)
-        else:
-            ray.get(handle.reset.remote())
-            self.decodes[rid] = handle
-            self.decode_views[rid] = DecodeInstance(rid)
-            if rid not in self.decode_ids:
-                self.decode_ids.append(rid)
-        report = ray.get(handle.report.remote(0.0))
-        self.apply_stats(rid, report.stats)
-        self.watch(rid, handle)
+        cached = ray.get(handle.reset.remote())
+        self._register(rid, handle, node, set(cached or ()))
 
-    # -- starting and replacing -------------------------------------------------------------
+    # -- starting, replacing, growing and shrinking -----------------------------------------
+    def start(self, rid: str) -> None:
+        """Start replica ``rid`` and wait until it runs (a fresh actor if one ran under
+        that id: a replacement)."""
+        restart = rid in self.prefills or rid in self.decodes
+        handle = self._create(rid, restart)
+        self._register(rid, handle, ray.get(handle.node.remote()), set())
+
     def start_prefill(self, pid: str) -> None:
-        """Start prefill replica ``pid`` (a fresh actor if one ran under that id)."""
-        side = self.config.prefill
-        handle = self._pinned(self._prefill_cls, pid, restart=pid in self.prefills).remote(
-            pid,
-            self.model_dir,
-            self.prefill_engine,
-            store_shards=self.store.live() if self.store else {},
-            link_budget=side.link_budget,
-            record_loads=side.record_loads,
-            **self._pinning(pid),
-        )
-        self.prefills[pid] = handle
-        self.prefill_views[pid] = PrefillInstance(pid)
-        self.local_cached[pid] = set()
-        self.prefill_nodes[pid] = ray.get(handle.node.remote())
-        self.watch(pid, handle)
+        self.start(pid)
 
     def start_decode(self, did: str) -> None:
-        """Start decode replica ``did`` (a fresh actor if one ran under that id)."""
+        self.start(did)
+
+    def begin_start(self, kind: str) -> str:
+        """One more replica of ``kind`` (``"prefill"`` or ``"decode"``) under the first
+        free id, placed on the node holding fewest of its kind; it joins the set once
+        ``poll_starting`` finds it running (the Conductor never waits on a start)."""
+        prefix = kind[0]
+        taken = {*self.prefills, *self.decodes, *self.starting}
+        rid = next(f"{prefix}{i}" for i in itertools.count() if f"{prefix}{i}" not in taken)
+        self.plan.add(replica_spec(self.config, rid, self._on_gpu))
+        handle = self._create(rid, restart=False)
+        self.starting[rid] = (handle, handle.node.remote())
+        return rid
+
+    def poll_starting(self) -> list[str]:
+        """Replicas started by ``begin_start`` that now run, registered (a start that
+        failed is dropped)."""
+        joined = []
+        for rid, (handle, ref) in list(self.starting.items()):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            del self.starting[rid]
+            try:
+                node = ray.get(ref)
+            except DEAD:
+                self.plan.remove(rid)
+                continue
+            self._register(rid, handle, node, set())
+            joined.append(rid)
+        return joined
+
+    def retire(self, rid: str) -> None:
+        """Remove a drained replica (nothing is placed on it any more): shut it down and
+        forget it."""
+        handle = self.prefills.pop(rid, None) or self.decodes.pop(rid)
+        call_replica(handle.shutdown)
+        self.forget(handle)
+        self.prefill_views.pop(rid, None)
+        self.decode_views.pop(rid, None)
+        self.prefill_reports.pop(rid, None)
+        self.local_cached.pop(rid, None)
+        self.prefill_nodes.pop(rid, None)
+        self.draining.discard(rid)
+        for ids in (self.prefill_ids, self.decode_ids):
+            if rid in ids:
+                ids.remove(rid)
+        self.plan.remove(rid)
+
+    def accepting(self, rid: str) -> bool:
+        """Whether the Conductor may place new work on ``rid`` (not draining)."""
+        return rid not in self.draining
+
+    def _create(self, rid: str, restart: bool) -> Any:
+        """The actor of replica ``rid`` (not waited for)."""
+        if rid[0] == "p":
+            side = self.config.prefill
+            return self._pinned(self._prefill_cls, rid, restart).remote(
+                rid,
+                self.model_dir,
+                self.prefill_engine,
+                store_shards=self.store.live() if self.store else {},
+                link_budget=side.link_budget,
+                record_loads=side.record_loads,
+                **self._pinning(rid),
+            )
         side = self.config.decode
-        handle = self._pinned(self._decode_cls, did, restart=did in self.decodes).remote(
-            did,
+        # prefill on another node (now, or once a pool grows there): KV over TCP
+        serve_tcp = len(self.plan.nodes) > 1 or self.plan.apart(rid, self.prefill_ids)
+        return self._pinned(self._decode_cls, rid, restart).remote(
+            rid,
             self.model_dir,
             self.decode_engine,
-            serve_tcp=self.plan.apart(did, self.prefill_ids),  # prefill elsewhere: over TCP
-            tcp_host=self.plan.tcp_host(did),
+            serve_tcp=serve_tcp,
+            tcp_host=self.plan.tcp_host(rid),
             store_shards=self._decode_shards(),
             write_back=bool(self.store and self.store.cfg.write_back),
             link_budget=side.link_budget,
             record_loads=side.record_loads,
-            **self._pinning(did),
+            **self._pinning(rid),
         )
-        self.decodes[did] = handle
-        self.decode_views[did] = DecodeInstance(did)
+
+    def _register(self, rid: str, handle: Any, node: str, cached: set[int]) -> None:
+        """Count a running replica in: its view, its state as it reports it, its poll."""
+        if rid[0] == "p":
+            self.prefills[rid] = handle
+            self.prefill_views[rid] = PrefillInstance(rid)
+            self.local_cached[rid] = cached
+            self.prefill_nodes[rid] = node
+            ids = self.prefill_ids
+        else:
+            self.decodes[rid] = handle
+            self.decode_views[rid] = DecodeInstance(rid)
+            ids = self.decode_ids
+        if rid not in ids:
+            ids.append(rid)
         report = ray.get(handle.report.remote(0.0))
-        self.apply_stats(did, report.stats)
-        self.watch(did, handle)
+        self.apply_stats(rid, report.stats)
+        self.watch(rid, handle)
 
     def watch(self, rid: str, handle: Any) -> None:
         """Keep one long poll outstanding on a live replica."""

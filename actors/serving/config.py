@@ -24,7 +24,7 @@ from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
 from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES, report_interval_for
 from actors.serving.engine_section import EngineSection
-from actors.serving.pd_layout import PDLayoutConfig, check_side_kv
+from actors.serving.pd_layout import PDLayoutConfig, check_pools, check_side_kv
 from policies.rate_limit import KeyRateLimits
 
 RoutingPolicyName = Literal[
@@ -316,6 +316,12 @@ class ReplicaGroupConfig(_Strict):
                 f"prefill.kvp={self.prefill.kvp} (decode replicas may be KV-parallel)"
             )
         check_side_kv(where, self.engine, self.prefill, self.decode)
+        assert self.num_prefill is not None and self.num_decode is not None
+        sides = {
+            "prefill": (self.num_prefill, self.prefill),
+            "decode": (self.num_decode, self.decode),
+        }
+        check_pools(where, self.num_replicas, sides)
         store, decode = self.store, self.decode
         if store is not None and decode is not None and decode.tp * decode.spp * decode.kvp > 1:
             # both use a decode replica's cache in its own process

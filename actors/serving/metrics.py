@@ -69,6 +69,12 @@ _PD_GAUGES = {
         "KV store blocks kept ahead of LRU eviction by a session's retention",
     ),
 }
+# a disaggregated cluster's pools: replicas per pool, and what a scaled pool's load needs
+_POOL_SIZE = ("pd_pool_replicas", "Replicas of each prefill/decode pool, starting ones counted")
+_POOL_NEED = (
+    "pd_pool_scaling_need",
+    "Replicas a scaled pool's load needs at its target, labelled by the signal it scales on",
+)
 # PDCounters' per-tier fields, as one counter labelled ``tier``
 _TIER_FAMILY = ("kv_store_hit_blocks", "Blocks the KV store served, by the tier they were in")
 _TIER_FIELDS = {"dram": "store_dram_hit_blocks", "ssd": "store_ssd_hit_blocks"}
@@ -230,6 +236,15 @@ class ReplicaMetrics:
                 gauge = GaugeMetricFamily(PREFIX + name, help_)
                 gauge.add_metric([], getattr(c, attr))
                 families.append(gauge)
+            sizes = GaugeMetricFamily(PREFIX + _POOL_SIZE[0], _POOL_SIZE[1], labels=["pool"])
+            for pool, n in c.pool_replicas:
+                sizes.add_metric([pool], n)
+            needs = GaugeMetricFamily(
+                PREFIX + _POOL_NEED[0], _POOL_NEED[1], labels=["pool", "signal"]
+            )
+            for pool, signal, need in c.pool_needs:
+                needs.add_metric([pool, signal], need)
+            families += [sizes, needs]
         snap = MetricsSnapshot(tuple(families))
         self._last = (now, snap)
         return snap

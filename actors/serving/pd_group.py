@@ -26,6 +26,7 @@ from actors.serving.config import (
     StoreSectionConfig,
 )
 from policies.dualpath import PREFILL_PATH
+from policies.pool_scaling import DECODE_POOL, PREFILL_POOL
 from store.transfer.links import LinkBudget
 
 
@@ -55,8 +56,8 @@ def pd_cluster_config(
     return PDClusterConfig(
         model_dir=model,
         engine=group.engine,
-        prefill=_side(group.num_prefill, group.prefill),
-        decode=_side(group.num_decode, group.decode),
+        prefill=_side(PREFILL_POOL, group.num_prefill, group.prefill),
+        decode=_side(DECODE_POOL, group.num_decode, group.decode),
         store=_store(group.store, group.name if pool is not None else replica_id),
         conductor=ConductorOptions(
             admission=conductor.admission,
@@ -75,11 +76,12 @@ def pd_cluster_config(
     )
 
 
-def _side(count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
+def _side(pool: str, count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
     if layout is None:
         return PDSideConfig(count)
     rate = layout.storage_bytes_per_s
     budget = LinkBudget(storage_bps=rate) if rate is not None else None
+    scaling = layout.autoscaling
     return PDSideConfig(
         count,
         tp=layout.tp,
@@ -87,6 +89,7 @@ def _side(count: int, layout: PDLayoutConfig | None) -> PDSideConfig:
         kvp=layout.kvp,
         link_budget=budget,
         kv_cache_memory=layout.kv_cache_memory,
+        scaling=scaling.scaling(pool) if scaling is not None else None,
     )
 
 

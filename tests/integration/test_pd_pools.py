@@ -4,6 +4,8 @@ nodes, one KV store shard per node, one Conductor.
 - A prefix prefilled on one prefill replica is read from the pool by the other prefill
   replica, on the other node, and its KV streams to the decode replica across nodes: the
   tokens equal the single-process engine's.
+- The prefill pool grows under a load step and shrinks after it; the replica it drains
+  still holds prefills, finishes them, and only then leaves: every request ends exactly.
 - A shared pool (``PDClusterConfig.pool``) outlives its Conductor's process: a Conductor
   killed while requests run leaves the replicas and shards alive, the next Conductor
   attaches to those same actors, keeps the pool's cache, and serves exactly; shutting it
@@ -22,8 +24,9 @@ from ray.cluster_utils import Cluster
 
 from actors.disagg import pool_actors
 from actors.disagg.cluster import PDCluster
-from actors.disagg.cluster_config import PDClusterConfig
+from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
 from actors.disagg.store_view import StoreConfig
+from policies.pool_scaling import PREFILL_POOL, PoolScaler, PoolScaling
 from store.hashing import chained_block_hashes
 from store.transfer.nixl_backend import nixl_api
 
@@ -139,3 +142,39 @@ def test_a_new_conductor_attaches_to_the_pool_it_left_and_keeps_its_cache():
     assert set(ray.get(again.check_blocks.remote()).values()) == {0}
     ray.get(again.shutdown.remote())
     assert pool_actors.find(pool) == {}
+
+
+def test_the_prefill_pool_grows_under_load_and_drains_without_losing_a_request():
+    grow_only = PoolScaling(1, 2, target=32.0, upscale_delay_s=0.0, downscale_delay_s=3600.0)
+    config = pd_config(prefill=PDSideConfig(1, scaling=grow_only), fit_costs=False)
+    pd = PDCluster(config)
+    wave1 = [tokens(100 + i, 40) for i in range(20)]
+    ids1 = [pd.submit(p, PARAMS) for p in wave1]
+    while "p1" not in pd.prefills:
+        pd.poll()  # the queue is over the target: p1 starts, and joins once it runs
+    assert [(e.pool, e.action, e.replica_id) for e in pd.pools.events] == [
+        ("prefill", "grow", "p1")
+    ]
+    assert pd.pools.events[0].signal == "queued_prefill_tokens"
+    wave2 = [tokens(200 + i, 60) for i in range(16)]
+    ids2 = [pd.submit(p, PARAMS) for p in wave2]
+    placed = {pd.placement(rid)[0] for rid in ids2}  # None: waits for decode room
+    assert {"p0", "p1"} <= placed  # both replicas hold queued prefills
+    # the load falls (here: the target rises): shrink at once, to one replica
+    pd.pools.scalers[PREFILL_POOL] = PoolScaler(
+        PREFILL_POOL, PoolScaling(1, 2, target=1e9, downscale_delay_s=0.0)
+    )
+    pd.poll(0)
+    (drained,) = [e for e in pd.pools.events if e.action == "drain"]
+    assert pd.table.in_prefill_on(drained.replica_id)  # drained with prefills still on it
+    drain_ids = [rid for rid in ids2 if pd.placement(rid)[0] == drained.replica_id]
+    drain(pd)
+    while drained.replica_id in pd.prefills:
+        pd.poll()  # retired once its last report (queue empty) arrives
+    assert [e.action for e in pd.pools.events] == ["grow", "drain", "retire"]
+    assert pd.pools.sizes()["prefill"] == 1
+    outs = [pd.release(rid) for rid in ids1 + ids2]
+    assert [o.token_ids for o in outs] == colocated(wave1 + wave2)  # nothing lost
+    assert drain_ids and all(o.finish_reason == "length" for o in outs)
+    assert set(pd.check_blocks().values()) == {0}
+    pd.shutdown()

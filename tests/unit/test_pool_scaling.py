@@ -1,0 +1,73 @@
+"""Each pool of a disaggregated cluster scales on its own signal, after its delay, by the
+smallest change that held through the delay (``policies.pool_scaling``); the Serve config's
+pool sections are checked where they are written."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.serving.config import ConfigError, ServeConfig
+from policies.pool_scaling import DECODE_POOL, PREFILL_POOL, PoolScaler, PoolScaling
+
+FAST = PoolScaling(min_replicas=1, max_replicas=4, target=100.0, upscale_delay_s=2.0,
+                   downscale_delay_s=10.0)  # fmt: skip
+
+
+def test_prefill_grows_on_queued_tokens_only_after_the_wish_held_for_its_delay():
+    s = PoolScaler(PREFILL_POOL, FAST)
+    assert s.decide([150.0, 150.0], 2, now=0.0) == 2  # needs 3, but only just now
+    assert s.last is not None and s.last.need == pytest.approx(3.0)
+    assert s.last.signal == "queued_prefill_tokens"
+    assert s.decide([150.0, 150.0], 2, now=1.0) == 2
+    assert s.decide([250.0, 250.0], 2, now=2.5) == 3  # held 2.5 s: the smallest wish, 3
+
+
+def test_a_burst_shorter_than_the_delay_moves_nothing():
+    s = PoolScaler(PREFILL_POOL, FAST)
+    assert s.decide([500.0], 1, now=0.0) == 1
+    assert s.decide([0.0], 1, now=1.0) == 1  # back at its size: the wish is dropped
+    assert s.decide([500.0], 1, now=2.5) == 1  # a new wish: its delay starts again
+    assert s.decide([500.0], 1, now=4.6) == 4  # min over the held wishes, within the bounds
+
+
+def test_shrinks_with_hysteresis_and_never_below_its_minimum():
+    s = PoolScaler(PREFILL_POOL, FAST)
+    assert s.decide([40.0, 40.0, 0.0], 3, now=0.0) == 3  # need 0.8 -> 2 at threshold 0.5
+    assert s.decide([40.0, 40.0, 0.0], 3, now=10.0) == 2
+    assert s.decide([0.0, 0.0], 2, now=20.0) == 2
+    assert s.decide([0.0, 0.0], 2, now=30.0) == 1  # min_replicas
+    assert s.decide([0.0], 1, now=60.0) == 1
+
+
+def test_decode_scales_on_kv_use_and_ignores_queued_prefill_work():
+    s = PoolScaler(DECODE_POOL, PoolScaling(max_replicas=3, target=0.5, upscale_delay_s=0))
+    assert s.decide([0.9], 1, now=0.0) == 2  # 0.9 / 0.5 -> 2 replicas
+    assert s.last is not None and s.last.signal == "kv_usage"
+    with pytest.raises(ValueError, match="KV use"):
+        PoolScaler(DECODE_POOL, PoolScaling(target=2048.0))
+
+
+def test_bounds_and_names_are_checked():
+    with pytest.raises(ValueError, match="min_replicas"):
+        PoolScaling(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="pool must be"):
+        PoolScaler("both", FAST)
+
+
+def pd_group(**sides) -> dict:
+    return {"name": "pd", "num_prefill": 1, "num_decode": 1, "engine": {}, **sides}
+
+
+def test_config_pool_autoscaling_needs_one_cluster_and_a_start_within_bounds():
+    ok = ServeConfig.from_args({"groups": [pd_group(prefill={"autoscaling": {"max_replicas": 3}})]})
+    (group,) = ok.groups
+    assert group.prefill is not None and group.prefill.autoscaling is not None
+    assert group.prefill.autoscaling.scaling(PREFILL_POOL).target == 2048.0
+    with pytest.raises(ConfigError, match="num_replicas: 1"):
+        ServeConfig.from_args({"groups": [pd_group(num_replicas=2, decode={"autoscaling": {}})]})
+    with pytest.raises(ConfigError, match=r"num_prefill=1 .* \[2, 4\]"):
+        ServeConfig.from_args({"groups": [pd_group(prefill={"autoscaling": {"min_replicas": 2}})]})
+    with pytest.raises(ConfigError, match="KV use"):
+        ServeConfig.from_args({"groups": [pd_group(decode={"autoscaling": {"target": 100}})]})
+    with pytest.raises(ConfigError, match="tagret"):
+        ServeConfig.from_args({"groups": [pd_group(decode={"autoscaling": {"tagret": 0.5}})]})
