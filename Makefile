@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the Serve config `make serve` runs; CONFIG=serve_config_pd.yaml: P/D as one cluster
+CONFIG ?= serve_config.yaml
 
 .PHONY: setup serve test bench
 
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 serve: $(STAMP)
-	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8000 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8050 $(VENV)/bin/serve run serve_config.yaml
+	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8000 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8050 $(VENV)/bin/serve run $(CONFIG)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

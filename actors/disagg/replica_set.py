@@ -113,6 +113,7 @@ class ReplicaSet:
         self.polls: dict[Any, tuple[str, Any]] = {}  # poll ref -> (replica id, handle)
         self.starting: dict[str, tuple[Any, Any]] = {}  # id -> (handle, its node() call)
         self.draining: set[str] = set()  # no new work placed on these; retired once idle
+        self.failed_starts: list[str] = []  # ids whose ``begin_start`` actor died starting
 
     def start_all(self) -> None:
         """Start every replica; in a shared pool (``config.pool``) first attach to the live
@@ -172,6 +173,7 @@ class ReplicaSet:
                 node = ray.get(ref)
             except DEAD:
                 self.plan.remove(rid)
+                self.failed_starts.append(rid)
                 continue
             self._register(rid, handle, node, set())
             joined.append(rid)

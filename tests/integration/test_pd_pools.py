@@ -150,8 +150,9 @@ def test_the_prefill_pool_grows_under_load_and_drains_without_losing_a_request()
     pd = PDCluster(config)
     wave1 = [tokens(100 + i, 40) for i in range(20)]
     ids1 = [pd.submit(p, PARAMS) for p in wave1]
-    while "p1" not in pd.prefills:
-        pd.poll()  # the queue is over the target: p1 starts, and joins once it runs
+    while "p1" not in pd.prefills:  # the queue is over the target: p1 starts, then joins
+        assert not pd.replicas.failed_starts, "a new prefill replica's actor died starting"
+        pd.poll()
     assert [(e.pool, e.action, e.replica_id) for e in pd.pools.events] == [
         ("prefill", "grow", "p1")
     ]
