@@ -167,7 +167,7 @@ class KVCacheManager:
             n += 1
         return n
 
-    # -- blocks outside any request table (a P/D replica's loads into its prefix cache) ---
+    # -- blocks outside any request table (loads from the KV store into the prefix cache) -
     def cached_block(self, block_hash: int, tokens: list[int]) -> int | None:
         """The cached block holding exactly ``tokens`` under ``block_hash``, or None."""
         return self.pool.lookup(block_hash, tokens)
@@ -202,12 +202,25 @@ class KVCacheManager:
         A lookup finds them before their KV is written: the caller writes it before
         ``unhold``, or ``unpublish``es them if the write fails. Raises NoFreeBlocksError
         when fewer than ``n`` blocks can be freed."""
+        blocks = self.allocate_unpublished(n)
+        self.publish(blocks, hashes, tokens, first)
+        return blocks
+
+    def allocate_unpublished(self, n: int) -> list[int]:
+        """``n`` fresh blocks, held and published nowhere: no lookup finds them, so the
+        caller may write their KV while steps run (a colocated replica's store load), then
+        ``publish`` them, or just ``unhold`` them (they return to the free list). Raises
+        NoFreeBlocksError when fewer than ``n`` blocks can be freed."""
+        return self.pool.allocate(n)
+
+    def publish(self, blocks: list[int], hashes: list[int], tokens: list[int], first: int) -> None:
+        """Publish held blocks whose KV is written: block ``i`` under ``hashes[first + i]``
+        for tokens ``[(first + i) * bs, (first + i + 1) * bs)``. A hash some other block
+        already holds keeps that block; this one then stays private (freed on ``unhold``)."""
         bs = self.block_size
-        blocks = self.pool.allocate(n)
         for i, b in enumerate(blocks):
             k = first + i
             self.pool.register(b, hashes[k], tokens[k * bs : (k + 1) * bs])
-        return blocks
 
     def unpublish(self, blocks: list[int]) -> None:
         """Held blocks whose KV turned out bad: no lookup finds them any more, and they

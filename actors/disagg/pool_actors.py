@@ -8,6 +8,10 @@ prefix caches and the shards keep every stored block; the Conductor started in i
 finds them by name (``find``) and attaches (``PDCluster``: each replica is reset, its
 state read back from its report, the store's directory from the shards' event logs).
 
+A colocated group's store shards (``actors.serving.store_shards``) are pool actors too, each
+named by its id alone (``shared_actor_options``): every replica of the group starts or
+attaches to the same actor with Ray's ``get_if_exists``.
+
 Invariants: at most one live actor per id is kept (``find`` kills extra ones, e.g. a
 replacement started just before its Conductor died); an actor that does not answer
 ``ping`` within ``PING_TIMEOUT_S`` counts as gone. The pool's actors are killed only by
@@ -34,6 +38,19 @@ def pool_actor_options(pool: str, actor_id: str) -> dict[str, Any]:
         "name": f"{pool}/{actor_id}/{uuid.uuid4().hex[:12]}",
         "namespace": POOL_NAMESPACE,
         "lifetime": "detached",
+    }
+
+
+def shared_actor_options(pool: str, actor_id: str) -> dict[str, Any]:
+    """Ray actor options of pool actor ``actor_id`` that several processes may start at
+    once (a colocated group's store shards): the name is fixed by the id (``<pool>/<id>``,
+    which ``find`` reads as well) and Ray's ``get_if_exists`` hands every caller the one
+    live actor under it, so racing starters never make two."""
+    return {
+        "name": f"{pool}/{actor_id}",
+        "namespace": POOL_NAMESPACE,
+        "lifetime": "detached",
+        "get_if_exists": True,
     }
 
 

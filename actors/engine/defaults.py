@@ -50,6 +50,7 @@ REPORT_INTERVAL_S = 0.5
 REGION_REPORT_INTERVAL_S = 0.1
 DECODE_WAIT_S = 30.0
 DECODE_WAIT_MAX = 64
+STORE_MIN_LOAD_TOKENS = 64
 
 
 def report_interval_for(regions: bool) -> float:

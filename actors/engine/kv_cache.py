@@ -6,7 +6,8 @@ tables, statistics, cache events and integrity checks. Both ``store.kv_manager.
 KVCacheManager`` (one pool) and ``store.kv_sharded_manager.ShardedKVManager`` (one pool per
 KV-parallel rank) implement it. A one-rank replica's ``KVCacheManager`` also handles blocks
 outside any request table (``cached_prefix``, ``hold`` / ``unhold``,
-``allocate_published``, ``unpublish``): a P/D replica's loads into its prefix cache.
+``allocate_published``, ``unpublish``, ``allocate_unpublished`` / ``publish``): loads
+from the KV store into its prefix cache (a P/D prefill replica's, a colocated replica's).
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ of the directory and its blocks read as misses, so the caller recomputes:
     client.get_blocks(request_id, hashes, outs) -> int           # leading blocks loaded
     client.store_from_cache(shard_id, hashes, kv_caches, block_ids, parents=None)
     client.store_chain_from(shard_id, hashes, kv_caches, block_ids, start)  # a prefix's tail
+    client.pick_shard(wanted, node_id) -> str | None      # wanted, else one on node, else any
+    client.store_chain(hashes, kv_caches, block_ids, start, wanted, node_id) -> int
     client.load_into_cache(request_id, hashes, kv_caches, block_ids) -> int
+    client.pin_prefix(request_id, hashes) -> StorePin | None ; client.unpin(pin)
+    KVStoreClient.pin_ranges(kv_caches, pin.offsets, block_ids) -> (local, ranges)
     client.change_replica(hashes, src_shard, dst_shard, move=False) -> list[int]
     client.retain(hashes, tenant, seconds)         # on every live shard, not awaited
     client.refresh() (apply shard events) ; client.mark_dead(shard_id)
@@ -49,7 +53,12 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from store.block_directory import BlockDirectory
 from store.kv_block_layout import KVBlockLayout, KVCaches
-from store.kv_store_errors import InvalidBlockError, StoreFullError, TransferError
+from store.kv_store_errors import (
+    InvalidBlockError,
+    KVStoreError,
+    StoreFullError,
+    TransferError,
+)
 from store.shard_store import BlockLocation, ShardStore
 from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
 from store.transfer import Endpoint, LocalMemory, TransferEngine
@@ -326,6 +335,41 @@ class KVStoreClient:
             shard_id, hashes[start:], kv_caches, block_ids[start:], parents
         )
 
+    def pick_shard(self, wanted: str | None, node_id: str) -> str | None:
+        """The shard to write to: ``wanted`` if it is live, else the first live shard on
+        ``node_id``, else the first live one (None: none is live)."""
+        if not self.endpoints:
+            return None
+        if wanted in self.endpoints:
+            return wanted
+        local = [s for s, ep in self.endpoints.items() if ep.node_id == node_id]
+        return sorted(local or self.endpoints)[0]
+
+    def store_chain(
+        self,
+        hashes: list[int],
+        kv_caches: KVCaches,
+        block_ids: list[int],
+        start: int,
+        wanted: str | None,
+        node_id: str,
+    ) -> int:
+        """``store_chain_from`` blocks ``start..`` of one chained prefix to
+        ``pick_shard(wanted, node_id)``; a shard that fails is marked dead and the next
+        one tried (a dead shard costs only cache). Returns blocks stored."""
+        stored = 0
+        while True:
+            shard = self.pick_shard(wanted, node_id)
+            if shard is None:
+                return stored
+            try:
+                stored += len(self.store_chain_from(shard, hashes, kv_caches, block_ids, start))
+            except KVStoreError:
+                self.mark_dead(shard)
+                continue
+            if shard in self.endpoints:
+                return stored  # written (or the shard is full): done with this prefix
+
     @staticmethod
     def _cache_geometry(kv_caches: KVCaches) -> tuple[int, int, int]:
         """(pieces per block, blocks per cache tensor, bytes per piece) of a paged cache."""
@@ -495,6 +539,22 @@ class KVStoreClient:
         for off, b in zip(offsets, block_ids, strict=True):
             per = KVStoreClient._cache_ranges(pieces, num_blocks, piece, b, off)
             ranges += per[2 * layer : 2 * layer + 2]
+        return local, ranges
+
+    @staticmethod
+    def pin_ranges(
+        kv_caches: KVCaches, offsets: list[int], block_ids: list[int]
+    ) -> tuple[LocalMemory, list[tuple[int, int, int]]]:
+        """The registered cache and the ranges that move every layer's K and V of the
+        stored blocks at ``offsets`` (a ``StorePin``'s) into cache blocks ``block_ids``
+        (same order): one read of a whole pinned prefix."""
+        pieces, num_blocks, piece = KVStoreClient._cache_geometry(kv_caches)
+        local = KVStoreClient._register_cache(kv_caches)
+        ranges = [
+            r
+            for off, b in zip(offsets, block_ids, strict=True)
+            for r in KVStoreClient._cache_ranges(pieces, num_blocks, piece, b, off)
+        ]
         return local, ranges
 
     # -- replicas --------------------------------------------------------------------------

@@ -22,9 +22,16 @@ from pydantic import (
 from actors.disagg.dualpath_placement import SCHEDULERS
 from actors.disagg.read_paths import READ_PATHS
 from actors.engine.config import EngineConfig
-from actors.engine.defaults import DECODE_WAIT_MAX, DECODE_WAIT_S, PIN_CORES, report_interval_for
+from actors.engine.defaults import (
+    DECODE_WAIT_MAX,
+    DECODE_WAIT_S,
+    PIN_CORES,
+    STORE_MIN_LOAD_TOKENS,
+    report_interval_for,
+)
 from actors.serving.engine_section import EngineSection
 from actors.serving.pd_layout import PDLayoutConfig, check_pools, check_side_kv
+from actors.serving.store_section import check_colocated_store, check_pd_store
 from policies.rate_limit import KeyRateLimits
 
 RoutingPolicyName = Literal[
@@ -71,7 +78,12 @@ class StoreSectionConfig(_Strict):
     replica uses a subfolder of it named after its replica id. DualPath: ``read_path`` is
     where a stored prefix is read ("prefill", "decode" or "dual": per request, the side with
     the shorter read queue); ``write_back`` makes decode replicas write each block to the
-    store as it fills, so a conversation's next turn hits its own previous answer."""
+    store as it fills, so a conversation's next turn hits its own previous answer.
+
+    A colocated group's store (``actors.serving.store_engine``) is app-wide: ``num_shards``
+    per Ray node, shared by every replica of the group; a replica loads a stored prefix only
+    when it brings at least ``min_load_tokens`` tokens (fewer compute faster). Which fields
+    each kind of group may set: ``actors.serving.store_section``."""
 
     dram_bytes: int = Field(64 << 20, ge=1)
     ssd_bytes: int = Field(0, ge=0)
@@ -82,6 +94,7 @@ class StoreSectionConfig(_Strict):
     # sessions: the share of a shard's blocks (DRAM + SSD) one tenant's retained blocks may
     # hold; past it that tenant's oldest retained blocks lose retention first
     tenant_retained_share: float = Field(0.5, gt=0, le=1)
+    min_load_tokens: int = Field(STORE_MIN_LOAD_TOKENS, ge=0)  # colocated groups only
 
     @field_validator("read_path")
     @classmethod
@@ -227,7 +240,8 @@ class ReplicaGroupConfig(_Strict):
     ``decode``, tp x spp each), placed by the Conductor (set by ``conductor``), with the KV
     store shards of ``store`` if given (the cluster's ``PDClusterConfig`` is built from these
     sections by ``actors.serving.pd_group``). ``num_replicas`` then counts such clusters and
-    defaults to 1 (colocated groups default to 2).
+    defaults to 1 (colocated groups default to 2). A colocated group's ``store`` is one set
+    of shards all its replicas share (``actors.serving.store_engine``).
     """
 
     name: str = "default"
@@ -281,13 +295,17 @@ class ReplicaGroupConfig(_Strict):
                     "and set autoscaling.initial_replicas"
                 )
         if not self.disaggregated:
-            for section in ("store", "conductor", "prefill", "decode"):
+            for section in ("conductor", "prefill", "decode"):
                 if getattr(self, section) is not None:
                     raise ValueError(
                         f"{where}: {section} needs num_prefill and num_decode (only "
                         f"disaggregated groups have one); remove {section} or add both"
                     )
+            if self.store is not None:
+                check_colocated_store(where, self.store, self.engine, StoreSectionConfig())
             return self
+        if self.store is not None:
+            check_pd_store(where, self.store, StoreSectionConfig())
         if self.engine.attention_workers:
             raise ValueError(
                 f"{where}: attention/expert workers are a layout of colocated replicas; "
@@ -545,8 +563,9 @@ class ServeConfig(_Strict):
     def storeless_group(self) -> str | None:
         """A group without a KV store to retain sessions' KV in (None: every group has one).
         The router ranks the replicas of every group, so the ingress cannot know a
-        request's group before routing it: retention needs a store in each."""
-        return next((g.name for g in self.groups if g.store is None), None)
+        request's group before routing it: retention needs a store in each. A colocated
+        group's store does not retain: such a group counts as storeless here."""
+        return next((g.name for g in self.groups if g.store is None or not g.disaggregated), None)
 
     def session_retention_s(self, asked: float | None, tenant: str | None) -> float:
         """The ``kv_retention_s`` a request gets (``SessionsConfig.retention_s``); ValueError

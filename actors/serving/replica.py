@@ -57,7 +57,8 @@ def _engine(
     """``config``: the group's engine config as the Serve config makes it (with its
     region's node resource for the workers); ``pin``: that resource alone, which every
     actor of a disaggregated group's cluster reserves; ``app``: the Serve application,
-    whose name a shared pool's actors carry."""
+    whose name a shared pool's actors carry (a P/D group's; a colocated group's store
+    shards, ``<app>/<group>``, shared by every replica of the group)."""
     if group.disaggregated:
         from actors.disagg.engine import PDEngine
         from actors.serving.pd_group import pd_cluster_config, shared_pool_name
@@ -65,7 +66,23 @@ def _engine(
         pool = shared_pool_name(app, group)
         return PDEngine.for_config(pd_cluster_config(model, group, replica_id, pin, pool))
     slo = group.admission.ttft_slo if group.admission is not None else None
-    return ColocatedEngine.build(model, config, ttft_slo=slo)
+    store = group.store
+    if store is None:
+        return ColocatedEngine.build(model, config, ttft_slo=slo)
+    from actors.serving.store_engine import store_engine
+
+    return store_engine(
+        model,
+        config,
+        f"{app}/{group.name}",
+        replica_id,
+        store.min_load_tokens,
+        store.dram_bytes,
+        store.ssd_bytes,
+        store.ssd_dir,
+        store.num_shards,
+        ttft_slo=slo,
+    )
 
 
 class ReplicaServer:

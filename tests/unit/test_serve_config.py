@@ -137,7 +137,7 @@ def test_store_section_mirrors_store_config():
         ),
         ({"num_prefill": 1, "num_decode": 1, "engine": {"spp": 3}}, "remove engine.spp=3"),
         ({"num_prefill": 1, "num_decode": 1, "engine": {"kvp": 2}}, "remove engine.kvp=2"),
-        ({"store": {"dram_bytes": 1 << 20}}, "store needs num_prefill and num_decode"),
+        ({"store": {"write_back": True}}, "store.write_back is a disaggregated group's option"),
         (
             {"num_prefill": 1, "num_decode": 1, "store": {"ssd_bytes": 1 << 20}},
             "store.ssd_bytes > 0 needs store.ssd_dir",
