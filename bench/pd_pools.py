@@ -122,16 +122,19 @@ def healthy(url: str, replicas: int) -> bool:
 
 
 @contextlib.contextmanager
-def two_apps(args: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """The two-node Ray cluster and both applications; yields each side's base URL once
-    both answer ``/health`` with all their Serve replicas."""
+def running_apps(
+    apps: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> Iterator[dict[str, str]]:
+    """The two-node Ray cluster and one Serve application per entry of ``apps`` (name ->
+    ``ServeConfig`` fields), route prefix ``/<name>``; yields each one's base URL once all
+    answer ``/health`` with all their Serve replicas."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
     from actors.serving.config import ServeConfig
 
-    configs = {side: ServeConfig.parse(app_args(side, args)) for side in SIDES}
+    configs = {name: ServeConfig.parse(fields) for name, fields in apps.items()}
     threads = str(args.torch_threads)
     env = {
         "PYTHONPATH": str(ROOT),
@@ -157,18 +160,18 @@ def two_apps(args: argparse.Namespace) -> Iterator[dict[str, str]]:
 
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        # both deployed at once: their replicas load the model side by side
+        # all deployed at once: their replicas load the model side by side
         targets = [
-            serve.RunTarget(build_app(app_args(s, args)), name=s, route_prefix=f"/{s}")
-            for s in SIDES
+            serve.RunTarget(build_app(fields), name=name, route_prefix=f"/{name}")
+            for name, fields in apps.items()
         ]
         serve.run_many(targets, wait_for_applications_running=False)
-        urls = {side: f"http://127.0.0.1:{port}/{side}" for side in SIDES}
+        urls = {name: f"http://127.0.0.1:{port}/{name}" for name in apps}
         deadline = time.monotonic() + 900
-        for side in SIDES:
-            while not healthy(urls[side], configs[side].groups[0].num_replicas):
+        for name in apps:
+            while not healthy(urls[name], configs[name].groups[0].num_replicas):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{side} did not become healthy in 900 s")
+                    raise TimeoutError(f"{name} did not become healthy in 900 s")
                 time.sleep(1.0)
         yield urls
     finally:
@@ -429,6 +432,8 @@ async def run_all(args: argparse.Namespace, urls: dict[str, str]) -> list[Run]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import pd_pools_scale  # its own module; it imports this one
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SMOLLM2, help="a .gguf, folder, packaged name, or tiny")
     ap.add_argument("--conversations", type=int, default=4, help="per side and repeat")
@@ -448,7 +453,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-cpus", type=int, default=2, help="Ray CPUs of the head node")
     ap.add_argument("--node-cpus", type=int, default=2, help="Ray CPUs of the second node")
     ap.add_argument("--verbose", action="store_true", help="print every turn of every run")
+    ap.add_argument("--scale", action="store_true", help="the pool-scaling step instead")
+    pd_pools_scale.add_options(ap)
     args = ap.parse_args(argv)
+    if args.scale:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        pd_pools_scale.main(args)
+        return
     if args.sharegpt_turns < 3:
         ap.error("--sharegpt-turns must be at least 3")
     chats = workload(args)  # fails early when the datasets cannot give enough
@@ -463,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM unwinds (SystemExit), so the Ray cluster this started is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
-    with two_apps(args) as urls:
+    with running_apps({side: app_args(side, args) for side in SIDES}, args) as urls:
         up = time.monotonic() - t0
         print(f"both applications healthy after {up:.0f} s; {load()}", flush=True)
         runs = asyncio.run(run_all(args, urls))

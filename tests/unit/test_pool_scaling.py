@@ -1,6 +1,6 @@
-"""Each pool of a disaggregated cluster scales on its own signal, after its delay, by the
-smallest change that held through the delay (``policies.pool_scaling``); the Serve config's
-pool sections are checked where they are written."""
+"""Each pool of a disaggregated cluster scales on its own signal, averaged over its delay
+(``policies.pool_scaling``); the Serve config's pool sections are checked where they are
+written."""
 
 from __future__ import annotations
 
@@ -13,30 +13,38 @@ FAST = PoolScaling(min_replicas=1, max_replicas=4, target=100.0, upscale_delay_s
                    downscale_delay_s=10.0)  # fmt: skip
 
 
-def test_prefill_grows_on_queued_tokens_only_after_the_wish_held_for_its_delay():
+def test_prefill_grows_on_the_mean_queue_over_its_delay_once_watched_that_long():
     s = PoolScaler(PREFILL_POOL, FAST)
-    assert s.decide([150.0, 150.0], 2, now=0.0) == 2  # needs 3, but only just now
+    assert s.decide([150.0, 150.0], 2, now=0.0) == 2  # needs 3, but watched for 0 s
     assert s.last is not None and s.last.need == pytest.approx(3.0)
     assert s.last.signal == "queued_prefill_tokens"
     assert s.decide([150.0, 150.0], 2, now=1.0) == 2
-    assert s.decide([250.0, 250.0], 2, now=2.5) == 3  # held 2.5 s: the smallest wish, 3
+    assert s.decide([250.0, 250.0], 2, now=2.5) == 4  # mean over 2 s: (300 + 500) / 2
 
 
-def test_a_burst_shorter_than_the_delay_moves_nothing():
+def test_a_burst_is_averaged_with_the_quiet_looks_around_it():
     s = PoolScaler(PREFILL_POOL, FAST)
-    assert s.decide([500.0], 1, now=0.0) == 1
-    assert s.decide([0.0], 1, now=1.0) == 1  # back at its size: the wish is dropped
-    assert s.decide([500.0], 1, now=2.5) == 1  # a new wish: its delay starts again
-    assert s.decide([500.0], 1, now=4.6) == 4  # min over the held wishes, within the bounds
+    for t in range(5):
+        assert s.decide([0.0], 1, now=float(t)) == 1
+    assert s.decide([120.0], 1, now=5.0) == 1  # mean over 2 s: (0 + 0 + 120) / 3 = 40
+    assert s.decide([0.0], 1, now=5.5) == 1
 
 
-def test_shrinks_with_hysteresis_and_never_below_its_minimum():
+def test_shrinks_with_hysteresis_on_both_windows_and_never_below_its_minimum():
     s = PoolScaler(PREFILL_POOL, FAST)
     assert s.decide([40.0, 40.0, 0.0], 3, now=0.0) == 3  # need 0.8 -> 2 at threshold 0.5
-    assert s.decide([40.0, 40.0, 0.0], 3, now=10.0) == 2
-    assert s.decide([0.0, 0.0], 2, now=20.0) == 2
-    assert s.decide([0.0, 0.0], 2, now=30.0) == 1  # min_replicas
+    assert s.decide([40.0, 40.0], 3, now=10.0) == 2
+    assert s.decide([40.0, 40.0], 2, now=12.0) == 2
+    assert s.decide([0.0, 0.0], 2, now=15.0) == 2  # the 10 s mean (53 tokens) still needs 2
+    assert s.decide([0.0, 0.0], 2, now=21.0) == 1  # both windows quiet: min_replicas
     assert s.decide([0.0], 1, now=60.0) == 1
+
+
+def test_a_step_that_just_began_is_not_averaged_away_by_the_quiet_before_it():
+    s = PoolScaler(PREFILL_POOL, FAST)
+    for t in range(10):
+        s.decide([0.0, 0.0], 2, now=float(t))
+    assert s.decide([180.0, 0.0], 2, now=10.0) == 2  # 10 s mean says 1; the last 2 s say 2
 
 
 def test_decode_scales_on_kv_use_and_ignores_queued_prefill_work():
