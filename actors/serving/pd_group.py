@@ -14,6 +14,7 @@ actor of the cluster to the nodes that carry it.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
@@ -30,14 +31,17 @@ from policies.pool_scaling import DECODE_POOL, PREFILL_POOL
 from store.transfer.links import LinkBudget
 
 
-def shared_pool_name(app: str, group: ReplicaGroupConfig) -> str | None:
+def shared_pool_name(app: str, group: ReplicaGroupConfig, model: str | None = None) -> str | None:
     """The name of ``group``'s shared pool in Serve application ``app``: a disaggregated
     group of one Serve replica (its Conductor) is one cluster whose replicas and shards
     outlive the Conductor's process (``actors.disagg.pool_actors``); with ``num_replicas``
-    above 1 each Serve replica owns a private island (None)."""
+    above 1 each Serve replica owns a private island (None). The name ends with a digest
+    of the model and the group's config, so a Conductor never attaches to replicas built
+    from another config (a redeploy that changes it starts a new pool)."""
     if not group.disaggregated or group.num_replicas != 1:
         return None
-    return f"{app}/{group.name}"
+    digest = hashlib.sha256(f"{model}\n{group.model_dump_json()}".encode()).hexdigest()[:12]
+    return f"{app}/{group.name}/{digest}"
 
 
 def pd_cluster_config(

@@ -63,7 +63,7 @@ def _engine(
         from actors.disagg.engine import PDEngine
         from actors.serving.pd_group import pd_cluster_config, shared_pool_name
 
-        pool = shared_pool_name(app, group)
+        pool = shared_pool_name(app, group, model)
         return PDEngine.for_config(pd_cluster_config(model, group, replica_id, pin, pool))
     slo = group.admission.ttft_slo if group.admission is not None else None
     store = group.store

@@ -18,6 +18,9 @@ def test_the_shipped_pd_config_is_one_cluster_with_a_scaled_prefill_pool_and_the
     (app,) = yaml.safe_load(FILE.read_text())["applications"]
     cfg = ServeConfig.from_args(app["args"])
     (group,) = cfg.groups
-    assert group.disaggregated and shared_pool_name(app["name"], group) == "meridian/pd"
+    pool = shared_pool_name(app["name"], group, cfg.model)
+    assert group.disaggregated and pool is not None and pool.startswith("meridian/pd/")
+    other = group.model_copy(update={"num_prefill": 2})
+    assert shared_pool_name(app["name"], other, cfg.model) != pool  # another config
     assert group.prefill is not None and group.prefill.autoscaling is not None
     assert group.store is not None and group.store.write_back
