@@ -412,10 +412,7 @@ class DecodeReplica(LoopedReplica):
     def _store_shard(self) -> str | None:
         """A live shard on this node, else any live shard."""
         client = self.client
-        if client is None or not client.endpoints:
-            return None
-        local = [s for s, ep in client.endpoints.items() if ep.node_id == self.node()]
-        return sorted(local or client.endpoints)[0]
+        return client.pick_shard(None, self.node()) if client is not None else None
 
     def _emit(self, deltas: list[Any]) -> None:
         """A finished request's last ``TokenDelta`` and its ``Finished`` go out in one

@@ -486,16 +486,6 @@ class PrefillReplica(LoopedReplica):
                     restarted.add(key)
         return restarted
 
-    def _store_shard(self, wanted: str | None = None) -> str | None:
-        """``wanted`` if it is live, else a live shard on this node, else any."""
-        client = self.client
-        if client is None or not client.endpoints:
-            return None
-        if wanted in client.endpoints:
-            return wanted
-        local = [s for s, ep in client.endpoints.items() if ep.node_id == self.node_id]
-        return sorted(local or client.endpoints)[0]
-
     def _export(
         self, hashes: list[int], tokens: list[int], wanted: list[int], shard_id: str
     ) -> int:
@@ -549,18 +539,10 @@ class PrefillReplica(LoopedReplica):
         hashes = task.request.block_hashes
         blocks = table[: len(hashes)]
         todo = [i for i, h in enumerate(hashes) if not client.directory.holders(h)]
-        while todo:
-            shard = self._store_shard(task.store_shard)
-            if shard is None:
-                return
-            try:
-                stored = client.store_chain_from(shard, hashes, caches, blocks, todo[0])
-            except KVStoreError:
-                client.mark_dead(shard)
-                continue
-            self.stored_blocks += len(stored)
-            if shard in client.endpoints:
-                break  # written (or the shard is full): done with this request
+        if todo:  # to the Conductor's shard if live, else one on this node, else any
+            self.stored_blocks += client.store_chain(
+                hashes, caches, blocks, todo[0], task.store_shard, self.node_id
+            )
         # sessions: the prompt's stored blocks are kept ahead of LRU (store.retention)
         client.retain(hashes, task.request.tenant, task.request.params.kv_retention_s)
 
