@@ -68,7 +68,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 
@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_chat import ChatClient, load, mtbench_conversations  # noqa: E402
-from serve_records import TokenClock, percentile  # noqa: E402
+from serve_records import percentile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("islands", "shared")
@@ -239,33 +239,17 @@ class Client:
     async def turn(
         self, messages: list[dict[str, str]], chat: Chat, index: int, turn: int
     ) -> tuple[Turn, str]:
-        clock = TokenClock()
-        stream = await self.chat.client.chat.completions.create(
-            model=self.chat.model,
-            messages=cast(Any, messages),  # the openai client's message types: plain dicts
-            max_tokens=self.max_tokens,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
+        sample, answer = await self.chat.turn(messages, self.max_tokens, False, turn)
+        record = Turn(
+            index,
+            chat.source,
+            turn,
+            sample.ttft,
+            sample.prompt_tokens,
+            sample.output_tokens,
+            sample.cached_tokens,
         )
-        parts: list[str] = []
-        usage = None
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            text = "".join(c.delta.content or "" for c in chunk.choices if c.delta)
-            if text:
-                clock.tick()
-                parts.append(text)
-        if usage is None:
-            raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
-        first = clock.first if clock.first is not None else time.perf_counter()
-        details = usage.prompt_tokens_details
-        cached = (details.cached_tokens or 0) if details is not None else 0
-        ttft = first - clock.start
-        prompt, completion = usage.prompt_tokens, usage.completion_tokens
-        record = Turn(index, chat.source, turn, ttft, prompt, completion, cached)
-        return record, "".join(parts)
+        return record, answer
 
     async def conversation(self, chat: Chat, index: int) -> list[Turn]:
         messages: list[dict[str, str]] = []

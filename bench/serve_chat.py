@@ -112,6 +112,7 @@ class ChatClient:
         # an answer with no text (EOS at once): its end is its first token
         first = end if clock.first is None else clock.first
         t0, itls = clock.start, clock.itls
+        details = usage.prompt_tokens_details
         sample = Sample(
             first - t0,
             end - t0,
@@ -119,6 +120,7 @@ class ChatClient:
             usage.completion_tokens,
             turn=turn,
             prompt_tokens=usage.prompt_tokens,
+            cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
         )
         return sample, "".join(parts)
 

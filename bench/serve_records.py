@@ -27,6 +27,7 @@ class Sample:
     output_tokens: int
     turn: int = 1  # the turn of its conversation (1 for single-turn workloads)
     prompt_tokens: int = 0  # as the server's usage counted them (chat template included)
+    cached_tokens: int = 0  # of those, served from cache (usage.prompt_tokens_details)
 
     @property
     def tpot(self) -> float | None:

@@ -3,7 +3,9 @@ colocated reference they are compared against."""
 
 from __future__ import annotations
 
+import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,26 @@ def cluster():
     )
     yield
     ray.shutdown()
+
+
+def two_node_cluster(*paths: Path) -> Iterator[Any]:
+    """A module's Ray cluster of two raylets on this machine (the head with 2 CPUs, one
+    more node with 1), its workers importing the repository and ``paths``; for a
+    module-scoped fixture to ``yield from``."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    pythonpath = os.pathsep.join(str(p) for p in (REPO, *paths))
+    ray.init(
+        address=cluster.address,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+    )
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
 
 
 def tokens(seed: int, n: int) -> list[int]:

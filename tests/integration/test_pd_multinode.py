@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from pd_common import PARAMS, REPO, colocated, pd_config, tokens
-from ray.cluster_utils import Cluster
+from pd_common import PARAMS, colocated, pd_config, tokens, two_node_cluster
 
 from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
@@ -19,17 +18,7 @@ from store.transfer.nixl_backend import nixl_api
 
 @pytest.fixture(scope="module", autouse=True)
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(
-        address=cluster.address,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    yield from two_node_cluster()
 
 
 def test_prefill_and_decode_on_two_nodes_stream_kv_between_nodes():

@@ -5,13 +5,11 @@ Skipped where no NIXL package is installed (not a project dependency)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import ray
-from pd_common import PARAMS, REPO, colocated, pd_config, tokens
-from ray.cluster_utils import Cluster
+from pd_common import PARAMS, colocated, pd_config, tokens, two_node_cluster
 
 from actors.disagg.cluster import PDCluster
 from store.transfer.nixl_backend import nixl_api
@@ -23,18 +21,7 @@ pytestmark = pytest.mark.skipif(api is None, reason="no NIXL package installed")
 @pytest.fixture(scope="module", autouse=True)
 def two_nodes():
     assert api is not None and api.__file__ is not None
-    nixl_root = Path(api.__file__).resolve().parents[1]  # where the NIXL package lies
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(
-        address=cluster.address,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(nixl_root)])}},
-    )
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    yield from two_node_cluster(Path(api.__file__).resolve().parents[1])  # NIXL's package
 
 
 def test_kv_streams_across_nodes_over_nixl():

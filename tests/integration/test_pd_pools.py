@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 import ray
-from pd_common import PARAMS, REPO, colocated, pd_config, tokens
-from ray.cluster_utils import Cluster
+from pd_common import PARAMS, REPO, colocated, pd_config, tokens, two_node_cluster
 
 from actors.disagg import pool_actors
 from actors.disagg.cluster import PDCluster
@@ -35,18 +34,7 @@ BS = 4
 
 @pytest.fixture(scope="module", autouse=True)
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(
-        address=cluster.address,
-        log_to_driver=False,
-        # this module too: the Conductor's host actor is defined here
-        runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'integration'}"}},
-    )
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    yield from two_node_cluster(REPO / "tests" / "integration")  # the host actor's module
 
 
 def drain(pd: PDCluster) -> None:
