@@ -60,6 +60,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import statistics
@@ -372,7 +373,23 @@ def print_turns(run: Run) -> None:
         )
 
 
-def report(runs: list[Run], args: argparse.Namespace) -> None:
+LINK_RE = re.compile(r"^meridian:pd_kv_transfer_links\{([^}]*)\} (\S+)$")
+LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
+
+
+def transfer_links(url: str) -> str:
+    """Which backend carried KV on each path, from the app's ``/metrics`` (replica-peer
+    pairs summed over its Serve replicas)."""
+    counts: dict[tuple[str, str], float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if m := LINK_RE.match(line):
+            labels = dict(LABEL_RE.findall(m[1]))
+            key = (labels["path"], labels["backend"])
+            counts[key] = counts.get(key, 0.0) + float(m[2])
+    return ", ".join(f"{p} over {b}: {n:.0f}" for (p, b), n in sorted(counts.items())) or "none"
+
+
+def report(runs: list[Run], args: argparse.Namespace, links: dict[str, str]) -> None:
     print()
     head = " ".join(f"{h:>{w}}" for _, h, w, _ in COLUMNS)
     print(f"{'side rep':<14} {head}   (TTFT in ms; cached, ideal: of later turns' prompts)")
@@ -381,6 +398,8 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
         print(row(f"{r.side} {r.repeat + 1}", r.metrics(), tail))
     med: dict[str, dict[str, float]] = {}
     apart, pooled = sides(args)
+    for side in (apart, pooled):
+        print(f"{side} KV transfers (replica-peer pairs): {links[side]}")
     for side in (apart, pooled):
         ms = [r.metrics() for r in runs if r.side == side]
         med[side] = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
@@ -495,7 +514,8 @@ def main(argv: list[str] | None = None) -> None:
         up = time.monotonic() - t0
         print(f"both applications healthy after {up:.0f} s; {load()}", flush=True)
         runs = asyncio.run(run_all(args, urls))
-    report(runs, args)
+        links = {side: transfer_links(url) for side, url in urls.items()}
+    report(runs, args, links)
 
 
 if __name__ == "__main__":

@@ -24,17 +24,27 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from actors.disagg.cluster import PDCluster
 from actors.disagg.cluster_config import PDClusterConfig
 from actors.disagg.conductor import RequestRejected
-from actors.disagg.messages import PDCounters
+from actors.disagg.messages import PDCounters, PrefillStats
 from actors.engine.outputs import RequestOutput, StreamDelta
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
 POLL_WAIT_S = 0.05  # the engine thread applies new commands at least this often
 STORE_REFRESH_S = 1.0  # under load, the store's map is brought up to date this often
+
+
+def transfer_links(reports: list[PrefillStats]) -> tuple[tuple[str, str, int], ...]:
+    """(path, backend, peers) from the prefill replicas' reports (``PDCounters``)."""
+    links: Counter[tuple[str, str]] = Counter()
+    for r in reports:
+        links.update(("prefill->decode", b) for b in r.backends.values())
+        links.update(("store->prefill", b) for b in r.load_backends.values())
+    return tuple((path, backend, n) for (path, backend), n in sorted(links.items()))
 
 
 class PDEngine:
@@ -146,6 +156,7 @@ class PDEngine:
             decode_wait_seconds=self.cluster.waits.seconds_waited,
             pool_replicas=tuple(pools.sizes().items()),
             pool_needs=tuple((p, d.signal, d.need) for p, d in pools.decisions().items()),
+            transfer_links=transfer_links(reports),
         )
 
     def cached_block_hashes(self) -> list[int]:

@@ -11,7 +11,7 @@ again) is recognised and dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.disagg.kv_stream import KVDestination
@@ -78,9 +78,11 @@ class PrefillStats:
     stored_blocks: int
     bytes_streamed: int
     layers_streamed: int
-    backends: dict[str, str]  # decode endpoint -> transfer backend (shm / tcp)
+    backends: dict[str, str]  # decode endpoint -> transfer backend (shm / tcp / nixl)
     # (uncomputed tokens, computed tokens) of each queued request, in serving order
     queued: tuple[tuple[int, int], ...] = ()
+    # store shard endpoint -> the backend this replica's store reads use
+    load_backends: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -176,3 +178,7 @@ class PDCounters:
     # replicas its load needs at its target and the signal (``policies.pool_scaling``)
     pool_replicas: tuple[tuple[str, int], ...] = ()
     pool_needs: tuple[tuple[str, str, float], ...] = ()  # (pool, signal, need)
+    # (path, backend, peers): which transfer backend carries KV on each path, counted
+    # over the (replica, peer) pairs that have moved KV; path "prefill->decode" (the
+    # layer stream) or "store->prefill" (store reads)
+    transfer_links: tuple[tuple[str, str, int], ...] = ()

@@ -556,6 +556,7 @@ class PrefillReplica(LoopedReplica):
             bytes_streamed=self.bytes_streamed,
             layers_streamed=self.layers_streamed,
             backends=self.engine.chosen_backends(),
+            load_backends=self.load_engine.chosen_backends(),
             queued=tuple(
                 (q.num_uncomputed_tokens, q.num_computed_tokens)
                 for q in (*s.running, *s.waiting)

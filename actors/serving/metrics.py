@@ -75,6 +75,10 @@ _POOL_NEED = (
     "pd_pool_scaling_need",
     "Replicas a scaled pool's load needs at its target, labelled by the signal it scales on",
 )
+_TRANSFER_LINKS = (
+    "pd_kv_transfer_links",
+    "Replica-peer pairs that moved KV, by path and the transfer backend that carried it",
+)
 # PDCounters' per-tier fields, as one counter labelled ``tier``
 _TIER_FAMILY = ("kv_store_hit_blocks", "Blocks the KV store served, by the tier they were in")
 _TIER_FIELDS = {"dram": "store_dram_hit_blocks", "ssd": "store_ssd_hit_blocks"}
@@ -244,7 +248,12 @@ class ReplicaMetrics:
             )
             for pool, signal, need in c.pool_needs:
                 needs.add_metric([pool, signal], need)
-            families += [sizes, needs]
+            links = GaugeMetricFamily(
+                PREFIX + _TRANSFER_LINKS[0], _TRANSFER_LINKS[1], labels=["path", "backend"]
+            )
+            for path, backend, n in c.transfer_links:
+                links.add_metric([path, backend], n)
+            families += [sizes, needs, links]
         snap = MetricsSnapshot(tuple(families))
         self._last = (now, snap)
         return snap
