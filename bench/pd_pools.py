@@ -373,19 +373,28 @@ def print_turns(run: Run) -> None:
         )
 
 
-LINK_RE = re.compile(r"^meridian:pd_kv_transfer_links\{([^}]*)\} (\S+)$")
+SAMPLE_RE = re.compile(r"^([\w:]+)\{([^}]*)\} (\S+)$")
 LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of metric ``name`` in a ``/metrics`` text."""
+    out = []
+    for line in text.splitlines():
+        m = SAMPLE_RE.match(line)
+        if m is not None and m[1] == name:
+            out.append((dict(LABEL_RE.findall(m[2])), float(m[3])))
+    return out
 
 
 def transfer_links(url: str) -> str:
     """Which backend carried KV on each path, from the app's ``/metrics`` (replica-peer
     pairs summed over its Serve replicas)."""
     counts: dict[tuple[str, str], float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if m := LINK_RE.match(line):
-            labels = dict(LABEL_RE.findall(m[1]))
-            key = (labels["path"], labels["backend"])
-            counts[key] = counts.get(key, 0.0) + float(m[2])
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for labels, n in samples(text, "meridian:pd_kv_transfer_links"):
+        key = (labels["path"], labels["backend"])
+        counts[key] = counts.get(key, 0.0) + n
     return ", ".join(f"{p} over {b}: {n:.0f}" for (p, b), n in sorted(counts.items())) or "none"
 
 

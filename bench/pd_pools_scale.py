@@ -23,20 +23,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from pd_pools import model_name, running_apps
+from pd_pools import model_name, running_apps, samples
 from serve_records import percentile
-
-POOL_RE = re.compile(r'^meridian:pd_pool_replicas\{[^}]*pool="(\w+)"[^}]*\} (\S+)$')
-NEED_RE = re.compile(
-    r'^meridian:pd_pool_scaling_need\{[^}]*pool="(\w+)"[^}]*signal="(\w+)"[^}]*\} (\S+)$'
-)
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,11 +72,10 @@ class Watch:
     def read(self, text: str) -> None:
         needs: dict[str, tuple[str, float]] = {}
         sizes: dict[str, int] = {}
-        for line in text.splitlines():
-            if m := POOL_RE.match(line):
-                sizes[m[1]] = int(float(m[2]))
-            elif m := NEED_RE.match(line):
-                needs[m[1]] = (m[2], float(m[3]))
+        for labels, n in samples(text, "meridian:pd_pool_replicas"):
+            sizes[labels["pool"]] = int(n)
+        for labels, need in samples(text, "meridian:pd_pool_scaling_need"):
+            needs[labels["pool"]] = (labels["signal"], need)
         self.needs.update(needs)
         for pool, n in sizes.items():
             old = self.sizes.get(pool)

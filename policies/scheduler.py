@@ -489,7 +489,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = now
+        seq.finish(reason, now)
         self._by_id.pop(seq.request_id, None)

@@ -97,6 +97,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    def finish(self, reason: FinishReason, now: float) -> None:
+        """Mark it ended (the scheduler frees its blocks first, if it held any)."""
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = now
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)

@@ -101,7 +101,7 @@ class Recovery:
                 call_replica(r.prefills[req.prefill_id].abort, req.key)
         r.forget(r.decodes[did])
         self.num_decode_restarts += 1
-        r.start_decode(did)
+        r.start(did)
         for req in lost:
             self.requeue(req)
 
@@ -114,7 +114,7 @@ class Recovery:
             call_replica(r.decodes[req.decode_id].cancel, req.key)
         r.forget(r.prefills[pid])
         self.num_prefill_restarts += 1
-        r.start_prefill(pid)
+        r.start(pid)
         for req in lost:
             self.requeue(req)
 

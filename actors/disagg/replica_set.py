@@ -143,12 +143,6 @@ class ReplicaSet:
         handle = self._create(rid, restart)
         self._register(rid, handle, ray.get(handle.node.remote()), set())
 
-    def start_prefill(self, pid: str) -> None:
-        self.start(pid)
-
-    def start_decode(self, did: str) -> None:
-        self.start(did)
-
     def begin_start(self, kind: str) -> str:
         """One more replica of ``kind`` (``"prefill"`` or ``"decode"``) under the first
         free id, placed on the node holding fewest of its kind; it joins the set once

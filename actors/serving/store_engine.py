@@ -60,7 +60,7 @@ from errors import InvalidRequestError
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 from policies.scheduler import ScheduledStep
-from policies.sequence import FinishReason, SeqStatus
+from policies.sequence import FinishReason
 from store.block_pool import NoFreeBlocksError
 from store.kv_block_layout import KVBlockLayout
 from store.transfer import Endpoint, TransferEngine
@@ -179,9 +179,7 @@ class StoreEngine(ColocatedEngine):
         load = self._loads.get(key)
         if load is not None:
             load.waiters.remove(request_id)
-        r.seq.status = SeqStatus.FINISHED
-        r.seq.finish_reason = FinishReason.ABORT
-        r.seq.finish_time = time.monotonic()
+        r.seq.finish(FinishReason.ABORT, time.monotonic())
         self._requests[request_id] = r  # ``release`` hands back its (empty) output
 
     def release(self, request_id: str) -> RequestOutput:
