@@ -80,6 +80,7 @@ class PDRequest:
         output.first_token_time = self.first_token_time
         output.finish_time = time.monotonic()
         self.output, self.key = output, None
+        self.in_prefill = False  # the prefill's own report (``PrefillDone``) may come later
 
     def end(self, text: bool = True) -> None:
         """End it here (aborted, or out of attempts) with the tokens streamed so far."""

@@ -119,6 +119,7 @@ class RegionBalancerDeployment:
         return self.own_groups.union(*(self.groups_of[r] for r in self.adopted))
 
     async def stats(self) -> dict[str, Any]:
+        self._ensure_monitor()
         return {
             "region": self.region,
             "adopted": sorted(self.adopted),
@@ -126,6 +127,7 @@ class RegionBalancerDeployment:
             "placed_local": self.policy.placed_local,
             "forwarded": self.policy.forwarded,
             "queued": len(self.policy.queue),
+            "free_replicas": self.policy.status(time.monotonic()).free_replicas,
         }
 
     # -- placement -------------------------------------------------------------------------

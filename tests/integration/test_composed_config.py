@@ -123,11 +123,24 @@ def placed(server: Server) -> dict[str, int]:
     return {s["region"]: s["placed_local"] for s in server.http.get("/regions").json()["regions"]}
 
 
+def wait_free(server: Server, region: str) -> None:
+    """Until ``region``'s balancer sees a free local replica (its probes report the last
+    request done), so that the next request is placed there, not forwarded."""
+    deadline = time.monotonic() + 60
+    while True:
+        stats = {s["region"]: s for s in server.http.get("/regions").json()["regions"]}
+        if stats[region]["free_replicas"] > 0:
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
 def test_each_region_serves_exact_greedy_tokens(server, reference):
     """Short and multi-chunk prompts (up to 5 chunks of the 32-token budget) through each
     region's balancer, one at a time, so each is placed in its own region."""
     for region, seed in (("us", 1), ("eu", 2)):
         for n_prompt in (7, 150):
+            wait_free(server, region)
             before = placed(server)
             prompt = ids(seed * 10 + n_prompt, n_prompt)
             r = complete(server, region, prompt, 12)
@@ -150,8 +163,11 @@ def test_a_second_turn_reads_the_written_back_answer_from_the_store(server, refe
     assert answer == greedy(reference, turn1, 24)
     hits = store_hits(server)
     turn2 = turn1 + answer + ids(32, 9)
+    wait_free(server, "us")  # placed in ``us``, where the store is (not forwarded to eu)
+    before = placed(server)
     r = complete(server, "us", turn2, 12)
     assert r.status_code == 200, r.text
+    assert placed(server)["us"] - before["us"] == 1
     assert r.json()["choices"][0]["token_ids"] == greedy(reference, turn2, 12)
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * BS
     deadline = time.monotonic() + 30

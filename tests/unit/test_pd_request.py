@@ -43,3 +43,14 @@ def test_ending_keeps_what_was_streamed():
     assert r.output is not None
     assert r.output.token_ids == [10, 11] and r.output.finish_reason == "abort"
     assert r.output.text == "tt"
+
+
+def test_a_request_that_finished_before_its_prefill_reported_is_no_longer_in_prefill():
+    """Decode's ``Finished`` may reach the Conductor before the prefill replica's
+    ``PrefillDone``: the ended request no longer counts as in prefill there (a draining
+    prefill replica waits for none of it)."""
+    r = request()
+    r.start_attempt("r#1", "p0", "d0")
+    assert r.in_prefill
+    r.finish(RequestOutput("r#1", [1, 2, 3], [10], "", True, "length"))
+    assert not r.in_prefill and r.prefill_id == "p0"
