@@ -76,10 +76,12 @@ class DecodeReplica(LoopedReplica):
         write_back: bool = True,
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
+        store_placement: str = "key",
     ) -> None:
         """``store_shards``: the KV store shards it reads prefixes from for prefill
         replicas (``load_prefix``, DualPath's decode read path) and, with ``write_back``,
-        writes every full block back to. ``link_budget``: its store reads and writes pay
+        writes every full block back to (the shard ``store_placement`` picks:
+        ``policies.shard_choice``). ``link_budget``: its store reads and writes pay
         this replica's emulated storage link (on one machine each replica stands for a
         node). ``record_loads``: keep when each layer of a prefix load was in
         (``load_timeline``).
@@ -112,7 +114,9 @@ class DecodeReplica(LoopedReplica):
                     "write-back and prefix loads use a decode replica's cache in its own "
                     "process: with a store, decode replicas run tp=spp=1"
                 )
-            self.client = KVStoreClient(f"decode-{replica_id}", node_id=self.node())
+            self.client = KVStoreClient(
+                f"decode-{replica_id}", node_id=self.node(), placement=store_placement
+            )
             # loads run on the caller's thread (not the loop), with a client of their own
             self.load_client = KVStoreClient(f"decode-{replica_id}-loads", node_id=self.node())
             for shard_id, handle in store_shards.items():
@@ -386,7 +390,7 @@ class DecodeReplica(LoopedReplica):
             if len(hashes) <= done:
                 continue
             self._written[key] = len(hashes)
-            shard = self._store_shard()
+            shard = self._store_shard(hashes[0])
             if shard is None:
                 return
             try:
@@ -409,10 +413,11 @@ class DecodeReplica(LoopedReplica):
                 hashes = self.controller.computed_full_blocks(key, tables[key])[0] or hashes
             client.retain(hashes, tenant, seconds)
 
-    def _store_shard(self) -> str | None:
-        """A live shard on this node, else any live shard."""
+    def _store_shard(self, root: int) -> str | None:
+        """The live shard the blocks of the prefix whose first block is ``root`` go to
+        (``policies.shard_choice``; "local": one on this node, else any)."""
         client = self.client
-        return client.pick_shard(None, self.node()) if client is not None else None
+        return client.pick_shard(None, self.node(), root) if client is not None else None
 
     def _emit(self, deltas: list[Any]) -> None:
         """A finished request's last ``TokenDelta`` and its ``Finished`` go out in one

@@ -104,12 +104,15 @@ class PrefillReplica(LoopedReplica):
         threads: int | None = None,
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
+        store_placement: str = "key",
     ) -> None:
-        """``config``'s ``tp`` / ``spp`` spread the replica over worker actors, each
-        streaming the layers and heads it holds (Mooncake's chunked pipeline parallelism
-        for long prefills is ``spp`` here). With the KV store, ``tp`` = 1: a multi-stage
-        replica maps its stages' caches (``StageCaches``), loads a stored prefix before
-        the step that reads it and writes each finished prompt's blocks back.
+        """``store_placement``: which shard each prefix is written to
+        (``policies.shard_choice``). ``config``'s ``tp`` / ``spp`` spread the replica over
+        worker actors, each streaming the layers and heads it holds (Mooncake's chunked
+        pipeline parallelism for long prefills is ``spp`` here). With the KV store,
+        ``tp`` = 1: a multi-stage replica maps its stages' caches (``StageCaches``), loads
+        a stored prefix before the step that reads it and writes each finished prompt's
+        blocks back.
         ``link_budget``: store reads pay this replica's emulated storage link (on one
         machine each replica stands for its own node). ``record_loads``: keep the load /
         compute timeline (``load_timeline``)."""
@@ -159,7 +162,9 @@ class PrefillReplica(LoopedReplica):
         self.kv = self.controller.one_rank_kv
         self.client: KVStoreClient | None = None
         if store_shards:
-            self.client = KVStoreClient(f"prefill-{replica_id}", node_id=self.node_id)
+            self.client = KVStoreClient(
+                f"prefill-{replica_id}", node_id=self.node_id, placement=store_placement
+            )
             for shard_id, handle in store_shards.items():
                 self.client.add_shard(shard_id, handle)
             self.client.write_link = storage_link  # store writes pay the storage link

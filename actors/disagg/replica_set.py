@@ -205,6 +205,7 @@ class ReplicaSet:
                 store_shards=self.store.live() if self.store else {},
                 link_budget=side.link_budget,
                 record_loads=side.record_loads,
+                store_placement=self._store_placement(),
                 **self._pinning(rid),
             )
         side = self.config.decode
@@ -220,8 +221,12 @@ class ReplicaSet:
             write_back=bool(self.store and self.store.cfg.write_back),
             link_budget=side.link_budget,
             record_loads=side.record_loads,
+            store_placement=self._store_placement(),
             **self._pinning(rid),
         )
+
+    def _store_placement(self) -> str:
+        return self.store.cfg.placement if self.store else "key"
 
     def _register(self, rid: str, handle: Any, node: str, cached: set[int]) -> None:
         """Count a running replica in: its view, its state as it reports it, its poll."""

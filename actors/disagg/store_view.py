@@ -29,6 +29,7 @@ from actors.disagg import pool_actors
 from actors.kvstore.shard import KVStoreClient, kv_store_shard_actor
 from actors.ray_nodes import pinned
 from placement.nodes import NodePlacement
+from policies.shard_choice import check_placement
 
 RETENTION_KEYS = ("retained_blocks", "retention_hit_blocks", "expired_retentions")
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)  # an actor that is gone
@@ -48,6 +49,12 @@ class StoreConfig:
     # sessions: the share of a shard's blocks one tenant's retained blocks may hold
     # (``store.retention``; past it the tenant's oldest retained blocks lose retention)
     tenant_retained_share: float = 1.0
+    # which shard a prefix is written to: "key" (its first block's owner) or "local" (the
+    # writer's node): ``policies.shard_choice``
+    placement: str = "key"
+
+    def __post_init__(self) -> None:
+        check_placement(self.placement)
 
 
 class PDStore:

@@ -29,7 +29,7 @@ of the directory and its blocks read as misses, so the caller recomputes:
     client.get_blocks(request_id, hashes, outs) -> int           # leading blocks loaded
     client.store_from_cache(shard_id, hashes, kv_caches, block_ids, parents=None)
     client.store_chain_from(shard_id, hashes, kv_caches, block_ids, start)  # a prefix's tail
-    client.pick_shard(wanted, node_id) -> str | None      # wanted, else one on node, else any
+    client.pick_shard(wanted, node_id, root=None) -> str | None  # policies.shard_choice
     client.store_chain(hashes, kv_caches, block_ids, start, wanted, node_id) -> int
     client.load_into_cache(request_id, hashes, kv_caches, block_ids) -> int
     client.pin_prefix(request_id, hashes) -> StorePin | None ; client.unpin(pin)
@@ -51,6 +51,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from policies.shard_choice import check_placement, key_owner, local_choice
 from store.block_directory import BlockDirectory
 from store.kv_block_layout import KVBlockLayout, KVCaches
 from store.kv_store_errors import (
@@ -232,7 +233,10 @@ class KVStoreClient:
         directory: BlockDirectory | None = None,
         node_id: str | None = None,
         prefer: Sequence[str] = (),
+        placement: str = "key",
     ) -> None:
+        """``placement``: which shard a prefix is written to (``policies.shard_choice``)."""
+        self.placement = check_placement(placement)
         self.directory = directory if directory is not None else BlockDirectory()
         self.engine = TransferEngine(client_id, node_id or current_node_id(), prefer=prefer)
         # writes pay this link (its node's emulated storage link, KV class); None: unlimited
@@ -335,15 +339,14 @@ class KVStoreClient:
             shard_id, hashes[start:], kv_caches, block_ids[start:], parents
         )
 
-    def pick_shard(self, wanted: str | None, node_id: str) -> str | None:
-        """The shard to write to: ``wanted`` if it is live, else the first live shard on
-        ``node_id``, else the first live one (None: none is live)."""
-        if not self.endpoints:
-            return None
-        if wanted in self.endpoints:
-            return wanted
+    def pick_shard(self, wanted: str | None, node_id: str, root: int | None = None) -> str | None:
+        """The live shard to write a prefix whose first block is ``root`` to (None: none
+        is live): by ``placement`` (``policies.shard_choice``), the owner of ``root``, or
+        ``wanted``, else one on ``node_id``, else any (also when ``root`` is not known)."""
+        if self.placement == "key" and root is not None:
+            return key_owner(root, self.endpoints)
         local = [s for s, ep in self.endpoints.items() if ep.node_id == node_id]
-        return sorted(local or self.endpoints)[0]
+        return local_choice(wanted, local, self.endpoints)
 
     def store_chain(
         self,
@@ -355,11 +358,11 @@ class KVStoreClient:
         node_id: str,
     ) -> int:
         """``store_chain_from`` blocks ``start..`` of one chained prefix to
-        ``pick_shard(wanted, node_id)``; a shard that fails is marked dead and the next
+        ``pick_shard(wanted, node_id, hashes[0])``; a shard that fails is marked dead and the next
         one tried (a dead shard costs only cache). Returns blocks stored."""
         stored = 0
         while True:
-            shard = self.pick_shard(wanted, node_id)
+            shard = self.pick_shard(wanted, node_id, hashes[0])
             if shard is None:
                 return stored
             try:

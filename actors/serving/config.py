@@ -34,6 +34,7 @@ from actors.serving.pd_layout import PDLayoutConfig, check_pools, check_side_kv
 from actors.serving.regions_section import RegionsSectionConfig
 from actors.serving.store_section import check_colocated_store, check_pd_store
 from policies.rate_limit import KeyRateLimits
+from policies.shard_choice import check_placement
 
 RoutingPolicyName = Literal[
     "round_robin", "least_loaded", "power_of_two", "prefix_aware", "consistent_hash"
@@ -96,6 +97,15 @@ class StoreSectionConfig(_Strict):
     # hold; past it that tenant's oldest retained blocks lose retention first
     tenant_retained_share: float = Field(0.5, gt=0, le=1)
     min_load_tokens: int = Field(STORE_MIN_LOAD_TOKENS, ge=0)  # colocated groups only
+    # which shard a prefix is written to (policies.shard_choice): "key", its first block's
+    # owner, so a conversation's blocks share one shard and prefixes spread over all; or
+    # "local", the writer's node
+    placement: str = "key"
+
+    @field_validator("placement")
+    @classmethod
+    def _known_placement(cls, value: str) -> str:
+        return check_placement(value)
 
     @field_validator("read_path")
     @classmethod

@@ -82,6 +82,7 @@ def _engine(
         store.ssd_dir,
         store.num_shards,
         ttft_slo=slo,
+        placement=store.placement,
     )
 
 

@@ -93,6 +93,7 @@ def store_engine(
     ssd_dir: str | None = None,
     num_shards: int = 1,
     ttft_slo: float | None = None,
+    placement: str = "key",
 ) -> StoreEngine:
     """A replica of a colocated group with a store: its engine, and the group's shards
     (``pool``: ``<app>/<group>``) started or attached (``AppShards``)."""
@@ -102,7 +103,8 @@ def store_engine(
     layout = KVBlockLayout.of(cache.kv_caches)
     tag = shard_tag(parts.model_dir.resolve(), layout)
     spec = ShardSpec(pool, layout.block_bytes, tag, dram_bytes, ssd_bytes, ssd_dir, num_shards)
-    return StoreEngine(parts, cache, AppShards(spec), replica_id, min_load_tokens, ttft_slo)
+    shards = AppShards(spec)
+    return StoreEngine(parts, cache, shards, replica_id, min_load_tokens, ttft_slo, placement)
 
 
 def check_store_layout(config: EngineConfig) -> None:
@@ -125,7 +127,10 @@ class StoreEngine(ColocatedEngine):
         replica_id: str,
         min_load_tokens: int,
         ttft_slo: float | None = None,
+        placement: str = "key",
     ) -> None:
+        """``placement``: which shard each prompt is written to (``policies.shard_choice``;
+        ``home``, one of this node's shards, is the writer's own under "local")."""
         check_store_layout(parts.engine_config)
         super().__init__(parts, ttft_slo)
         self.cache = cache  # the worker's tensors (new ones after a restart: read each time)
@@ -140,7 +145,9 @@ class StoreEngine(ColocatedEngine):
         self._reads = ThreadPoolExecutor(1, thread_name_prefix="kv-store-read")
         self._read_engine = TransferEngine(f"colocated-{replica_id}-reads", self.node_id)
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kv-store-write")
-        self._writer = KVStoreClient(f"colocated-{replica_id}-writes", node_id=self.node_id)
+        self._writer = KVStoreClient(
+            f"colocated-{replica_id}-writes", node_id=self.node_id, placement=placement
+        )
         self._writes.submit(self._add_shards, dict(shards.handles)).result()
         self._loads: dict[int, _Load] = {}  # by the hash of its first block
         self._waiting: dict[str, tuple[_Request, int]] = {}  # request -> its load's key
@@ -338,7 +345,7 @@ class StoreEngine(ColocatedEngine):
         none is live; blocks this write stored)."""
         w = self._writer
         stored = w.store_chain(hashes, caches, blocks, start, self.home, self.node_id)
-        return w.pick_shard(self.home, self.node_id), stored  # the one written to, if live
+        return w.pick_shard(self.home, self.node_id, hashes[0]), stored  # written to, if live
 
     def _wrote(
         self, hold: list[int], hashes: list[int], out: tuple[str | None, int] | None

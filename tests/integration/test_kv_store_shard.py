@@ -175,3 +175,54 @@ def test_killed_shard_drops_out_and_its_blocks_miss(cluster, tmp_path_factory):
     remove_stale_segments()  # the killed shard's segment is reclaimed by name
     ray.get(shards["s0"].close.remote())
     ray.kill(shards["s0"])
+
+
+def test_prefixes_spread_over_shards_by_key_and_a_conversation_stays_on_one(
+    cluster, tmp_path_factory
+):
+    """Placement "key": writers on any node put a prefix on the owner of its first block,
+    so distinct prefixes fill every shard, a later turn's new blocks join its first turn's
+    on one shard (one read brings the whole conversation back, exactly), and once the
+    owner dies its prefixes go to the next owner. "local": the writer's own shard."""
+    from policies.shard_choice import key_owner
+
+    shards = make_shards(tmp_path_factory, 3, dram_blocks=32, ssd_blocks=0)
+    client = KVStoreClient("driver")
+    for sid, h in shards.items():
+        client.add_shard(sid, h)
+    caches = allocate_kv_cache(LAYERS, 16, BLOCK_SIZE, HEADS, DIM)
+    for k, v in caches:
+        k.normal_()
+        v.normal_()
+    node = client.endpoints["s0"].node_id
+    prefixes = [prompt_hashes(100 + i, 2) for i in range(12)]
+    for hashes in prefixes:  # wanted "s0" (the writer's home) does not decide: the key does
+        assert client.store_chain(hashes, caches, [0, 1], 0, "s0", node) == 2
+        assert client.directory.holders(hashes[0]) == {key_owner(hashes[0], shards)}
+    assert {key_owner(p[0], shards) for p in prefixes} == set(shards)  # every shard used
+    # turn 2: turn 1's two blocks and three more (say, the answer and the next message)
+    turn2 = prompt_hashes(100, 5)
+    assert turn2[:2] == prefixes[0]
+    assert client.store_chain(turn2, caches, [0, 1, 2, 3, 4], 2, None, node) == 3
+    owner = key_owner(turn2[0], shards)
+    assert client.directory.best_holder(turn2) == (owner, 5)
+    n, got = ray.get(Worker.remote(shards).load.remote("turn2", turn2))
+    assert n == 5 and got == digest(LAYOUT.gather(caches, b) for b in range(5))
+    ray.kill(shards[owner])
+    wait_until_dead(shards[owner])
+    later = prompt_hashes(100, 6)  # the owner is gone: the whole prefix to the next owner
+    client.store_chain(later, caches, list(range(6)), 0, None, node)
+    alive = [s for s in shards if s != owner]
+    assert client.directory.best_holder(later) == (key_owner(later[0], alive), 6)
+    local = KVStoreClient("local-writer", placement="local")
+    for sid in alive:
+        local.add_shard(sid, shards[sid])
+    fresh = prompt_hashes(500, 2)
+    assert local.store_chain(fresh, caches, [0, 1], 0, alive[1], node) == 2
+    assert local.directory.holders(fresh[0]) == {alive[1]}
+    for sid in alive:
+        ray.get(shards[sid].close.remote())
+        ray.kill(shards[sid])
+    client.close()
+    local.close()
+    remove_stale_segments()
