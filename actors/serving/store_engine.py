@@ -16,9 +16,12 @@ prefix instead of recomputing it.
   frees the blocks unpublished and the request is queued as is: it recomputes. A request
   whose missing prefix another request is already loading waits for that load.
 - Writes. After the step that completes a prompt, its full blocks from the first one the
-  store's map does not hold are held and written by a second background thread to this
-  replica's home shard (one on its node; else any live one); the hold ends when the write
-  does. The first token is not delayed by it.
+  store's map does not hold are held and written by a second background thread to the
+  shard ``placement`` picks (``policies.shard_choice``: the owner of the prompt's first
+  block, or this replica's home shard); then each answer block, after the step that
+  fills it, the same way, so a later turn finds the answer too. The hold ends when the
+  write does (a request that finished meanwhile frees its blocks then). The first token
+  is not delayed by it.
 - Faults. A dead shard costs only cache: it drops out of the map and its blocks read as
   misses; writes go to another live shard, or nowhere; the replica starts it again, empty,
   under its name (``AppShards.revive``), from the writing thread.
@@ -60,8 +63,9 @@ from errors import InvalidRequestError
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 from policies.scheduler import ScheduledStep
-from policies.sequence import FinishReason
+from policies.sequence import FinishReason, Sequence
 from store.block_pool import NoFreeBlocksError
+from store.hashing import extend_block_hashes
 from store.kv_block_layout import KVBlockLayout
 from store.transfer import Endpoint, TransferEngine
 
@@ -153,7 +157,7 @@ class StoreEngine(ColocatedEngine):
         self._waiting: dict[str, tuple[_Request, int]] = {}  # request -> its load's key
         self._jobs: list[tuple[Future[Any], Callable[[Any], None]]] = []  # writes, revives
         self._reviving = False
-        self._written: set[str] = set()  # requests whose prompt went to the writer
+        self._written: dict[str, int] = {}  # request -> its leading blocks handed to writes
         self._epoch = 0  # worker generations (a restart gives the cache new tensors)
         self._pins = itertools.count()
         self.loaded_blocks = 0
@@ -190,7 +194,7 @@ class StoreEngine(ColocatedEngine):
         self._requests[request_id] = r  # ``release`` hands back its (empty) output
 
     def release(self, request_id: str) -> RequestOutput:
-        self._written.discard(request_id)
+        self._written.pop(request_id, None)
         return super().release(request_id)
 
     def has_unfinished(self) -> bool:
@@ -316,21 +320,27 @@ class StoreEngine(ColocatedEngine):
 
     # -- writes -------------------------------------------------------------------------
     def _postprocess(self, scheduled: ScheduledStep, result: StepResult) -> list[StreamDelta]:
+        # before the step's end frees a finished request's blocks: they are held for writes
         for (seq, n), start in zip(scheduled.entries, scheduled.starts, strict=True):
-            rid = seq.request_id
-            if start < seq.num_prompt_tokens <= start + n and rid not in self._written:
-                self._write_prompt(rid)
+            if start + n >= seq.num_prompt_tokens:  # the whole prompt's KV is computed
+                self._write_full_blocks(seq, start + n)
         return super()._postprocess(scheduled, result)
 
-    def _write_prompt(self, rid: str) -> None:
-        """Hand the prompt's full blocks from the first the store's map lacks to the
-        writing thread, held until it is done."""
-        self._written.add(rid)
-        hashes = self._requests[rid].request.block_hashes
-        blocks = self.one_rank_kv.block_table(rid)[: len(hashes)]
-        hashes = hashes[: len(blocks)]
+    def _write_full_blocks(self, seq: Sequence, computed: int) -> None:
+        """Hand the request's full blocks (its first ``computed`` tokens have KV: the
+        prompt, then each answer block as it fills) not handed over before, from the first
+        the store's map lacks, to the writing thread, held until it is done."""
+        rid, bs = seq.request_id, self.block_size
+        table = self.one_rank_kv.block_table(rid)
+        full = min(computed // bs, len(table))
+        written = self._written.get(rid, 0)
+        if full <= written:
+            return
+        self._written[rid] = full
+        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids[: full * bs], bs, seq.salt)
+        hashes, blocks = hashes[:full], table[:full]
         holders = self.client.directory.holders
-        start = next((i for i, h in enumerate(hashes) if not holders(h)), None)
+        start = next((i for i in range(written, full) if not holders(hashes[i])), None)
         if start is None:  # (the writing thread knows which shards are live)
             return
         hold, todo = blocks[start:], hashes[start:]

@@ -150,9 +150,29 @@ def test_a_prefix_computed_by_one_replica_is_loaded_by_the_other(replicas, refer
     assert out_b.num_cached_tokens == 6 * BLOCK  # loaded from the store, counted as cached
     loaded, _ = ray.get(b.counters.remote())
     assert loaded == 6
-    # A's own blocks were written; B wrote only what the store lacked (its 2 new blocks)
+    # A's own blocks were written (100 prompt and 7 answer tokens have KV: 6 full blocks);
+    # B wrote only what the store lacked: 2 new prompt blocks and 1 of its answer
     assert ray.get(a.counters.remote())[1] == 6
-    assert ray.get(b.counters.remote())[1] == 2
+    assert ray.get(b.counters.remote())[1] == 3
+    for r in (a, b):
+        assert ray.get(r.check_blocks.remote()) == {"kvp0": 0}
+
+
+def test_a_later_turn_on_the_other_replica_loads_the_earlier_answer(replicas, reference):
+    """A writes its answer's blocks as they fill: B's turn 2 (turn 1, A's answer, a new
+    message) loads the blocks holding the answer too, exactly."""
+    a, b = replicas
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = tokens(6, 40)
+    turn_a = RequestBuilder(BLOCK, reference.limits).build(first, params, request_id="a-5")
+    answer = ray.get(a.generate.remote(turn_a)).token_ids
+    assert answer == alone(reference, turn_a)
+    history = first + answer  # 80 tokens, 79 with KV on A: 4 full blocks, 2 of the answer
+    turn_b = request(reference, "b-5", history + tokens(7, 20))
+    wait_stored(turn_b, 4)
+    out = ray.get(b.generate.remote(turn_b))
+    assert out.token_ids == alone(reference, turn_b)
+    assert out.num_cached_tokens == 4 * BLOCK  # the answer's blocks were loaded, not computed
     for r in (a, b):
         assert ray.get(r.check_blocks.remote()) == {"kvp0": 0}
 

@@ -268,7 +268,9 @@ def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
     probe = PDCluster(pd_config())
     block_bytes = probe.block_bytes
     probe.shutdown()
-    store = StoreConfig(dram_bytes=64 * block_bytes, num_shards=2)
+    # each prefill replica writes to its home shard ("local"): the copy to p1's is the
+    # Conductor's (under "key" the prefix's owner shard may already be p1's)
+    store = StoreConfig(dram_bytes=64 * block_bytes, num_shards=2, placement="local")
     pd = PDCluster(pd_config(2, store=store, fit_costs=False))
     assert (pd.home_shard("p0"), pd.home_shard("p1")) == ("s0", "s1")
 
