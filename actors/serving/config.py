@@ -480,9 +480,9 @@ class ServeConfig(_Strict):
     def storeless_group(self) -> str | None:
         """A group without a KV store to retain sessions' KV in (None: every group has one).
         The router ranks the replicas of every group, so the ingress cannot know a
-        request's group before routing it: retention needs a store in each. A colocated
-        group's store does not retain: such a group counts as storeless here."""
-        return next((g.name for g in self.groups if g.store is None or not g.disaggregated), None)
+        request's group before routing it: retention needs a store in each (colocated or
+        disaggregated)."""
+        return next((g.name for g in self.groups if g.store is None), None)
 
     def session_retention_s(self, asked: float | None, tenant: str | None) -> float:
         """The ``kv_retention_s`` a request gets (``SessionsConfig.retention_s``); ValueError
@@ -493,7 +493,7 @@ class ServeConfig(_Strict):
             raise ValueError(
                 f"kv_retention_s needs a KV store to keep the turn in, and group {bare!r} "
                 "of this server has none; leave kv_retention_s out or send 0 (the server "
-                "retains KV only when every group is disaggregated with a store section)"
+                "retains KV only when every group has a store section)"
             )
         return retention
 
@@ -521,9 +521,9 @@ class ServeConfig(_Strict):
         if kept and bare is not None:
             name, value = kept[0]
             raise ValueError(
-                f"sessions.{name} = {value} retains KV in a disaggregated group's KV store, "
-                f"and group {bare!r} has none; give every group num_prefill, num_decode and "
-                f"a store section, or set sessions.{name} to 0"
+                f"sessions.{name} = {value} retains KV in a group's KV store, and group "
+                f"{bare!r} has none; give every group a store section, or set "
+                f"sessions.{name} to 0"
             )
         return self
 

@@ -83,6 +83,7 @@ def _engine(
         store.num_shards,
         ttft_slo=slo,
         placement=store.placement,
+        tenant_retained_share=store.tenant_retained_share,
     )
 
 

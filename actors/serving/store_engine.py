@@ -98,6 +98,7 @@ def store_engine(
     num_shards: int = 1,
     ttft_slo: float | None = None,
     placement: str = "key",
+    tenant_retained_share: float = 1.0,
 ) -> StoreEngine:
     """A replica of a colocated group with a store: its engine, and the group's shards
     (``pool``: ``<app>/<group>``) started or attached (``AppShards``)."""
@@ -106,7 +107,16 @@ def store_engine(
     parts = build_parts(model, config, worker_hooks=WorkerHooks(kv_cache=cache))
     layout = KVBlockLayout.of(cache.kv_caches)
     tag = shard_tag(parts.model_dir.resolve(), layout)
-    spec = ShardSpec(pool, layout.block_bytes, tag, dram_bytes, ssd_bytes, ssd_dir, num_shards)
+    spec = ShardSpec(
+        pool,
+        layout.block_bytes,
+        tag,
+        dram_bytes,
+        ssd_bytes,
+        ssd_dir,
+        num_shards,
+        tenant_retained_share,
+    )
     shards = AppShards(spec)
     return StoreEngine(parts, cache, shards, replica_id, min_load_tokens, ttft_slo, placement)
 
@@ -324,7 +334,23 @@ class StoreEngine(ColocatedEngine):
         for (seq, n), start in zip(scheduled.entries, scheduled.starts, strict=True):
             if start + n >= seq.num_prompt_tokens:  # the whole prompt's KV is computed
                 self._write_full_blocks(seq, start + n)
-        return super()._postprocess(scheduled, result)
+        deltas = super()._postprocess(scheduled, result)
+        for d in deltas:
+            if d.finished and d.finish_reason != "abort":
+                self._retain(d.request_id)
+        return deltas
+
+    def _retain(self, rid: str) -> None:
+        """Sessions: a finished request asking for ``kv_retention_s`` has the blocks handed
+        to writes (its prompt's and answer's) retained on every live shard, by the writing
+        thread once its writes are in (``store.retention``)."""
+        r = self._requests.get(rid)
+        seconds = r.request.params.kv_retention_s if r is not None else 0.0
+        if r is None or seconds <= 0 or not self._written.get(rid):
+            return
+        hashes = list(r.seq.block_hashes[: self._written[rid]])
+        job = self._writes.submit(self._writer.retain, hashes, r.request.tenant, seconds)
+        self._jobs.append((job, lambda _: None))
 
     def _write_full_blocks(self, seq: Sequence, computed: int) -> None:
         """Hand the request's full blocks (its first ``computed`` tokens have KV: the

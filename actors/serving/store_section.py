@@ -2,9 +2,9 @@
 calls these; plain data, no torch, so the ingress may import it).
 
 A colocated group's store (``actors.serving.store_engine``) takes ``dram_bytes``,
-``ssd_bytes``, ``ssd_dir``, ``num_shards``, ``placement`` and ``min_load_tokens``;
-``read_path`` (other than its default), ``write_back`` and ``tenant_retained_share`` (other
-than its default) are a disaggregated group's, and are refused naming the field (a
+``ssd_bytes``, ``ssd_dir``, ``num_shards``, ``placement``, ``tenant_retained_share`` and
+``min_load_tokens``; ``read_path`` (other than its default) and ``write_back`` are a
+disaggregated group's, and are refused naming the field (a
 field at its default passes, so a dumped config reads back). A colocated store also needs
 single-worker replicas with prefix caching. ``min_load_tokens`` is a colocated group's
 only: a prefill replica loads every stored prefix.
@@ -19,8 +19,6 @@ PD_ONLY = {
     "replicas); a colocated replica reads it itself",
     "write_back": "decode replicas write their blocks back as they fill; a colocated "
     "replica writes each prompt's blocks after computing them",
-    "tenant_retained_share": "it bounds sessions' retained KV, which only a disaggregated "
-    "group's store keeps",
 }
 
 

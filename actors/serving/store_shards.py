@@ -55,6 +55,7 @@ class ShardSpec:
     ssd_bytes: int = 0
     ssd_dir: str | None = None  # each shard's SSD files go to <ssd_dir>/<pool>/<shard>-<n>
     num_shards: int = 1  # per node
+    tenant_retained_share: float = 1.0  # sessions: one tenant's share of a shard (retention)
 
 
 def shard_tag(*parts: object) -> str:
@@ -106,6 +107,7 @@ class AppShards:
             # NIXL's owner agent keeps a core busy (store.transfer.nixl_backend): only
             # where peers can sit on other nodes; same-node peers map the segment
             serve_nixl=None if self._multi_node else False,
+            tenant_retained_share=spec.tenant_retained_share,
         )
 
     def revive(self, dead: list[str]) -> dict[str, Any]:

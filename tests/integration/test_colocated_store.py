@@ -177,6 +177,22 @@ def test_a_later_turn_on_the_other_replica_loads_the_earlier_answer(replicas, re
         assert ray.get(r.check_blocks.remote()) == {"kvp0": 0}
 
 
+def test_a_session_turn_is_retained_with_its_answer(replicas, reference):
+    """Sessions: a finished turn asking for ``kv_retention_s`` has its prompt's and its
+    answer's blocks retained on the shard (``store.retention``: kept ahead of LRU)."""
+    a, _ = replicas
+    _, handle = shard()
+    before = ray.get(handle.stats.remote())["retained_blocks"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, kv_retention_s=120.0)
+    turn = RequestBuilder(BLOCK, reference.limits).build(tokens(8, 40), params, request_id="a-6")
+    assert ray.get(a.generate.remote(turn)).token_ids == alone(reference, turn)
+    deadline = time.monotonic() + 60  # retained by A's writing thread, after its writes
+    while (kept := ray.get(handle.stats.remote())["retained_blocks"]) < before + 3:
+        assert time.monotonic() < deadline, kept
+        time.sleep(0.1)
+    assert kept == before + 3  # 63 tokens with KV: 2 prompt blocks and 1 of the answer
+
+
 def test_a_load_needs_min_load_tokens(replicas, reference):
     a, b = replicas
     first = tokens(3, 40)  # 2 full blocks stored

@@ -1,7 +1,8 @@
 """A colocated group may have a ``store`` section (app-wide shards its replicas share,
 ``actors.serving.store_engine``): the sizes and ``min_load_tokens`` are its own; the
 disaggregated-only options and multi-worker layouts are refused, each naming what to
-remove; sessions' retention stays refused for it (its store does not retain)."""
+remove; its store keeps sessions' retained KV (``tenant_retained_share`` bounds a
+tenant's share)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,6 @@ def test_a_colocated_group_takes_a_store_section():
         ({"read_path": "dual"}, "read_path"),
         ({"read_path": "decode"}, "read_path"),
         ({"write_back": True}, "write_back"),
-        ({"tenant_retained_share": 0.2}, "tenant_retained_share"),
     ],
 )
 def test_disaggregated_only_store_options_are_refused_by_name(store, field):
@@ -94,11 +94,11 @@ def test_min_load_tokens_is_refused_for_a_disaggregated_group():
     assert ServeConfig.parse({"groups": [pd]}).groups[0].store is not None
 
 
-def test_sessions_retention_stays_refused_for_a_colocated_store():
+def test_sessions_retention_is_kept_by_a_colocated_store():
     raw = {"groups": [group(store={})], "sessions": {"default_kv_retention_s": 30}}
+    assert ServeConfig.parse(raw).session_retention_s(None, None) == 30
+    cfg = parse(store={"tenant_retained_share": 0.2})
+    assert cfg.storeless_group() is None
+    assert cfg.session_retention_s(10, None) == 10
     with pytest.raises(ConfigError, match="group 'main' has none"):
-        ServeConfig.parse(raw)
-    cfg = parse(store={})
-    assert cfg.storeless_group() == "main"
-    with pytest.raises(ValueError, match="kv_retention_s"):
-        cfg.session_retention_s(10, None)
+        ServeConfig.parse({"groups": [group()], "sessions": {"default_kv_retention_s": 30}})

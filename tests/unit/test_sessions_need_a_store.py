@@ -1,6 +1,6 @@
-"""KV retention works only in a disaggregated group's KV store, and the router may send a
-request to any group: a retention the app cannot keep is refused, never accepted and
-ignored. In the config, a nonzero ``sessions`` default or tenant entry needs a store in
+"""KV retention works only in a group's KV store (colocated or disaggregated), and the
+router may send a request to any group: a retention the app cannot keep is refused, never
+accepted and ignored. In the config, a nonzero ``sessions`` default or tenant entry needs a store in
 every group (``ConfigError``); at the edge, ``ServeConfig.session_retention_s`` (what the
 ingress calls for each request, its ValueError a 400 on ``kv_retention_s``) refuses a
 request asking for retention where a group has none."""
@@ -14,6 +14,7 @@ from actors.serving.config import ConfigError, ServeConfig
 PD = {"name": "pd", "num_prefill": 1, "num_decode": 1, "store": {"dram_bytes": 1 << 22}}
 PD_NO_STORE = {"name": "pd", "num_prefill": 1, "num_decode": 1}
 COLOCATED = {"name": "main", "num_replicas": 1}
+COLOCATED_STORE = {"name": "chat", "num_replicas": 2, "store": {"dram_bytes": 1 << 22}}
 
 
 @pytest.mark.parametrize(
@@ -34,7 +35,7 @@ def test_a_default_retention_without_a_store_everywhere_is_a_config_error(groups
     text = str(e.value)
     assert "sessions.default_kv_retention_s = 30.0" in text
     assert f"group {bare!r} has none" in text
-    assert "a store section, or set sessions.default_kv_retention_s to 0" in text
+    assert "give every group a store section, or set sessions.default_kv_retention_s to 0" in text
 
 
 def test_a_tenant_retention_without_a_store_is_a_config_error():
@@ -51,9 +52,10 @@ def test_zero_retentions_need_no_store():
     assert cfg.session_retention_s(0, None) == 0  # asking for none is fine anywhere
 
 
-def test_with_a_store_in_every_group_defaults_and_requests_are_kept():
+@pytest.mark.parametrize("groups", [[PD], [COLOCATED_STORE], [COLOCATED_STORE, PD]])
+def test_with_a_store_in_every_group_defaults_and_requests_are_kept(groups):
     sessions = {"default_kv_retention_s": 5, "tenant_kv_retention_s": {"acme": 30}}
-    cfg = ServeConfig.parse({"groups": [PD], "sessions": sessions})
+    cfg = ServeConfig.parse({"groups": groups, "sessions": sessions})
     assert cfg.storeless_group() is None
     assert cfg.session_retention_s(None, None) == 5
     assert cfg.session_retention_s(None, "acme") == 30
@@ -70,6 +72,6 @@ def test_a_request_asking_for_retention_without_a_store_everywhere_is_refused(gr
     text = str(e.value)
     assert text.startswith("kv_retention_s needs a KV store")
     assert "leave kv_retention_s out or send 0" in text
-    assert "every group is disaggregated with a store section" in text
+    assert "every group has a store section" in text
     with pytest.raises(ValueError, match="kv_retention_s must be at most 600"):
         cfg.session_retention_s(601, None)  # the bound still names itself first
