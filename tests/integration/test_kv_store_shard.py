@@ -95,6 +95,18 @@ def wait_until_dead(handle) -> None:
             return
 
 
+def client_and_cache(shards: dict, num_blocks: int) -> tuple[KVStoreClient, list]:
+    """A client of every shard, and a paged KV cache of ``num_blocks`` random blocks."""
+    client = KVStoreClient("driver")
+    for sid, h in shards.items():
+        client.add_shard(sid, h)
+    caches = allocate_kv_cache(LAYERS, num_blocks, BLOCK_SIZE, HEADS, DIM)
+    for k, v in caches:
+        k.normal_()
+        v.normal_()
+    return client, caches
+
+
 def prompt_hashes(seed: int, num_blocks: int) -> list[int]:
     tokens = list(range(seed, seed + num_blocks * BLOCK_SIZE))
     return chained_block_hashes(tokens, BLOCK_SIZE, salt=f"tenant-{seed}")
@@ -127,13 +139,7 @@ def test_put_in_one_process_get_in_another_identical(cluster, tmp_path_factory, 
 
 def test_kv_cache_roundtrip_and_replica(cluster, tmp_path_factory):
     shards = make_shards(tmp_path_factory, 2, dram_blocks=8, ssd_blocks=8)
-    client = KVStoreClient("driver")
-    for sid, h in shards.items():
-        client.add_shard(sid, h)
-    caches = allocate_kv_cache(LAYERS, 8, BLOCK_SIZE, HEADS, DIM)
-    for k, v in caches:
-        k.normal_()
-        v.normal_()
+    client, caches = client_and_cache(shards, 8)
     hashes = prompt_hashes(3, 3)
     assert client.store_from_cache("s0", hashes, caches, [5, 1, 6]) == hashes
     expected = digest(LAYOUT.gather(caches, b) for b in (5, 1, 6))
@@ -187,13 +193,7 @@ def test_prefixes_spread_over_shards_by_key_and_a_conversation_stays_on_one(
     from policies.shard_choice import key_owner
 
     shards = make_shards(tmp_path_factory, 3, dram_blocks=32, ssd_blocks=0)
-    client = KVStoreClient("driver")
-    for sid, h in shards.items():
-        client.add_shard(sid, h)
-    caches = allocate_kv_cache(LAYERS, 16, BLOCK_SIZE, HEADS, DIM)
-    for k, v in caches:
-        k.normal_()
-        v.normal_()
+    client, caches = client_and_cache(shards, 16)
     node = client.endpoints["s0"].node_id
     prefixes = [prompt_hashes(100 + i, 2) for i in range(12)]
     for hashes in prefixes:  # wanted "s0" (the writer's home) does not decide: the key does
