@@ -16,7 +16,6 @@ from models import write_tiny_model
 from models.hf_reference import hf_greedy, hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-transformers = pytest.importorskip("transformers")
 
 PROMPT_LENS = [5, 11, 23, 37, 64]
 NEW_TOKENS = 8

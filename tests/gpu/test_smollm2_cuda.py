@@ -16,7 +16,6 @@ from actors.engine.sampling import SamplingParams
 from models.hf_reference import hf_pretrained
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 32
 # logit gaps a half-precision flip may have: an ulp of a logit near 16 is 0.125 in bfloat16

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 
 import pytest
+import ray
 import torch
-
-ray = pytest.importorskip("ray")
 
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402

@@ -10,10 +10,9 @@ import os
 import random
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file, save_file
-
-ray = pytest.importorskip("ray")
 
 from actors import LLM, SamplingParams  # noqa: E402
 from actors.engine.replica_controller import ReplicaController  # noqa: E402

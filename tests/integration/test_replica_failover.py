@@ -12,8 +12,6 @@ import time
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
-
 from bench import soak  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

@@ -11,8 +11,7 @@ import time
 
 import httpx
 import pytest
-
-ray = pytest.importorskip("ray")
+import ray
 
 from bench import soak  # noqa: E402
 

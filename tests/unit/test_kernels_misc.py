@@ -10,8 +10,6 @@ from kernels.moe import combine, dispatch, route
 from kernels.norm import rms_norm
 from kernels.rope import RotaryEmbedding, inverse_frequencies
 
-transformers = pytest.importorskip("transformers")
-
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+import transformers
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_cache import allocate_kv_cache
 from models import load_model, write_tiny_model
 
-transformers = pytest.importorskip("transformers")
 torch.set_num_threads(2)
 
 BLOCK = 4

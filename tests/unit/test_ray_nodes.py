@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
-ray = pytest.importorskip("ray")
-
 from actors import ray_nodes  # noqa: E402
 from placement.nodes import Node  # noqa: E402
 

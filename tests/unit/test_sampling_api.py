@@ -12,14 +12,13 @@ from collections import Counter
 
 import pytest
 import torch
+import transformers
 
 from actors import LLM, SamplingParams
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import token_seed
 from errors import InvalidRequestError
 from models import write_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 PROMPT = [5, 9, 9, 17, 33, 5, 60, 61, 62, 9, 200, 5]
 N = 8
@@ -236,7 +235,8 @@ SCHEMA = {
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schema_output_parses_and_validates(llm, temperature):
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
+
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     p = SamplingParams(max_tokens=200, temperature=temperature, seed=1, response_format=rf)
     outs = llm.generate(prompt_token_ids=[PROMPT, [3, 4, 5]], sampling_params=p)

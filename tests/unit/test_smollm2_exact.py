@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from test_models_hf import BLOCK, Runner
 
 from actors.engine.replica_controller import ReplicaController
@@ -27,7 +28,6 @@ from errors import PackageUnavailable
 from models import load_model, load_tokenizer
 from models.hf_reference import hf_pretrained
 
-transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(600)]
 torch.set_num_threads(2)
 

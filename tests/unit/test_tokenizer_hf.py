@@ -8,10 +8,9 @@ import json
 import shutil
 
 import pytest
+import transformers
 
 from models import load_tokenizer, write_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 TEXTS = ["hello world", "", " leading space", "<s>already bos", "a</s>b", "héllo ünïcode 日本"]
 

@@ -323,7 +323,8 @@ def test_a_tool_round_trip_renders_through_the_chat_template(tmp_path):
     assert call in text
     assert "<tool_response>\nsunny, 24C\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
-    transformers = pytest.importorskip("transformers")  # the reference renders the same
+    import transformers  # the reference renders the same
+
     theirs = transformers.AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
         template_messages(req),
         tools=tools.template_tools,
