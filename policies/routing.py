@@ -363,6 +363,17 @@ class ConsistentHash:
         return order
 
 
+@dataclass(frozen=True)
+class _Routed:
+    """A request the router recorded on a replica before its stats could show it."""
+
+    time: float
+    tokens: int  # uncomputed prompt tokens
+    new_blocks: int
+    request_id: str
+    added: tuple[int, ...]  # hashes the record added to the replica's cached set
+
+
 class ClusterView:
     """The router's live picture of its replicas.
 
@@ -400,8 +411,8 @@ class ClusterView:
         self._all_bits = 0  # the OR of ``_bits``
         self._position: dict[str, int] = {}  # replica id -> its position in ``_list``
         self.index = PrefixIndex()
-        # Per replica: (route time, uncomputed tokens, new blocks) routed since its snapshot.
-        self._pending: dict[str, deque[tuple[float, int, int]]] = {}
+        # Per replica: the requests routed to it since its snapshot, oldest first.
+        self._pending: dict[str, deque[_Routed]] = {}
 
     # -- membership ------------------------------------------------------------------------
     def add_replica(
@@ -469,7 +480,7 @@ class ClusterView:
         view = self._views.get(replica_id) or self.add_replica(replica_id)
         taken = snapshot_time if snapshot_time is not None else stats.time
         pending = self._pending[replica_id]
-        while pending and (pending[0][0] <= taken or pending[0][0] < now - self.pending_ttl):
+        while pending and (pending[0].time <= taken or pending[0].time < now - self.pending_ttl):
             pending.popleft()
         view.num_running = stats.num_running
         view.num_waiting = stats.num_waiting
@@ -478,10 +489,10 @@ class ClusterView:
         view.total_blocks = max(1, stats.total_blocks)
         if stats.region is not None:
             view.region = stats.region
-        for _, tokens, blocks in pending:
-            view.queued_prefill_tokens += tokens
+        for r in pending:
+            view.queued_prefill_tokens += r.tokens
             view.num_waiting += 1
-            view.free_blocks = max(0, view.free_blocks - blocks)
+            view.free_blocks = max(0, view.free_blocks - r.new_blocks)
 
     def apply_events(self, replica_id: str, events: Iterable[tuple[str, int]]) -> None:
         """Apply ``("stored" | "evicted", hash)`` events (``BlockPool.drain_events``) in order."""
@@ -514,8 +525,28 @@ class ClusterView:
         view.queued_prefill_tokens += tokens
         view.num_waiting += 1
         view.free_blocks = max(0, view.free_blocks - new_blocks)
-        self.index.add(replica_id, hashes[hit:] if hit else hashes)
-        self._pending[replica_id].append((now, tokens, new_blocks))
+        cached = view.cached
+        added = [h for h in hashes[hit:] if h not in cached]
+        self.index.add(replica_id, added)
+        routed = _Routed(now, tokens, new_blocks, request.request_id, tuple(added))
+        self._pending[replica_id].append(routed)
+
+    def on_moved(self, request: RouteRequest, routed_to: str, runs_on: str, now: float) -> None:
+        """``request``, recorded on ``routed_to`` (its ranking's first), runs on ``runs_on``
+        (the replica deployment placed it further down): what ``on_routed`` recorded on
+        ``routed_to`` is taken back, if no snapshot has absorbed it yet, and the request is
+        recorded on ``runs_on``."""
+        pending = self._pending.get(routed_to, deque())
+        mine = next((r for r in pending if r.request_id == request.request_id), None)
+        if mine is not None:
+            pending.remove(mine)
+            view = self._views[routed_to]
+            view.queued_prefill_tokens = max(0, view.queued_prefill_tokens - mine.tokens)
+            view.num_waiting = max(0, view.num_waiting - 1)
+            view.free_blocks = min(view.total_blocks, view.free_blocks + mine.new_blocks)
+            self.index.discard(routed_to, mine.added)
+        if runs_on in self._views:
+            self.on_routed(runs_on, request, now)
 
     def prefix_blocks(self, request: RouteRequest) -> list[int]:
         """Each replica's cached prefix of ``request``, in ``replicas`` order."""

@@ -168,6 +168,9 @@ class ReplicaRelay:
                 headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
             param = "prompt" if first.status == 400 else None
             raise oai.APIError(first.status, first.message, param, headers=headers)
+        runs_on = first.replica_id
+        if placed is None and ranking and runs_on is not None and runs_on != ranking[0]:
+            self.router.moved.remote(route_req, ranking[0], runs_on)  # not awaited: a hint
         return gen, first, placed
 
     async def _place(self, request: Request, session: str | None, region: str | None) -> _Placed:

@@ -75,6 +75,12 @@ class RouterDeployment:
         self.decisions[(self.state.policy_name, "routed" if pairs else "no_replica")] += 1
         return pairs
 
+    async def moved(self, request: RouteRequest, routed_to: str, runs_on: str) -> None:
+        """The ingress saw ``request`` accepted by ``runs_on``, not by its ranking's first
+        (``RankedRequestRouter`` passed over a full replica): record it where it runs."""
+        self.state.moved(request, routed_to, runs_on)
+        self.decisions[(self.state.policy_name, "moved")] += 1
+
     async def prefix_lengths(self, block_hashes: list[int]) -> dict[str, int]:
         """Each live replica's cached prefix of ``block_hashes`` in blocks, from the exact
         index its block events keep (a region balancer's local view)."""

@@ -96,3 +96,9 @@ class RouterState:
         if len(self.view) == 0:
             return []
         return self.view.route(self.policy, request, self.clock())
+
+    def moved(self, request: RouteRequest, routed_to: str, runs_on: str) -> None:
+        """``request`` (routed to ``routed_to``, its ranking's first) runs on ``runs_on``:
+        the view moves the decision there (``ClusterView.on_moved``)."""
+        if routed_to != runs_on:
+            self.view.on_moved(request, routed_to, runs_on, self.clock())

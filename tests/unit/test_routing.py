@@ -457,3 +457,32 @@ def test_cluster_view_decisions_are_pinned_on_a_random_run():
     assert (
         random_cluster_run() == "7079210b459fbd05fd4ce645cff228c1fa46b03fbb71a02cdfed1f3274ff60d5"
     )
+
+
+def test_a_request_placed_down_the_ranking_is_recorded_where_it_runs():
+    """The replica deployment may pass over the ranking's first (full): the ingress tells
+    the router where the request runs, and the view moves the decision there, unless a
+    snapshot of the first already covers that time (then only the new replica gains)."""
+    cv = ClusterView(block_size=4)
+    for rid in ("a", "b"):
+        cv.add_replica(rid, total_blocks=100)
+        cv.update_stats(rid, snapshot(0.0), now=0.0)
+    cv.apply_events("a", [("stored", 1)])  # a held block 1 before: it keeps it
+    r = req([1, 2, 3], tokens=14, rid="q1")
+    cv.on_routed("a", r, now=1.0)
+    a, b = cv.replica("a"), cv.replica("b")
+    assert (a.queued_prefill_tokens, a.num_waiting, a.free_blocks) == (10, 1, 97)
+    cv.on_moved(r, "a", "b", now=1.1)
+    assert (a.queued_prefill_tokens, a.num_waiting, a.free_blocks) == (0, 0, 100)
+    assert set(a.cached) == {1}
+    assert (b.queued_prefill_tokens, b.num_waiting, b.free_blocks) == (14, 1, 96)
+    assert set(b.cached) == {1, 2, 3}
+    cv.update_stats("a", snapshot(0.5), now=1.2)  # a stale snapshot of a changes nothing
+    assert (a.queued_prefill_tokens, a.num_waiting) == (0, 0)
+    r2 = req([7, 8], tokens=8, rid="q2")
+    cv.on_routed("a", r2, now=2.0)
+    cv.update_stats("a", snapshot(2.5, queued_prefill_tokens=8, num_waiting=1), now=2.6)
+    cv.on_moved(r2, "a", "b", now=2.7)  # a's snapshot already counted it: a is left as is
+    assert (a.queued_prefill_tokens, a.num_waiting) == (8, 1)
+    assert (b.queued_prefill_tokens, b.num_waiting) == (22, 2)
+    cv.index.check()
