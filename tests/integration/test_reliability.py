@@ -48,13 +48,17 @@ def test_faults_under_load_lose_nothing(app, cases):
 
 
 def finished(http: httpx.Client) -> dict[str, float]:
-    """Finished requests by finish reason (the ingress's ``/metrics``)."""
+    """Finished requests by finish reason, summed over the replicas (``/metrics``; each
+    replica pushes its counters to the router with its stats)."""
     found = re.findall(
         r'^meridian:request_success_total\{[^}]*finished_reason="(\w+)"[^}]*\} (\S+)$',
         http.get("/metrics").text,
         re.M,
     )
-    return {reason: float(v) for reason, v in found}
+    out: dict[str, float] = {"abort": 0.0, "length": 0.0}
+    for reason, v in found:
+        out[reason] = out.get(reason, 0.0) + float(v)
+    return out
 
 
 def test_client_disconnecting_mid_stream_frees_its_blocks_at_once(app, cases):
