@@ -357,9 +357,11 @@ class StoreEngine(ColocatedEngine):
         prompt, then each answer block as it fills) not handed over before, from the first
         the store's map lacks, to the writing thread, held until it is done."""
         rid, bs = seq.request_id, self.block_size
+        written = self._written.get(rid, 0)
+        if computed // bs <= written:
+            return  # no block filled since the last write (most decode steps)
         table = self.one_rank_kv.block_table(rid)
         full = min(computed // bs, len(table))
-        written = self._written.get(rid, 0)
         if full <= written:
             return
         self._written[rid] = full

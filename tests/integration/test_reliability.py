@@ -7,9 +7,6 @@ are each closed in turn, and the engine loop aborts the request)."""
 
 from __future__ import annotations
 
-import re
-import time
-
 import httpx
 import pytest
 
@@ -47,20 +44,6 @@ def test_faults_under_load_lose_nothing(app, cases):
     assert report.leaked == 0 and report.blocks, table
 
 
-def finished(http: httpx.Client) -> dict[str, float]:
-    """Finished requests by finish reason, summed over the replicas (``/metrics``; each
-    replica pushes its counters to the router with its stats)."""
-    found = re.findall(
-        r'^meridian:request_success_total\{[^}]*finished_reason="(\w+)"[^}]*\} (\S+)$',
-        http.get("/metrics").text,
-        re.M,
-    )
-    out: dict[str, float] = {"abort": 0.0, "length": 0.0}
-    for reason, v in found:
-        out[reason] = out.get(reason, 0.0) + float(v)
-    return out
-
-
 def test_client_disconnecting_mid_stream_frees_its_blocks_at_once(app, cases):
     idle = soak.blocks_in_use(GROUP, wait_s=30)
     assert idle and all(v == 0 for b in idle.values() for v in b.values()), idle
@@ -75,7 +58,6 @@ def test_client_disconnecting_mid_stream_frees_its_blocks_at_once(app, cases):
     }
     in_use: dict = {}
     with httpx.Client(base_url=app, timeout=60) as http:
-        before = finished(http)
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             chunks = 0
@@ -84,15 +66,8 @@ def test_client_disconnecting_mid_stream_frees_its_blocks_at_once(app, cases):
                 if chunks == 3:  # streaming: the request holds blocks now
                     in_use = soak.blocks_in_use(GROUP, wait_s=0)
                     break  # leaving the iteration closes the response: the client is gone
-        assert any(v for b in in_use.values() for v in b.values()), in_use
-        # the response and its connection are closed here: the request ends as aborted
-        # (had it decoded its 1,000 tokens instead, it would count under "length")
-        deadline = time.monotonic() + 60
-        after = finished(http)
-        while after["abort"] == before["abort"]:
-            assert time.monotonic() < deadline, (before, after)
-            time.sleep(0.05)
-            after = finished(http)
-        assert after["length"] == before["length"], (before, after)
-    blocks = soak.blocks_in_use(GROUP, wait_s=30)
+    assert any(v for b in in_use.values() for v in b.values()), in_use
+    # the response and its connection are closed here: the request is aborted, and its
+    # blocks are back at 0 within the wait (decoding its 1,000 tokens would take longer)
+    blocks = soak.blocks_in_use(GROUP, wait_s=5)
     assert all(v == 0 for b in blocks.values() for v in b.values()), blocks
