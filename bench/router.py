@@ -60,8 +60,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from policies.cluster_view import ClusterView  # noqa: E402
 from policies.replica_stats import ReplicaStats  # noqa: E402
-from policies.routing import ClusterView, PrefixAware, RouteRequest  # noqa: E402
+from policies.routing import PrefixAware, RouteRequest  # noqa: E402
 from sim.tokens import prompt_tokens  # noqa: E402
 from sim.traces import load_mooncake  # noqa: E402
 from sim.workload import TraceRequest  # noqa: E402

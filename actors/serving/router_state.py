@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from policies.cluster_view import ClusterView
 from policies.replica_stats import ReplicaStats
 from policies.routing import (
-    ClusterView,
     RouteRequest,
     make_routing_policy,
     routing_name,

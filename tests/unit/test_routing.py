@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from policies.cluster_view import ClusterView
 from policies.replica_stats import ReplicaStats
 from policies.routing import (
-    ClusterView,
     ConsistentHash,
     LeastLoaded,
     PowerOfTwoChoices,
