@@ -107,6 +107,44 @@ class LLM:
         if self.remote is not None and hasattr(self.remote, "shutdown"):
             self.remote.shutdown()
 
+    # -- weights and memory between rollout phases ------------------------------------------
+    def update_weights(self, weights: Any, *, abort_in_flight: bool = False) -> None:
+        """Load new weights in place, with no restart: ``weights`` maps Hugging Face tensor
+        names to tensors (all of the model's or some), or is a path to a ``.safetensors``
+        file or a model folder, or a Ray object ref to either. A tensor the model lacks, of
+        another shape, or not floating-point is refused (InvalidRequestError) before
+        anything changes. Requests in flight finish on the old weights (or, with
+        ``abort_in_flight``, are aborted and run again on the new ones); KV computed with
+        the old weights is never reused. In process, call it between ``generate`` calls."""
+        if self.remote is None:
+            self.engine.update_weights(weights)
+            return
+        self._remote_call("update_weights", weights, abort_in_flight)
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (level 1), or the KV cache and the weights (level 2), once the
+        requests in flight finish; requests sent while asleep wait for ``wake_up``.
+        Returns the bytes freed (every replica's)."""
+        if self.remote is None:
+            return self.engine.sleep(level)
+        return int(self._remote_call("sleep", level))
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` freed (the weights as last updated; an empty KV cache)."""
+        if self.remote is None:
+            self.engine.wake_up()
+            return
+        self._remote_call("wake_up")
+
+    def _remote_call(self, method: str, *args: Any) -> Any:
+        call = getattr(self.remote, method, None)
+        if call is None:
+            raise InvalidRequestError(
+                f"{method} is built for LLM in process and LLM(num_replicas=k); "
+                f"not yet for {type(self.remote).__name__}"
+            )
+        return call(*args)
+
     def generate(
         self,
         prompts: Prompts = None,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +57,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
+    overrides: Mapping[str, torch.Tensor] | None = None,
 ) -> CausalLM:
     """Build the model from ``model_dir`` (a Hugging Face folder or a ``.gguf`` file) with
-    weights cast to ``dtype`` on ``device``; or a pretrained model by name."""
+    weights cast to ``dtype`` on ``device``; or a pretrained model by name. ``overrides``:
+    Hugging Face-named tensors used instead of the stored ones (weights updated in place;
+    checked by ``models.weight_update.check_weights``)."""
     model_dir = resolve_model(model_dir)
     config = read_model_config(model_dir)
     with torch.device("meta"):
@@ -70,9 +73,9 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if is_gguf(model_dir):
-        load_gguf_weights(model, open_gguf(model_dir))
+        load_gguf_weights(model, open_gguf(model_dir), overrides)
     else:
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, overrides)
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         # now, not inside the first request (a first build takes 20-30 s each)
         layer_ops_cpu.EXTENSION.load()
@@ -105,13 +108,37 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
-def load_weights(model: CausalLM, model_dir: Path) -> None:
-    """Fill every parameter of ``model`` from the shards in ``model_dir`` (in place)."""
+def stored_tensor_names(model_dir: Path) -> Collection[str]:
+    """The Hugging Face names of the tensors stored in ``model_dir`` (folder or GGUF)."""
+    if is_gguf(model_dir):
+        return open_gguf(model_dir).tensor_names()
+    return weight_files(model_dir).keys()
+
+
+def expected_tensors(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor the model of ``model_dir`` loads, with its shape: what an
+    update of its weights may name. Built on the meta device (no weights read)."""
+    model_dir = resolve_model(model_dir)
+    config = read_model_config(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    params = dict(model.named_parameters())
+    targets = _select_layout(_targets(config), stored_tensor_names(model_dir))
+    return {t.hf_name: tuple(params[t.param][t.index].shape) for t in targets}
+
+
+def load_weights(
+    model: CausalLM, model_dir: Path, overrides: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """Fill every parameter of ``model`` from the shards in ``model_dir`` (in place), or
+    from ``overrides`` for the names it holds."""
     files = weight_files(model_dir)
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
         def fetch(name: str) -> torch.Tensor:
+            if overrides is not None and name in overrides:
+                return overrides[name]
             shard = files[name]
             if shard not in handles:
                 handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt"))
@@ -120,10 +147,18 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         _fill(model, files, fetch, str(model_dir))
 
 
-def load_gguf_weights(model: CausalLM, checkpoint: GGUFCheckpoint) -> None:
-    """Fill every parameter of ``model`` from a GGUF file, dequantized (in place)."""
+def load_gguf_weights(
+    model: CausalLM, checkpoint: GGUFCheckpoint, overrides: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """Fill every parameter of ``model`` from a GGUF file, dequantized (in place), or from
+    ``overrides`` for the names it holds."""
     names = set(checkpoint.tensor_names())
-    _fill(model, names, lambda n: torch.from_numpy(checkpoint.tensor(n)), checkpoint.path.name)
+    given = overrides or {}
+
+    def fetch(name: str) -> torch.Tensor:
+        return given[name] if name in given else torch.from_numpy(checkpoint.tensor(name))
+
+    _fill(model, names, fetch, checkpoint.path.name)
 
 
 def _fill(

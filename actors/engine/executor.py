@@ -6,6 +6,10 @@ tokens (request id -> token) of every KVP rank, in submission order. Up to ``dep
 may be in flight (pipeline stages keep several). A dead worker surfaces as
 ``WorkerFailure`` from ``result``; ``restart()`` then brings up a fresh worker group with empty
 KV caches, and the controller recomputes what was lost.
+
+Optional (the controller refuses with a clear error where an executor lacks them):
+``update_weights(weights)``: every worker loads the checked weights, and a worker restarted
+later loads them again; ``sleep(level) -> bytes freed`` and ``wake_up()``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class LocalExecutor:
         self.hooks = hooks
         self.worker = Worker(spec, hooks=hooks)
         self.worker.setup()
+        self._updates: list[Any] = []  # every weight update, oldest first
 
     def submit(self, plan: StepPlan) -> StepResult:
         out = self.worker.execute(plan)
@@ -68,6 +73,18 @@ class LocalExecutor:
     def restart(self) -> None:
         self.worker = Worker(self.spec, hooks=self.hooks)
         self.worker.setup()
+        if self._updates:
+            self.worker.update_weights(*self._updates)
+
+    def update_weights(self, weights: Any) -> None:
+        self.worker.update_weights(weights)
+        self._updates.append(weights)
+
+    def sleep(self, level: int) -> int:
+        return self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
 
     def on_idle(self) -> None:
         pass  # nothing polls in process

@@ -91,6 +91,7 @@ class RayExecutor:
         self.node_ids: list[str] = []
         self._graph: Any = None
         self._pgs: list[Any] = []
+        self._updates: list[Any] = []  # object refs of every weight update, oldest first
         self._env = {"RAY_CGRAPH_buffer_size_bytes": str(CHANNEL_BYTES)}
         os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(CHANNEL_BYTES))
         if not ray.is_initialized():
@@ -143,6 +144,18 @@ class RayExecutor:
             port = ray.get(self.actors[0].free_port.remote(), timeout=self.setup_timeout_s)
             init_method = f"tcp://{ip}:{port}"
         ray.get([a.setup.remote(init_method) for a in self.actors], timeout=self.setup_timeout_s)
+        if self._updates:  # a restarted group loads the weights as last updated
+            self._on_all("update_weights", *self._updates)
+
+    def _on_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every worker outside the compiled graph (torn down first:
+        its actors run nothing else while it is up); a dead worker raises WorkerFailure."""
+        self._teardown()
+        try:
+            refs = [getattr(a, method).remote(*args) for a in self.actors]
+            return list(ray.get(refs, timeout=self.setup_timeout_s))
+        except _DEATH as exc:
+            raise WorkerFailure(f"a worker of the replica died: {exc}") from exc
 
     def _actor(self, tp_rank: int, stage: int, kvp_rank: int) -> Any:
         return self.actors[self.layout.world_rank(tp_rank, stage, kvp_rank)]
@@ -216,6 +229,19 @@ class RayExecutor:
     def restart(self) -> None:
         self._kill()
         self._start()
+
+    def update_weights(self, weights: Any) -> None:
+        """The tensors go into the object store once (a ref passes through as is) and every
+        worker on a node reads them from there."""
+        ref = weights if type(weights).__name__ == "ObjectRef" else ray.put(weights)
+        self._on_all("update_weights", ref)
+        self._updates.append(ref)
+
+    def sleep(self, level: int) -> int:
+        return sum(self._on_all("sleep", level))
+
+    def wake_up(self) -> None:
+        self._on_all("wake_up")
 
     def _kill(self) -> None:
         self._teardown()

@@ -12,6 +12,7 @@ request from its tokens, so no request is lost and no token changes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter, deque
@@ -32,10 +33,17 @@ from actors.engine.structured import GrammarCompiler, GrammarState
 from actors.engine.worker_hooks import HooksFactory, WorkerHooks
 from errors import InvalidRequestError
 from models.config import ModelConfig
+from models.loader import expected_tensors
+from models.weight_update import (
+    check_weights,
+    read_weights,
+    weight_version_salt,
+    without_tied_head,
+)
 from policies.request import Request, SampleSpec
 from policies.scheduler import ScheduledStep
 from policies.sequence import FinishReason, Sequence
-from store.hashing import extend_block_hashes
+from store.hashing import chained_block_hashes, extend_block_hashes
 from store.kv_manager import KVCacheManager
 
 
@@ -79,6 +87,9 @@ class ReplicaController:
         self.step_timings: list[tuple[int, list[tuple[int, float, float]]]] = []
         self.record_timings = False
         self.hook_reports: list[Any] = []  # the workers' step-hook reports, until taken
+        self.weight_version = 0  # weight updates applied since load
+        self.asleep = False  # sleep() freed the KV cache (and maybe the weights)
+        self._expected: dict[str, tuple[int, ...]] | None = None  # expected_tensors()
 
     @classmethod
     def build(
@@ -122,7 +133,11 @@ class ReplicaController:
         return request.request_id
 
     def _new_request(self, request: Request) -> _Request:
-        """The request's sequence and detokenizer; not yet scheduled."""
+        """The request's sequence and detokenizer; not yet scheduled. After a weight update
+        its ``r.request`` carries the weight version in its salt (``_at_weight_version``)."""
+        if self.asleep:
+            raise InvalidRequestError("the engine is asleep; call wake_up() first")
+        request = self._at_weight_version(request)
         rid = request.request_id
         if rid in self._requests or rid in self._reserved:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -145,6 +160,16 @@ class ReplicaController:
         if params.repetition_penalty != 1.0:
             r.prompt_set = tuple(sorted(set(request.prompt_token_ids)))
         return r
+
+    def _at_weight_version(self, request: Request) -> Request:
+        """Invariant: KV computed with one version of the weights is found only by requests
+        of that version. Block hashes are salted with the version after the first update,
+        so the prefix cache, the store and transfers never mix versions."""
+        if self.weight_version == 0:
+            return request
+        salt = weight_version_salt(request.salt, self.weight_version)
+        hashes = chained_block_hashes(request.prompt_token_ids, self.block_size, salt)
+        return dataclasses.replace(request, salt=salt, block_hashes=hashes)
 
     def _grammars(self) -> GrammarCompiler:
         if self._grammar_compiler is None:
@@ -392,6 +417,53 @@ class ReplicaController:
         self.scheduler.recompute_all()
         self.kv.evict_all_cached()
         self.num_recoveries += 1
+
+    # -- weights and memory between rollout phases --------------------------------------------
+    def update_weights(self, weights: Any) -> int:
+        """Load new weights into every worker (``models.weight_update.read_weights``'
+        sources; all of the model's tensors or some), between steps, with no request held:
+        the caller drains or aborts them first. Refuses (InvalidRequestError, nothing
+        changed) a tensor the model lacks, of another shape or not floating-point. Every
+        cached prefix is forgotten and later requests hash with the new version. Returns
+        the bytes received."""
+        if self.has_unfinished() or self._reserved:
+            raise RuntimeError("requests are running; drain or abort them before the update")
+        update = getattr(self.executor, "update_weights", None)
+        if update is None:
+            raise InvalidRequestError(f"{type(self.executor).__name__} cannot update weights")
+        tensors = without_tied_head(self.expected_tensors(), read_weights(weights))
+        check_weights(self.expected_tensors(), tensors)
+        update(weights if type(weights).__name__ == "ObjectRef" else tensors)
+        self.kv.evict_all_cached()
+        self.weight_version += 1
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor name of this model, with its shape."""
+        if self._expected is None:
+            self._expected = expected_tensors(self.model_dir)
+        return self._expected
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (level 1), and the weights too (level 2), with no request
+        held; ``wake_up`` restores them. Returns the bytes freed."""
+        if self.has_unfinished() or self._reserved:
+            raise RuntimeError("requests are running; drain or abort them before sleeping")
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
+        sleep = getattr(self.executor, "sleep", None)
+        if sleep is None:
+            raise InvalidRequestError(f"{type(self.executor).__name__} cannot sleep")
+        self.kv.evict_all_cached()  # their KV is freed
+        freed = int(sleep(level))
+        self.asleep = True
+        return freed
+
+    def wake_up(self) -> None:
+        """Bring back what ``sleep`` freed; the KV cache starts empty."""
+        if self.asleep:
+            self.executor.wake_up()  # type: ignore[attr-defined]  # sleep() checked it has one
+            self.asleep = False
 
     def on_idle(self) -> None:
         """Call when no request is left: idle compiled-graph workers stop polling (each would

@@ -27,6 +27,7 @@ from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_parallel_attention import KVParallelAttention
 from models import load_model
 from models.sharding import ModelShard
+from models.weight_update import read_weights
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Worker:
         self.collectives: Collectives | None = None
         self.shard: ModelShard | None = None
         self.kv_caches: list = []
+        self.overrides: dict[str, torch.Tensor] = {}  # every tensor updated since load
 
     # -- set-up ---------------------------------------------------------------------------
     def node_ip(self) -> str:
@@ -102,8 +104,17 @@ class Worker:
             if init_method is None:
                 raise ValueError("a multi-worker layout needs an init_method for collectives")
             self.collectives = Collectives(layout, self.coords, init_method, self.device)
-        spec = self.spec
-        model = load_model(Path(spec.model_dir), self.dtype, self.device, spec.attention_backend)
+        self.shard = self._build_shard()
+        self.kv_caches = self._allocate_kv()
+        return self.coords
+
+    def _build_shard(self) -> ModelShard:
+        """This worker's part of the model: the stored weights, with every tensor updated
+        since load (``overrides``) in their place."""
+        spec, layout = self.spec, self.layout
+        model = load_model(
+            Path(spec.model_dir), self.dtype, self.device, spec.attention_backend, self.overrides
+        )
         reduce = self.collectives.all_reduce_tp if self.collectives else None
         backend = None
         if layout.kvp > 1:
@@ -113,20 +124,65 @@ class Worker:
         del model
         if spec.pack_weights if spec.pack_weights is not None else can_pack(shard):
             pack_linears(shard)  # fp32 CPU: oneDNN-prepacked weights, same arithmetic
+        if self.hooks.step is not None:
+            shard.set_layer_hook(self.hooks.step)
+        return shard
+
+    def _allocate_kv(self) -> list:
+        assert self.shard is not None
         geometry = CacheGeometry(
-            shard.num_layers,
-            spec.num_blocks,
-            spec.block_size,
-            shard.num_kv_heads,
-            shard.config.head_dim,
+            self.shard.num_layers,
+            self.spec.num_blocks,
+            self.spec.block_size,
+            self.shard.num_kv_heads,
+            self.shard.config.head_dim,
             self.dtype,
             self.device,
         )
-        self.kv_caches = (self.hooks.kv_cache or PrivateKVCache()).allocate(geometry)
-        if self.hooks.step is not None:
-            shard.set_layer_hook(self.hooks.step)
-        self.shard = shard
-        return self.coords
+        return (self.hooks.kv_cache or PrivateKVCache()).allocate(geometry)
+
+    # -- weights and memory between rollout phases ------------------------------------------
+    def update_weights(self, *sources: Any) -> int:
+        """Load new weights (each source as ``models.weight_update.read_weights`` takes it,
+        already checked by the controller; later ones win) in place of the current ones,
+        building the shard once. The KV cache is kept (its contents are stale: the
+        controller forgets them). Returns the bytes of the tensors received."""
+        received = 0
+        for source in sources:
+            tensors = read_weights(source)
+            self.overrides.update(tensors)
+            received += sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.shard is not None:  # asleep at level 2: built on wake_up
+            self.shard = None  # free the old weights before the new ones are built
+            self.shard = self._build_shard()
+        return received
+
+    def sleep(self, level: int) -> int:
+        """Free the KV cache (level 1), and the weights too (level 2); ``wake_up`` brings
+        them back (the weights as last updated). Returns the bytes freed."""
+        if level not in (1, 2):
+            raise ValueError(
+                f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level}"
+            )
+        if self.hooks.kv_cache is not None and not isinstance(self.hooks.kv_cache, PrivateKVCache):
+            raise ValueError(
+                "this worker's KV cache is shared with a transfer layer; it cannot sleep"
+            )
+        freed = _nbytes(self.kv_caches)
+        self.kv_caches = []
+        if isinstance(self.hooks.kv_cache, PrivateKVCache):
+            self.hooks.kv_cache.kv_caches = []
+        if level == 2 and self.shard is not None:
+            freed += _nbytes(_shard_tensors(self.shard))
+            self.shard = None
+        return freed
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: weights (if freed) and an empty KV cache of the same size."""
+        if self.shard is None:
+            self.shard = self._build_shard()
+        if not self.kv_caches:
+            self.kv_caches = self._allocate_kv()
 
     def ping(self) -> bool:
         return True
@@ -183,3 +239,31 @@ class Worker:
         if self.collectives is not None:
             self.collectives.close()
             self.collectives = None
+
+
+def _nbytes(tensors: Any) -> int:
+    """Bytes held by a tensor or a (nested) list or tuple of tensors; storage shared by
+    several views counts once."""
+    seen: set[int] = set()
+    total = 0
+    stack = [tensors]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, list | tuple):
+            stack.extend(t)
+        elif isinstance(t, torch.Tensor):
+            try:
+                key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # an opaque (oneDNN-packed) tensor
+                key, size = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
+
+
+def _shard_tensors(shard: ModelShard) -> list[torch.Tensor]:
+    """A shard's parameters and buffers, with the prepacked copies ``pack_linears`` adds."""
+    packed = [getattr(m, "packed", None) for m in shard.modules()]
+    extra = [t for t in packed if isinstance(t, torch.Tensor)]
+    return [*shard.parameters(), *shard.buffers(), *extra]

@@ -25,11 +25,20 @@ from actors.engine.outputs import RequestOutput, TokenLogprob
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.serving.router import make_router_state
-from errors import InvalidRequestError, MeridianError
+from errors import EngineUnavailableError, InvalidRequestError, MeridianError
+from models.loader import expected_tensors
+from models.weight_update import check_weights, read_weights, without_tied_head
 from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
 Results = Iterator[tuple[int, RequestOutput]]
+
+
+MAX_RETRIES = 3  # of one request that failed retriably (a weight update aborted it)
+
+
+def _retriable(e: Exception) -> bool:
+    return isinstance(getattr(e, "cause", None), EngineUnavailableError)
 
 
 def _raise_cause(e: Exception) -> None:
@@ -60,6 +69,7 @@ class ReplicaPool:
             ray.init()  # the cluster of RAY_ADDRESS / the job, else a local one
         actor: Any = ray.remote(ReplicaActor).options(num_cpus=num_cpus)
         config = engine_config or EngineConfig()
+        self.model = model
         self.actors = [actor.remote(model, config) for _ in range(num_replicas)]
         infos: list[ReplicaInfo] = ray.get([a.ready.remote() for a in self.actors])
         self.block_size = config.block_size
@@ -90,6 +100,7 @@ class ReplicaPool:
 
         requests = self.builder.build_each(token_lists, params, salt=salt)
         pending: dict[Any, int] = {}
+        retries: dict[int, int] = {}
         todo = iter(range(len(token_lists)))
         try:
             while True:
@@ -106,7 +117,11 @@ class ReplicaPool:
                 try:
                     out = ray.get(done[0])
                 except ray.exceptions.RayTaskError as e:
-                    _raise_cause(e)
+                    retries[i] = retries.get(i, 0) + 1
+                    if not _retriable(e) or retries[i] > MAX_RETRIES:
+                        _raise_cause(e)
+                    pending[self._submit(requests[i])] = i  # e.g. aborted by a weight update
+                    continue
                 yield i, out
         finally:
             for ref in pending:
@@ -117,6 +132,38 @@ class ReplicaPool:
         ranking = self.state.route(route)
         actor = self.actors[self.ids.index(ranking[0])]
         return actor.generate.remote(request)
+
+    def update_weights(self, weights: Any, abort_in_flight: bool = False) -> None:
+        """Check ``weights`` here, put them in the object store once and have every replica
+        load them from there (``ReplicaActor.update_weights``)."""
+        import ray
+
+        if type(weights).__name__ != "ObjectRef":
+            expected = self._expected_tensors()
+            tensors = without_tied_head(expected, read_weights(weights))
+            check_weights(expected, tensors)
+            weights = ray.put(tensors)
+        self._on_all("update_weights", [weights], abort_in_flight)
+
+    def sleep(self, level: int = 1) -> int:
+        return sum(self._on_all("sleep", level))
+
+    def wake_up(self) -> None:
+        self._on_all("wake_up")
+
+    def _on_all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        try:
+            return list(ray.get([getattr(a, method).remote(*args) for a in self.actors]))
+        except ray.exceptions.RayTaskError as e:
+            _raise_cause(e)
+            raise
+
+    def _expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        from models import tiny_model_dir
+
+        return expected_tensors(self.model if self.model is not None else tiny_model_dir("dense"))
 
     def shutdown(self) -> None:
         import ray

@@ -267,6 +267,11 @@ class EngineLoop:
         self._held = 0  # requests the engine thread holds (published with the stats)
         self._last_publish = 0.0
         self._idle_since: float | None = None  # engine thread only
+        # engine thread only: ``when_drained`` calls waiting for the engine to drain, the
+        # submissions held until they ran (or, asleep, until the wake), and whether it sleeps
+        self._exclusive: list[tuple[Callable[[Any], Any], concurrent.futures.Future, Any]] = []
+        self._held_back: list[tuple[list[Request], Sink]] = []
+        self._asleep = False
         self._loop = ReplicaLoop(
             self._iterate,
             "meridian-engine",
@@ -306,6 +311,27 @@ class EngineLoop:
             fut.set_exception(EngineUnavailableError("the engine thread is not running"))
             return fut
         return self._loop.call(lambda: fn(self.engine))
+
+    def when_drained(
+        self, fn: Callable[[Any], Any], *, abort_in_flight: bool = False, sleep: bool | None = None
+    ) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread once it holds no request (a weight update,
+        sleep, wake). Requests submitted from now on are held, not refused, and run after
+        it (or, while asleep, after the wake). ``abort_in_flight``: end what runs now with
+        a retriable failure instead of letting it finish. ``sleep``: the engine sleeps
+        (True) or wakes (False) after ``fn``."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._loop.is_alive():
+            fut.set_exception(EngineUnavailableError("the engine thread is not running"))
+            return fut
+
+        def queue() -> None:
+            self._exclusive.append((fn, fut, sleep))
+            if abort_in_flight:
+                self._fail_all("the weights were updated while it ran; retry the request")
+
+        self._loop.post(queue)
+        return fut
 
     async def stream(self, requests: Sequence[Request]) -> AsyncGenerator[Accepted | Event, None]:
         """Yield ``Accepted`` once the engine took every choice, then ``Delta`` events and
@@ -418,6 +444,8 @@ class EngineLoop:
         """One pass of the loop: a step if the engine has work (True), else publish and
         let idle workers stop polling (False: the loop waits). An exception outside the
         step is a bug: the loop ends and ``_stopped`` fails what runs (retriable)."""
+        if self._exclusive and not self.engine.has_unfinished() and not self._pending:
+            self._run_exclusive()
         if not self.engine.has_unfinished():
             self._publish(force=True)
             if self._idle_since is None:
@@ -464,6 +492,12 @@ class EngineLoop:
         """The loop ended (``stopping``: from now on ``_add`` refuses; the loop runs what
         was submitted before and after this): fail what runs, shut the engine down."""
         self._fail_all("the replica is shutting down; retry the request")
+        held, self._held_back = self._held_back, []
+        for requests, sink in held:
+            self._add(requests, sink)  # stopping: refused, retriable
+        for _, fut, _ in self._exclusive:
+            fut.set_exception(EngineUnavailableError("the replica is shutting down"))
+        self._exclusive = []
         try:
             self.engine.shutdown()
         except Exception:
@@ -473,14 +507,39 @@ class EngineLoop:
         if rid in self._sinks:
             self._abort(rid)
             return
+        for requests, sink in self._held_back:  # its caller left while it was held
+            if any(r.request_id == rid for r in requests):
+                self._held_back.remove((requests, sink))
+                with self._lock:
+                    self._submitted -= len(requests)
+                return
         for group in self._pending:  # its caller left before the verdict: take it back
             if rid in group[1]:
                 self._pending.remove(group)
                 self._take_back(group[1])
                 return
 
+    def _run_exclusive(self) -> None:
+        """Run the queued ``when_drained`` calls, then the requests held for them."""
+        while self._exclusive:
+            fn, fut, sleep = self._exclusive.pop(0)
+            try:
+                fut.set_result(fn(self.engine))
+                if sleep is not None:
+                    self._asleep = sleep
+            except Exception as e:  # the caller hears it; the engine keeps serving
+                fut.set_exception(e)
+        if not self._asleep:
+            held, self._held_back = self._held_back, []
+            for requests, sink in held:
+                self._add(requests, sink)
+
     def _add(self, requests: list[Request], sink: Sink) -> None:
-        """Every choice is added, or none is left in the engine and the request is refused."""
+        """Every choice is added, or none is left in the engine and the request is refused.
+        While a ``when_drained`` call waits, or the engine sleeps, it is held until then."""
+        if (self._exclusive or self._asleep) and not self._loop.stopping:
+            self._held_back.append((requests, sink))
+            return
         with self._lock:
             self._submitted -= len(requests)
             self._held += len(requests)  # until the next publish counts the sinks

@@ -256,5 +256,25 @@ class ReplicaActor:
         resync, events = self.loop.take_events()
         return self.loop.stats(), events, resync
 
+    async def update_weights(self, weights: list[Any], abort_in_flight: bool = False) -> int:
+        """Load ``weights[0]`` (a list, so that an object ref in it reaches the engine as a
+        ref) once the requests running now finish (or end, retriable, with
+        ``abort_in_flight``); requests arriving meanwhile wait and run on the new weights.
+        Returns the bytes received."""
+        (source,) = weights
+        fut = self.loop.when_drained(
+            lambda engine: engine.update_weights(source), abort_in_flight=abort_in_flight
+        )
+        return int(await asyncio.wrap_future(fut))
+
+    async def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (and the weights, level 2) once the running requests finish;
+        requests arriving while asleep wait for ``wake_up``. Returns the bytes freed."""
+        fut = self.loop.when_drained(lambda engine: engine.sleep(level), sleep=True)
+        return int(await asyncio.wrap_future(fut))
+
+    async def wake_up(self) -> None:
+        await asyncio.wrap_future(self.loop.when_drained(lambda e: e.wake_up(), sleep=False))
+
     def shutdown(self) -> None:
         self.loop.shutdown()

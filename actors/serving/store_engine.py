@@ -179,6 +179,7 @@ class StoreEngine(ColocatedEngine):
         if rid in self._waiting:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         r = self._new_request(request)
+        request = r.request  # hashed at this replica's weight version
         if self.admission is not None:
             self._admit(request)
         load = self._start_load(request) if kv_dest is None else None

@@ -1,0 +1,98 @@
+"""New weights for a running model: where they come from, and whether they fit it.
+
+An update is a mapping of Hugging Face tensor names to tensors: all of the model's or
+some. ``read_weights`` takes one from a mapping, a ``.safetensors`` file, a Hugging Face
+folder, or a Ray object ref to any of these. ``check_weights`` refuses, before anything
+changes, a tensor the model does not have, one of another shape, or one that is not a
+floating-point tensor (any float dtype is cast to the engine's, as at load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from errors import InvalidRequestError
+
+Weights = dict[str, torch.Tensor]
+
+
+def read_weights(source: Any) -> Weights:
+    """The tensors of ``source``: a name -> tensor mapping, a safetensors file, a folder
+    of them, or a Ray ``ObjectRef`` to one of these. Raises InvalidRequestError."""
+    if type(source).__name__ == "ObjectRef":
+        import ray
+
+        source = ray.get(source)
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, str | Path):
+        return _read_safetensors(Path(source))
+    raise InvalidRequestError(
+        "weights must be a mapping of Hugging Face names to tensors, a path to a "
+        f".safetensors file or a model folder, or a Ray object ref to one; got {type(source)}"
+    )
+
+
+def _read_safetensors(path: Path) -> Weights:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
+        raise InvalidRequestError(f"{path} is neither a .safetensors file nor a folder of them")
+    out: Weights = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+TIED_HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def without_tied_head(expected: Mapping[str, tuple[int, ...]], weights: Weights) -> Weights:
+    """``weights`` less ``lm_head.weight`` where the model ties it to the embeddings and
+    it equals the ``model.embed_tokens.weight`` sent beside it (a trainer's
+    ``state_dict()`` holds both names); otherwise unchanged, for ``check_weights``."""
+    if TIED_HEAD in expected or TIED_HEAD not in weights or EMBEDDINGS not in weights:
+        return weights
+    head, embeddings = weights[TIED_HEAD], weights[EMBEDDINGS]
+    if head.shape != embeddings.shape or not torch.equal(head, embeddings):
+        return weights  # refused by check_weights, by name
+    return {n: t for n, t in weights.items() if n != TIED_HEAD}
+
+
+def check_weights(expected: Mapping[str, tuple[int, ...]], weights: Mapping[str, Any]) -> None:
+    """Refuse ``weights`` unless every entry is a floating-point tensor the model has
+    (``expected``: name -> shape, ``models.loader.expected_tensors``) with its shape."""
+    if not weights:
+        raise InvalidRequestError("the weight update holds no tensors")
+    for name, tensor in weights.items():
+        if name == TIED_HEAD and name not in expected:
+            raise InvalidRequestError(
+                f"weight {name!r}: this model ties it to {EMBEDDINGS!r}; send that one (a "
+                "tied head equal to it is accepted and ignored)"
+            )
+        if name not in expected:
+            example = next(iter(expected))
+            raise InvalidRequestError(
+                f"weight {name!r} is not a tensor of this model (names are Hugging Face's, "
+                f"e.g. {example!r})"
+            )
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequestError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
+        if not tensor.dtype.is_floating_point:
+            raise InvalidRequestError(
+                f"weight {name!r} has dtype {tensor.dtype}; send a floating-point tensor"
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise InvalidRequestError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
+            )
+
+
+def weight_version_salt(salt: str | None, version: int) -> str:
+    """The block-hash salt of a request served by weights of ``version`` (>= 1)."""
+    return f"{salt or ''}\x00weights-v{version}"
