@@ -142,8 +142,9 @@ class RotaryEmbedding(nn.Module):
                 qkv, positions, self.cos, self.sin, num_heads + num_kv_heads, head_dim
             )
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            shape = (tokens, -1, head_dim)
-            return q.view(shape), k.view(shape), v.view(shape)
+            # head counts spelled out: a step with no token on this rank has T = 0
+            kv_shape = (tokens, num_kv_heads, head_dim)
+            return q.view(tokens, num_heads, head_dim), k.view(kv_shape), v.view(kv_shape)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(tokens, num_heads, head_dim)
         k = k.view(tokens, num_kv_heads, head_dim)

@@ -195,3 +195,33 @@ def test_worker_killed_mid_generation_recovers(cluster, reference):
     assert killed and controller.num_recoveries == 1
     assert tokens == reference
     assert controller.kv.check_blocks() == [0] * controller.kv.kvp
+
+
+def test_kv_parallel_prefix_hit_past_the_first_rank_in_float32(cluster):
+    """fp32 (the CPU fast path) on kvp=2: a prompt whose cached prefix fills the first
+    rank's 48 tokens computes only on the second rank, so the first runs a step with no
+    token of its own; the tokens equal the single-process engine's, hit or not."""
+    options = dict(OPTIONS, dtype=torch.float32)
+    prompt = list(range(3, 3 + 70))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def run(controller):
+        builder = controller.request_builder()
+        outs = []
+        for _ in range(2):  # the second run hits the first's cached prefix
+            rid = controller.add_request(builder.build(prompt, params))
+            while controller.has_unfinished():
+                controller.step()
+            outs.append(controller.release(rid))
+        return outs
+
+    single = ReplicaController.build(tiny_model_dir("dense"), **options)
+    split = ReplicaController.build(tiny_model_dir("dense"), kvp=2, **options)
+    try:
+        reference, outs = run(single), run(split)
+    finally:
+        single.shutdown()
+        split.shutdown()
+    assert outs[1].num_cached_tokens >= 48  # the whole first rank: it computes nothing
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert split.kv.check_blocks() == [0, 0]
