@@ -35,6 +35,7 @@ class KVManager(Protocol):
     """What the scheduler needs from the KV cache (``store.kv_manager.KVCacheManager``)."""
 
     block_size: int
+    enable_prefix_caching: bool
 
     @property
     def num_free_blocks(self) -> int:
@@ -248,19 +249,49 @@ class Scheduler:
         if len(waiting) > 1:
             waiting.sort(key=lambda s: key(s, now))
         reserve = None
-        while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
-            seq = waiting[0]
+        computing = self._computing(prefills)
+        i = 0
+        while i < len(waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
+            seq = waiting[i]
             self._match_prefix(seq)
+            if self._waits_for_a_sharer(seq, computing):
+                self._unmatch(seq)
+                i += 1  # a deferral is no memory wait: those behind it may go
+                continue
             n = self.chunk_rule.chunk(seq, budget)
             if reserve is None:
                 reserve = self._reserved_growth()
             if n <= 0 or not self._admit(seq, n, reserve):
                 break
             reserve = _plus(reserve, self._growth(seq, n))
-            waiting.pop(0)
+            waiting.pop(i)
             self._start_running(seq, n, step, scheduled, now)
+            computing |= self._computing([seq])
             budget -= n
         return step
+
+    # -- prompts that share a prefix ----------------------------------------------------------
+    # A waiting request whose next uncached prompt block is one a running prefill is
+    # computing waits for it (its next match then attaches it), rather than computing the
+    # same block beside it: ``n`` samples of one prompt (GRPO's groups), or turns behind a
+    # shared system prompt, prefill the shared blocks once. Only with prefix caching; a
+    # deferred request never blocks those behind it, and it waits only while a running
+    # prefill still has that block to compute (one that is preempted stops counting).
+    def _computing(self, prefills: list[Sequence]) -> set[int]:
+        """Hashes of the full prompt blocks ``prefills`` have not computed yet."""
+        if not self.kv.enable_prefix_caching:
+            return set()
+        bs = self.kv.block_size
+        return {h for s in prefills for h in s.block_hashes[s.num_computed_tokens // bs :]}
+
+    def _waits_for_a_sharer(self, seq: Sequence, computing: set[int]) -> bool:
+        """``seq``'s next uncached usable block (the last token's block is always computed)
+        is one a running prefill is computing."""
+        if not computing:
+            return False
+        bs = self.kv.block_size
+        k = seq.num_computed_tokens // bs
+        return k < (seq.num_tokens - 1) // bs and seq.block_hashes[k] in computing
 
     # -- admission and KV reservation --------------------------------------------------------
     # A request admitted reserves the KV blocks its whole life needs (prompt + max_tokens,
@@ -351,6 +382,7 @@ class Scheduler:
         reserve = self._reserved_growth()
         blocked = False
         chosen: list[Sequence] = []
+        computing = self._computing([s for s in pool if s.status is SeqStatus.RUNNING])
         for seq in pool:
             if len(chosen) == self.config.max_prefills:
                 break
@@ -358,12 +390,16 @@ class Scheduler:
                 if blocked:
                     continue
                 self._match_prefix(seq)
+                if self._waits_for_a_sharer(seq, computing):
+                    self._unmatch(seq)
+                    continue
                 growth = self._growth(seq)
                 if not self._fits(reserve, growth):
                     self._unmatch(seq)
                     blocked = True
                     continue
                 reserve = _plus(reserve, growth)
+                computing |= self._computing([seq])
             chosen.append(seq)
         if packer is not None:
             candidates = [

@@ -43,7 +43,7 @@ def run_to_completion(sched, limit=1000):
 def test_chunked_prefill_respects_chunk_and_budget():
     sched, kv, pool = make(budget=8, chunk=3)
     sched.add(seq("a", 10))
-    sched.add(seq("b", 10, t=1.0))
+    sched.add(seq("b", 10, t=1.0, start=100))  # another prompt: no block shared with a
     step = sched.schedule(0.0)
     assert step.num_tokens == {"a": 3, "b": 3}
     sched.update(step, {}, 0.0)
@@ -259,3 +259,30 @@ def test_recompute_all_requeues_running_requests_in_order():
     sched.update(again, {"a": 9, "b": 9}, 0.0)
     sched.finish("a", FinishReason.ABORT, 0.0)
     sched.finish("b", FinishReason.ABORT, 0.0)
+
+
+def test_a_prompt_shared_with_a_running_prefill_waits_for_its_blocks():
+    """Two samples of one prompt (and a third request behind them): the second waits while
+    the first computes the shared blocks, then attaches them from the prefix cache and
+    computes only its last block; the third, sharing nothing, is not held up."""
+    sched, kv, pool = make(budget=8, chunk=4, block_size=4)
+    sched.add(seq("s0", 13))
+    sched.add(seq("s1", 13, t=0.5))
+    sched.add(seq("other", 6, t=1.0, start=100))
+    step, _ = run_step(sched)
+    assert step.num_tokens == {"s0": 4, "other": 4}  # s1 waits: s0 computes block 0
+    step, _ = run_step(sched)
+    assert "s1" not in step.num_tokens  # s0 computes block 1, s1's next
+    while sched.get("s0").num_computed_tokens < 12:
+        run_step(sched)
+    step, _ = run_step(sched)  # s0's blocks are cached: s1 attaches them, computes 1 token
+    assert step.num_tokens.get("s1") == 1 and sched.get("s1").num_cached_tokens == 12
+    run_to_completion(sched)
+
+
+def test_without_prefix_caching_nothing_waits_for_a_sharer():
+    sched, kv, pool = make(budget=8, chunk=4, block_size=4, caching=False)
+    sched.add(seq("s0", 13))
+    sched.add(seq("s1", 13, t=0.5))
+    step, _ = run_step(sched)
+    assert step.num_tokens == {"s0": 4, "s1": 4}
