@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -433,6 +434,8 @@ class ReplicaController:
             raise InvalidRequestError(f"{type(self.executor).__name__} cannot update weights")
         tensors = without_tied_head(self.expected_tensors(), read_weights(weights))
         check_weights(self.expected_tensors(), tensors)
+        if isinstance(weights, Mapping):  # a trainer's live tensors: keep a snapshot
+            tensors = {n: t.detach().clone() for n, t in tensors.items()}
         update(weights if type(weights).__name__ == "ObjectRef" else tensors)
         self.kv.evict_all_cached()
         self.weight_version += 1

@@ -76,7 +76,9 @@ class Worker:
         self.collectives: Collectives | None = None
         self.shard: ModelShard | None = None
         self.kv_caches: list = []
-        self.overrides: dict[str, torch.Tensor] = {}  # every tensor updated since load
+        # every weight update since load, oldest first, as sent (object refs stay in the
+        # object store, shared by the node's replicas, until the shard is built again)
+        self.updates: list[Any] = []
 
     # -- set-up ---------------------------------------------------------------------------
     def node_ip(self) -> str:
@@ -110,10 +112,14 @@ class Worker:
 
     def _build_shard(self) -> ModelShard:
         """This worker's part of the model: the stored weights, with every tensor updated
-        since load (``overrides``) in their place."""
+        since load (``updates``, later ones winning) in their place."""
         spec, layout = self.spec, self.layout
         model = load_model(
-            Path(spec.model_dir), self.dtype, self.device, spec.attention_backend, self.overrides
+            Path(spec.model_dir),
+            self.dtype,
+            self.device,
+            spec.attention_backend,
+            {n: t for source in self.updates for n, t in read_weights(source).items()},
         )
         reduce = self.collectives.all_reduce_tp if self.collectives else None
         backend = None
@@ -142,20 +148,15 @@ class Worker:
         return (self.hooks.kv_cache or PrivateKVCache()).allocate(geometry)
 
     # -- weights and memory between rollout phases ------------------------------------------
-    def update_weights(self, *sources: Any) -> int:
+    def update_weights(self, *sources: Any) -> None:
         """Load new weights (each source as ``models.weight_update.read_weights`` takes it,
         already checked by the controller; later ones win) in place of the current ones,
         building the shard once. The KV cache is kept (its contents are stale: the
-        controller forgets them). Returns the bytes of the tensors received."""
-        received = 0
-        for source in sources:
-            tensors = read_weights(source)
-            self.overrides.update(tensors)
-            received += sum(t.numel() * t.element_size() for t in tensors.values())
+        controller forgets them)."""
+        self.updates.extend(sources)
         if self.shard is not None:  # asleep at level 2: built on wake_up
             self.shard = None  # free the old weights before the new ones are built
             self.shard = self._build_shard()
-        return received
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1), and the weights too (level 2); ``wake_up`` brings

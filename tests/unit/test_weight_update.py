@@ -122,7 +122,10 @@ def test_a_bad_tensor_is_refused_with_nothing_changed(model_dir, noisy, prompts,
 def test_sleep_frees_memory_and_wake_up_gives_the_same_tokens(model_dir, noisy, prompts, level):
     tensors, noisy_dir = noisy
     llm = LLM(model_dir, dtype=torch.float64, block_size=4)
-    llm.update_weights(tensors)
+    live = {n: t.clone() for n, t in tensors.items()}  # a trainer's tensors, stepped later
+    llm.update_weights(live)
+    for t in live.values():
+        t.zero_()  # the engine keeps what it was sent, even when it rebuilds at wake_up
     kv_bytes = sum(
         t.numel() * t.element_size()
         for layer in llm.engine.executor.worker.kv_caches
