@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors import LLM, SamplingParams  # noqa: E402
+from models.weight_update import SharedWeights  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -70,8 +71,9 @@ class Trainer:
 
     def step(
         self, prompts: list[list[int]], outputs: list[list[int]], rewards: list[float], lr: float
-    ) -> dict[str, torch.Tensor]:
-        """One REINFORCE step; returns every weight under its Hugging Face name."""
+    ) -> SharedWeights:
+        """One REINFORCE step; returns every weight under its Hugging Face name, as the
+        object store shares it (each replica reads the one copy)."""
         for group in self.optim.param_groups:
             group["lr"] = lr
         self.optim.zero_grad()
@@ -81,7 +83,7 @@ class Trainer:
         ) / len(prompts)
         loss.backward()  # type: ignore[union-attr]
         self.optim.step()
-        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+        return SharedWeights.of(self.model.state_dict())
 
 
 def hf_folder(model: str | None, work: Path) -> Path:

@@ -2,17 +2,21 @@
 
 An update is a mapping of Hugging Face tensor names to tensors: all of the model's or
 some. ``read_weights`` takes one from a mapping, a ``.safetensors`` file, a Hugging Face
-folder, or a Ray object ref to any of these. ``check_weights`` refuses, before anything
+folder, a ``SharedWeights`` (how updates travel through Ray's object store), or a Ray
+object ref to any of these. ``check_weights`` refuses, before anything
 changes, a tensor the model does not have, one of another shape, or one that is not a
 floating-point tensor (any float dtype is cast to the engine's, as at load).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from errors import InvalidRequestError
@@ -20,13 +24,50 @@ from errors import InvalidRequestError
 Weights = dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class SharedWeights:
+    """Tensors as numpy arrays, for Ray's object store: every process on a node that reads
+    them gets read-only views of the store's one copy (numpy is deserialized zero-copy;
+    torch tensors would be copied per reader). ``dtypes``: each tensor's torch dtype name
+    (bf16 travels as its int16 bits)."""
+
+    arrays: dict[str, np.ndarray]
+    dtypes: dict[str, str]
+
+    @classmethod
+    def of(cls, weights: Mapping[str, torch.Tensor]) -> SharedWeights:
+        arrays, dtypes = {}, {}
+        for name, t in weights.items():
+            if not isinstance(t, torch.Tensor):
+                raise InvalidRequestError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
+            t = t.detach().cpu().contiguous()
+            dtypes[name] = str(t.dtype).removeprefix("torch.")
+            bits = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+            arrays[name] = bits.numpy()
+        return cls(arrays, dtypes)
+
+    def tensors(self) -> Weights:
+        """Views of the arrays (no copy; read-only where the arrays are)."""
+        out = {}
+        with warnings.catch_warnings():  # from_numpy warns on read-only store views
+            warnings.simplefilter("ignore", UserWarning)
+            for name, a in self.arrays.items():
+                t = torch.from_numpy(a)
+                dtype = getattr(torch, self.dtypes[name])
+                out[name] = t.view(dtype) if dtype == torch.bfloat16 else t
+        return out
+
+
 def read_weights(source: Any) -> Weights:
     """The tensors of ``source``: a name -> tensor mapping, a safetensors file, a folder
-    of them, or a Ray ``ObjectRef`` to one of these. Raises InvalidRequestError."""
+    of them, a ``SharedWeights``, or a Ray ``ObjectRef`` to one of these. Raises
+    InvalidRequestError."""
     if type(source).__name__ == "ObjectRef":
         import ray
 
         source = ray.get(source)
+    if isinstance(source, SharedWeights):
+        return source.tensors()
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, str | Path):

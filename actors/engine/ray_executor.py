@@ -32,6 +32,7 @@ from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker import Worker, WorkerSpec
 from actors.engine.worker_hooks import HooksFactory
 from actors.ray_nodes import alive_nodes
+from models.weight_update import SharedWeights, read_weights
 from placement.worker_group import plan_worker_group, worker_bundle
 
 # Errors that mean a worker (or its node) is gone, not that the step itself was wrong.
@@ -233,7 +234,8 @@ class RayExecutor:
     def update_weights(self, weights: Any) -> None:
         """The tensors go into the object store once (a ref passes through as is) and every
         worker on a node reads them from there."""
-        ref = weights if type(weights).__name__ == "ObjectRef" else ray.put(weights)
+        is_ref = type(weights).__name__ == "ObjectRef"
+        ref = weights if is_ref else ray.put(SharedWeights.of(read_weights(weights)))
         self._on_all("update_weights", ref)
         self._updates.append(ref)
 

@@ -434,12 +434,15 @@ class ReplicaController:
             raise InvalidRequestError(f"{type(self.executor).__name__} cannot update weights")
         tensors = without_tied_head(self.expected_tensors(), read_weights(weights))
         check_weights(self.expected_tensors(), tensors)
+        received = sum(t.numel() * t.element_size() for t in tensors.values())
         if isinstance(weights, Mapping):  # a trainer's live tensors: keep a snapshot
             tensors = {n: t.detach().clone() for n, t in tensors.items()}
-        update(weights if type(weights).__name__ == "ObjectRef" else tensors)
+        source = weights if type(weights).__name__ == "ObjectRef" else tensors
+        del tensors  # an object ref's tensors: the workers read the store's copy
+        update(source)
         self.kv.evict_all_cached()
         self.weight_version += 1
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return received
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every Hugging Face tensor name of this model, with its shape."""

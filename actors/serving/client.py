@@ -27,7 +27,12 @@ from actors.engine.request_limits import RequestLimits
 from actors.serving.router import make_router_state
 from errors import EngineUnavailableError, InvalidRequestError, MeridianError
 from models.loader import expected_tensors
-from models.weight_update import check_weights, read_weights, without_tied_head
+from models.weight_update import (
+    SharedWeights,
+    check_weights,
+    read_weights,
+    without_tied_head,
+)
 from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
@@ -134,15 +139,16 @@ class ReplicaPool:
         return actor.generate.remote(request)
 
     def update_weights(self, weights: Any, abort_in_flight: bool = False) -> None:
-        """Check ``weights`` here, put them in the object store once and have every replica
-        load them from there (``ReplicaActor.update_weights``)."""
+        """Check ``weights`` here, put them in the object store once (``SharedWeights``:
+        each replica on a node reads the one copy) and have every replica load them from
+        there (``ReplicaActor.update_weights``). An object ref passes through as is."""
         import ray
 
         if type(weights).__name__ != "ObjectRef":
             expected = self._expected_tensors()
             tensors = without_tied_head(expected, read_weights(weights))
             check_weights(expected, tensors)
-            weights = ray.put(tensors)
+            weights = ray.put(SharedWeights.of(tensors))
         self._on_all("update_weights", [weights], abort_in_flight)
 
     def sleep(self, level: int = 1) -> int:

@@ -15,6 +15,7 @@ from actors import LLM, SamplingParams
 from errors import InvalidRequestError
 from models import write_tiny_model
 from models.hf_reference import hf_greedy
+from models.weight_update import SharedWeights, read_weights
 
 NEW_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -138,3 +139,16 @@ def test_sleep_frees_memory_and_wake_up_gives_the_same_tokens(model_dir, noisy, 
         llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
     llm.wake_up()
     assert _tokens(llm, prompts) == hf_greedy(noisy_dir, prompts, NEW_TOKENS)
+
+
+def test_shared_weights_round_trip_every_float_dtype_without_copying():
+    tensors = {
+        "a": torch.randn(3, 4),
+        "b": torch.randn(5).to(torch.bfloat16),
+        "c": torch.randn(2, 2).half(),
+    }
+    shared = SharedWeights.of(tensors)
+    back = read_weights(shared)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t)
+    assert back["a"].data_ptr() == shared.arrays["a"].ctypes.data  # a view, not a copy
