@@ -113,6 +113,8 @@ def app_args(side: str, args: argparse.Namespace) -> dict[str, Any]:
             "engine": engine,
             "store": {"dram_bytes": args.store_mib << 20, "write_back": True},
         }
+    if args.placement is not None and "store" in group:
+        group["store"]["placement"] = args.placement
     model = None if args.model == "tiny" else args.model
     out: dict[str, Any] = {"model": model, "groups": [group], "routing": "round_robin"}
     if model is not None:
@@ -488,6 +490,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--torch-threads", type=int, default=1, help="per replica (OMP threads)")
     ap.add_argument("--head-cpus", type=int, default=2, help="Ray CPUs of the head node")
     ap.add_argument("--node-cpus", type=int, default=2, help="Ray CPUs of the second node")
+    ap.add_argument(
+        "--placement",
+        choices=("key", "local"),
+        help="the store's placement on both sides (default: the config's default)",
+    )
     ap.add_argument("--verbose", action="store_true", help="print every turn of every run")
     ap.add_argument("--scale", action="store_true", help="the pool-scaling step instead")
     ap.add_argument(
@@ -510,7 +517,8 @@ def main(argv: list[str] | None = None) -> None:
         else "islands (2 x 1P+1D, round_robin) vs shared (1 x 2P+1D); store write_back"
     )
     print(
-        f"pd-pools: {args.model}; 2 raylets; {what}, {args.store_mib} MiB/shard; "
+        f"pd-pools: {args.model}; 2 raylets; {what}, {args.store_mib} MiB/shard, placement "
+        f"{args.placement or 'default'}; "
         f"{len(chats[0])} chats per repeat (MT-bench 2 turns, ShareGPT "
         f"{args.sharegpt_turns}), {args.concurrency} in flight, up to {args.max_tokens} "
         f"tokens a turn, greedy; {args.repeats} repeats; {load()}",
