@@ -300,5 +300,8 @@ class _Disaggregated:
         )
         yield from enumerate(outs)
 
+    def update_weights(self, weights: Any, abort_in_flight: bool = False) -> None:
+        self.cluster.update_weights(weights)  # nothing is in flight between calls here
+
     def shutdown(self) -> None:
         self.cluster.shutdown()

@@ -205,3 +205,22 @@ def _write_weights(path: Path, tensors: dict[str, torch.Tensor], num_shards: int
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_perturbed_copy(
+    model_dir: str | Path, dest: str | Path, seed: int = 0, scale: float = 0.05
+) -> tuple[dict[str, torch.Tensor], Path]:
+    """Copy the model folder ``model_dir`` (one ``model.safetensors``) to ``dest`` with
+    noise added to every weight (``scale`` times each tensor's mean magnitude): new weights
+    of the same shapes, as a training step makes. Returns (those tensors, ``dest``)."""
+    from safetensors.torch import load_file
+
+    src, dest = Path(model_dir), Path(dest)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: t + scale * t.abs().mean() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        for name, t in load_file(str(src / "model.safetensors")).items()
+    }
+    shutil.copytree(src, dest)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return tensors, dest

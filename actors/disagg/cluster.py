@@ -92,6 +92,8 @@ from actors.kvstore.shard import KVStoreClient
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
+from models.loader import expected_tensors
+from models.weight_update import SharedWeights, check_weights, read_weights, without_tied_head
 from policies.conductor import Conductor, DecodeInstance, PrefillInstance
 from policies.decode_wait import DecodeWaitQueue
 from policies.dualpath import PREFILL_PATH
@@ -256,6 +258,7 @@ class PDCluster:
         cannot be met now or the wait queue is full."""
         if request.block_size != self.block_size:
             raise ValueError(f"the request was hashed in blocks of {request.block_size}")
+        request = RequestBuilder.at_weight_version(request, self.weight_version)
         req = PDRequest(request)
         self.table.add(req)  # a replica death while placing queues it again
         try:
@@ -447,6 +450,25 @@ class PDCluster:
                 self.release(ids.pop(i))
                 backlog.appendleft(i)
         return [self.release(ids[i]) for i in range(len(prompts_))]
+
+    # -- weights ----------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """Weight updates applied since start."""
+        return len(self.replicas.weight_updates)
+
+    def update_weights(self, weights: Any) -> None:
+        """Load new weights into every prefill and decode replica, with no request in
+        flight (``generate`` returns with none): checked here (InvalidRequestError, nothing
+        changed), put in the object store once. Requests submitted after it hash their
+        blocks with the new version, so no prefix cached, stored or streamed under the old
+        weights is used again."""
+        if self.has_unfinished():
+            raise RuntimeError("requests are in flight; update the weights between calls")
+        expected = expected_tensors(self.model_dir)
+        tensors = without_tied_head(expected, read_weights(weights))
+        check_weights(expected, tensors)
+        self.replicas.update_weights(ray.put(SharedWeights.of(tensors)))
 
     # -- observation and faults -------------------------------------------------------------
     def check_blocks(self) -> dict[str, int]:

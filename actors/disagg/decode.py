@@ -76,7 +76,7 @@ class DecodeReplica(LoopedReplica):
         write_back: bool = True,
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
-        store_placement: str = "key",
+        store_placement: str = "local",
     ) -> None:
         """``store_shards``: the KV store shards it reads prefixes from for prefill
         replicas (``load_prefix``, DualPath's decode read path) and, with ``write_back``,

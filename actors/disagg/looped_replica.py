@@ -42,6 +42,13 @@ class LoopedReplica:
     def report_stats(self) -> PrefillStats | DecodeStats:
         return self.stats
 
+    def update_weights(self, weights: list[object], version: int) -> int:
+        """Load ``weights[0]`` (a list, so an object ref in it reaches the controller as a
+        ref) as weight version ``version``, on the loop thread; the replica holds no
+        request (its cluster holds none). Returns the bytes received."""
+        (source,) = weights
+        return int(self.loop.call(lambda: self.controller.update_weights(source, version)).result())
+
     def check_blocks(self) -> int:
         """Blocks in use (0 when idle), after the KV manager's integrity check."""
 

@@ -104,7 +104,7 @@ class PrefillReplica(LoopedReplica):
         threads: int | None = None,
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
-        store_placement: str = "key",
+        store_placement: str = "local",
     ) -> None:
         """``store_placement``: which shard each prefix is written to
         (``policies.shard_choice``). ``config``'s ``tp`` / ``spp`` spread the replica over

@@ -114,6 +114,8 @@ class ReplicaSet:
         self.starting: dict[str, tuple[Any, Any]] = {}  # id -> (handle, its node() call)
         self.draining: set[str] = set()  # no new work placed on these; retired once idle
         self.failed_starts: list[str] = []  # ids whose ``begin_start`` actor died starting
+        # every weight update (object refs), oldest first: update i is weight version i + 1
+        self.weight_updates: list[Any] = []
 
     def start_all(self) -> None:
         """Start every replica; in a shared pool (``config.pool``) first attach to the live
@@ -225,8 +227,16 @@ class ReplicaSet:
             **self._pinning(rid),
         )
 
+    def update_weights(self, ref: Any) -> None:
+        """Every replica loads the checked weights in ``ref`` as the next weight version
+        (none holds a request); a replica started later loads every update at start."""
+        version = len(self.weight_updates) + 1
+        handles = [*self.prefills.values(), *self.decodes.values()]
+        ray.get([h.update_weights.remote([ref], version) for h in handles])
+        self.weight_updates.append(ref)
+
     def _store_placement(self) -> str:
-        return self.store.cfg.placement if self.store else "key"
+        return self.store.cfg.placement if self.store else "local"
 
     def _register(self, rid: str, handle: Any, node: str, cached: set[int]) -> None:
         """Count a running replica in: its view, its state as it reports it, its poll."""
@@ -242,6 +252,8 @@ class ReplicaSet:
             ids = self.decode_ids
         if rid not in ids:
             ids.append(rid)
+        for version, ref in enumerate(self.weight_updates, start=1):  # started after them
+            ray.get(handle.update_weights.remote([ref], version))
         report = ray.get(handle.report.remote(0.0))
         self.apply_stats(rid, report.stats)
         self.watch(rid, handle)

@@ -49,9 +49,9 @@ class StoreConfig:
     # sessions: the share of a shard's blocks one tenant's retained blocks may hold
     # (``store.retention``; past it the tenant's oldest retained blocks lose retention)
     tenant_retained_share: float = 1.0
-    # which shard a prefix is written to: "key" (its first block's owner) or "local" (the
-    # writer's node): ``policies.shard_choice``
-    placement: str = "key"
+    # which shard a prefix is written to: "local" (the writer's node; measured faster for
+    # P/D, docs/benchmarks.md) or "key" (its first block's owner): ``policies.shard_choice``
+    placement: str = "local"
 
     def __post_init__(self) -> None:
         check_placement(self.placement)

@@ -12,7 +12,6 @@ request from its tokens, so no request is lost and no token changes.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import Counter, deque
@@ -38,13 +37,12 @@ from models.loader import expected_tensors
 from models.weight_update import (
     check_weights,
     read_weights,
-    weight_version_salt,
     without_tied_head,
 )
 from policies.request import Request, SampleSpec
 from policies.scheduler import ScheduledStep
 from policies.sequence import FinishReason, Sequence
-from store.hashing import chained_block_hashes, extend_block_hashes
+from store.hashing import extend_block_hashes
 from store.kv_manager import KVCacheManager
 
 
@@ -164,13 +162,8 @@ class ReplicaController:
 
     def _at_weight_version(self, request: Request) -> Request:
         """Invariant: KV computed with one version of the weights is found only by requests
-        of that version. Block hashes are salted with the version after the first update,
-        so the prefix cache, the store and transfers never mix versions."""
-        if self.weight_version == 0:
-            return request
-        salt = weight_version_salt(request.salt, self.weight_version)
-        hashes = chained_block_hashes(request.prompt_token_ids, self.block_size, salt)
-        return dataclasses.replace(request, salt=salt, block_hashes=hashes)
+        of that version (``RequestBuilder.at_weight_version``)."""
+        return RequestBuilder.at_weight_version(request, self.weight_version)
 
     def _grammars(self) -> GrammarCompiler:
         if self._grammar_compiler is None:
@@ -420,12 +413,13 @@ class ReplicaController:
         self.num_recoveries += 1
 
     # -- weights and memory between rollout phases --------------------------------------------
-    def update_weights(self, weights: Any) -> int:
+    def update_weights(self, weights: Any, version: int | None = None) -> int:
         """Load new weights into every worker (``models.weight_update.read_weights``'
         sources; all of the model's tensors or some), between steps, with no request held:
         the caller drains or aborts them first. Refuses (InvalidRequestError, nothing
         changed) a tensor the model lacks, of another shape or not floating-point. Every
-        cached prefix is forgotten and later requests hash with the new version. Returns
+        cached prefix is forgotten and later requests hash with the new version
+        (``version``, as a disaggregated cluster numbers it; default: one more). Returns
         the bytes received."""
         if self.has_unfinished() or self._reserved:
             raise RuntimeError("requests are running; drain or abort them before the update")
@@ -441,7 +435,7 @@ class ReplicaController:
         del tensors  # an object ref's tensors: the workers read the store's copy
         update(source)
         self.kv.evict_all_cached()
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else version
         return received
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:

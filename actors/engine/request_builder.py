@@ -7,6 +7,7 @@ here; every layer after them takes the record as is.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 import uuid
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 from actors.engine.request_limits import RequestLimits
 from errors import InvalidRequestError
+from models.weight_update import WEIGHT_VERSION_MARK, weight_version_salt
 from policies.request import Request, SamplingParams
 from store.hashing import chained_block_hashes
 
@@ -100,3 +102,19 @@ class RequestBuilder:
             )
             for rid, p in zip(request_ids, params, strict=True)
         ]
+
+    @staticmethod
+    def at_weight_version(request: Request, version: int) -> Request:
+        """``request`` as served by weights of ``version``: its salt carries the version
+        and its block hashes are computed again with it, so KV computed with other weights
+        is never found for it (prefix cache, store, transfers). Version 0 (the stored
+        weights) and a request already at a version are returned as they are."""
+        if version == 0 or is_versioned(request.salt):
+            return request
+        salt = weight_version_salt(request.salt, version)
+        hashes = chained_block_hashes(request.prompt_token_ids, request.block_size, salt)
+        return dataclasses.replace(request, salt=salt, block_hashes=hashes)
+
+
+def is_versioned(salt: str | None) -> bool:
+    return salt is not None and WEIGHT_VERSION_MARK in salt

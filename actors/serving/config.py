@@ -99,13 +99,20 @@ class StoreSectionConfig(_Strict):
     min_load_tokens: int = Field(STORE_MIN_LOAD_TOKENS, ge=0)  # colocated groups only
     # which shard a prefix is written to (policies.shard_choice): "key", its first block's
     # owner, so a conversation's blocks share one shard and prefixes spread over all; or
-    # "local", the writer's node
-    placement: str = "key"
+    # "local", the writer's node. null: "local" in a disaggregated group (measured faster:
+    # docs/benchmarks.md, bench/pd_pools.py), "key" in a colocated one
+    placement: str | None = None
 
     @field_validator("placement")
     @classmethod
-    def _known_placement(cls, value: str) -> str:
-        return check_placement(value)
+    def _known_placement(cls, value: str | None) -> str | None:
+        return None if value is None else check_placement(value)
+
+    def placement_for(self, disaggregated: bool) -> str:
+        """The placement this group's store uses (``placement``, or its kind's default)."""
+        if self.placement is not None:
+            return self.placement
+        return "local" if disaggregated else "key"
 
     @field_validator("read_path")
     @classmethod

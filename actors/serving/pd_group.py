@@ -108,5 +108,5 @@ def _store(section: StoreSectionConfig | None, folder: str) -> StoreConfig | Non
         section.num_shards,
         section.write_back,
         section.tenant_retained_share,
-        section.placement,
+        section.placement_for(disaggregated=True),
     )

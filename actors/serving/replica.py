@@ -82,7 +82,7 @@ def _engine(
         store.ssd_dir,
         store.num_shards,
         ttft_slo=slo,
-        placement=store.placement,
+        placement=store.placement_for(disaggregated=False),
         tenant_retained_share=store.tenant_retained_share,
     )
 

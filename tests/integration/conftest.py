@@ -178,3 +178,18 @@ def one_torch_thread():
 def local_ray_cluster():
     """The ``LocalRayCluster`` class (each module starts and stops its own)."""
     return LocalRayCluster
+
+
+@pytest.fixture(scope="module")
+def connected_ray_cluster():
+    """A private local cluster (no dashboard) that this process is connected to, for the
+    module's tests; stopped after them."""
+    import ray
+
+    cluster = LocalRayCluster(dashboard=False)
+    try:
+        cluster.connect()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.stop()

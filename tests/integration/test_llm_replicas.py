@@ -10,19 +10,6 @@ from actors import LLM, SamplingParams
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(local_ray_cluster):
-    import ray
-
-    cluster = local_ray_cluster(dashboard=False)
-    try:
-        cluster.connect()
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.stop()
-
-
 PROMPTS = [
     "The quick brown fox",
     "Hello, Meridian!",
@@ -33,7 +20,7 @@ PROMPTS = [
 ]
 
 
-def test_replicas_generate_equals_in_process(ray_cluster):
+def test_replicas_generate_equals_in_process(connected_ray_cluster):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reference = LLM().generate(PROMPTS, params)
     llm = LLM(num_replicas=2, kv_cache_memory=1 << 25)

@@ -6,17 +6,16 @@ update runs wholly on one version, and a request sent while asleep runs after th
 from __future__ import annotations
 
 import random
-import shutil
 import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from actors import LLM, SamplingParams
 from errors import InvalidRequestError
 from models import write_tiny_model
 from models.hf_reference import hf_greedy
+from models.tiny import write_perturbed_copy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,30 +24,10 @@ PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(local_ray_cluster):
-    import ray
-
-    cluster = local_ray_cluster(dashboard=False)
-    try:
-        cluster.connect()
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.stop()
-
-
-@pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(the base model's folder, a folder of the same weights plus noise, those tensors)."""
     base = write_tiny_model(tmp_path_factory.mktemp("base"))
-    gen = torch.Generator().manual_seed(3)
-    tensors = {
-        name: t + 0.05 * t.abs().mean() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
-        for name, t in load_file(str(base / "model.safetensors")).items()
-    }
-    noisy = tmp_path_factory.mktemp("noisy") / "model"
-    shutil.copytree(base, noisy)
-    save_file(tensors, str(noisy / "model.safetensors"), metadata={"format": "pt"})
+    tensors, noisy = write_perturbed_copy(base, tmp_path_factory.mktemp("noisy") / "model", 3)
     return base, noisy, tensors
 
 
@@ -62,7 +41,7 @@ def _run(llm, prompts, params=PARAMS):
     return llm.generate(prompt_token_ids=prompts, sampling_params=params)
 
 
-def test_replicas_update_sleep_and_wake_exactly(ray_cluster, folders, prompts):
+def test_replicas_update_sleep_and_wake_exactly(connected_ray_cluster, folders, prompts):
     base, noisy, tensors = folders
     old, new = hf_greedy(base, prompts, NEW_TOKENS), hf_greedy(noisy, prompts, NEW_TOKENS)
     assert old != new
@@ -95,7 +74,7 @@ def test_replicas_update_sleep_and_wake_exactly(ray_cluster, folders, prompts):
 
 @pytest.mark.parametrize("abort_in_flight", [False, True])
 def test_a_request_in_flight_runs_wholly_on_one_version(
-    ray_cluster, folders, prompts, abort_in_flight
+    connected_ray_cluster, folders, prompts, abort_in_flight
 ):
     base, noisy, tensors = folders
     long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

@@ -307,3 +307,15 @@ def test_report_interval_is_slower_without_regions_unless_set():
     assert ServeConfig.parse({"regions": regions, "report_interval_s": 2}).report_interval() == 2
     with pytest.raises(ValueError, match="report_interval_s"):
         ServeConfig.parse({"report_interval_s": 0})
+
+
+def test_store_placement_defaults_by_group_kind_and_is_checked():
+    pd = ReplicaGroupConfig(num_prefill=1, num_decode=1, store={}).store
+    colocated = ReplicaGroupConfig(store={}).store
+    assert pd is not None and colocated is not None
+    assert pd.placement_for(disaggregated=True) == "local"
+    assert colocated.placement_for(disaggregated=False) == "key"
+    chosen = ReplicaGroupConfig(num_prefill=1, num_decode=1, store={"placement": "key"}).store
+    assert chosen is not None and chosen.placement_for(disaggregated=True) == "key"
+    with pytest.raises(ValidationError, match="placement"):
+        ReplicaGroupConfig(store={"placement": "nearest"})

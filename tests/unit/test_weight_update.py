@@ -5,16 +5,16 @@ weights, no prefix cached before it is hit after it, and a bad tensor changes no
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from actors import LLM, SamplingParams
 from errors import InvalidRequestError
 from models import write_tiny_model
 from models.hf_reference import hf_greedy
+from models.tiny import write_perturbed_copy
 from models.weight_update import SharedWeights, read_weights
 
 NEW_TOKENS = 8
@@ -29,16 +29,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def noisy(model_dir, tmp_path_factory):
     """(the base weights plus noise, as a tensor dict; a model folder holding them)."""
-    gen = torch.Generator().manual_seed(7)
-    base = load_file(str(model_dir / "model.safetensors"))
-    tensors = {
-        name: t + 0.05 * t.abs().mean() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
-        for name, t in base.items()
-    }
-    folder = tmp_path_factory.mktemp("noisy") / "model"
-    shutil.copytree(model_dir, folder)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return tensors, folder
+    return write_perturbed_copy(model_dir, tmp_path_factory.mktemp("noisy") / "model", seed=7)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,87 @@
+"""Weights updated in place on a disaggregated deployment (``PDCluster.update_weights``,
+which ``LLM(num_prefill=..., num_decode=...).update_weights`` calls): the tokens equal
+transformers' on the new weights, a prefix the store holds from before the update is never
+loaded after it (the block hashes carry the weight version), and a replica started after
+the update loads it too."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from pd_common import OPTS, PARAMS, cluster, pd_config, tokens  # noqa: F401
+
+from actors import LLM
+from actors.disagg.cluster import PDCluster
+from actors.disagg.store_view import StoreConfig
+from errors import InvalidRequestError
+from models import write_tiny_model
+from models.hf_reference import hf_greedy
+from models.tiny import write_perturbed_copy
+
+pytestmark = pytest.mark.timeout(600)
+NEW = PARAMS.max_tokens
+
+
+def loaded_blocks(pd: PDCluster) -> int:
+    return sum(s.loaded_blocks for s in pd.prefill_stats().values())
+
+
+def drop_local_caches(pd: PDCluster) -> None:
+    ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
+
+
+def test_pd_update_keys_the_store_by_weight_version(tmp_path):
+    base = write_tiny_model(tmp_path / "base")
+    tensors, noisy = write_perturbed_copy(base, tmp_path / "noisy", seed=5)
+    prompt = tokens(41, 26)  # 6 full blocks of 4
+    old, new = hf_greedy(base, [prompt], NEW)[0], hf_greedy(noisy, [prompt], NEW)[0]
+    assert old != new
+    probe = PDCluster(pd_config(model_dir=str(base)))
+    block_bytes = probe.block_bytes
+    probe.shutdown()
+    pd = PDCluster(pd_config(model_dir=str(base), store=StoreConfig(64 * block_bytes)))
+    try:
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        assert out.token_ids == old  # computed, and its full blocks written to the store
+        drop_local_caches(pd)
+        before = loaded_blocks(pd)
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        assert out.token_ids == old and loaded_blocks(pd) - before == 6  # from the store
+
+        with pytest.raises(InvalidRequestError, match="not a tensor of this model"):
+            pd.update_weights({"model.layers.0.mlp.up_proj.weigth": tensors["model.norm.weight"]})
+        assert pd.weight_version == 0
+
+        pd.update_weights(tensors)
+        drop_local_caches(pd)
+        before = loaded_blocks(pd)
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        assert out.token_ids == new
+        assert loaded_blocks(pd) == before  # the old weights' blocks are not found
+        drop_local_caches(pd)
+        (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
+        assert out.token_ids == new and loaded_blocks(pd) - before == 6  # the new ones are
+
+        # the prefill replica dies; its replacement loads the update when it starts
+        ray.kill(pd.prefills["p0"], no_restart=True)
+        (out,) = pd.generate(prompt_token_ids=[tokens(42, 9)], sampling_params=PARAMS)
+        assert pd.num_prefill_restarts == 1
+        assert out.token_ids == hf_greedy(noisy, [tokens(42, 9)], NEW)[0]
+        assert set(pd.check_blocks().values()) == {0}
+    finally:
+        pd.shutdown()
+
+
+def test_llm_pd_update_weights_gives_the_new_weights_tokens(tmp_path):
+    base = write_tiny_model(tmp_path / "base")
+    tensors, noisy = write_perturbed_copy(base, tmp_path / "noisy", seed=6)
+    prompts = [tokens(43, 13), tokens(44, 22)]
+    llm = LLM(base, num_prefill=1, num_decode=1, **OPTS)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        assert [o.token_ids for o in outs] == hf_greedy(base, prompts, NEW)
+        llm.update_weights(tensors)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        assert [o.token_ids for o in outs] == hf_greedy(noisy, prompts, NEW)
+    finally:
+        llm.close()
