@@ -69,18 +69,7 @@ class StoreReplica:
 
 
 @pytest.fixture(scope="module")
-def cluster(local_ray_cluster):
-    c = local_ray_cluster(dashboard=False)
-    try:
-        c.connect()
-        yield c
-    finally:
-        ray.shutdown()
-        c.stop()
-
-
-@pytest.fixture(scope="module")
-def replicas(cluster):
+def replicas(connected_ray_cluster):
     from actors.serving.store_shards import stop
 
     actor: Any = ray.remote(num_cpus=0)(StoreReplica)
