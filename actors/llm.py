@@ -140,8 +140,9 @@ class LLM:
         call = getattr(self.remote, method, None)
         if call is None:
             raise InvalidRequestError(
-                f"{method} is built for LLM in process and LLM(num_replicas=k); "
-                f"not yet for {type(self.remote).__name__}"
+                f"{method} is built for LLM in process, LLM(num_replicas=k) and (update_weights "
+                f"only) LLM(num_prefill=..., num_decode=...); not yet for "
+                f"{type(self.remote).__name__}"
             )
         return call(*args)
 

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_model import MODEL, write_bench_model  # noqa: E402
 
 from actors.engine.events import Delta  # noqa: E402
-from actors.serving.engine_loop import ColocatedEngine, EngineLoop  # noqa: E402
+from actors.serving.colocated_engine import ColocatedEngine  # noqa: E402
+from actors.serving.engine_loop import EngineLoop  # noqa: E402
 from errors import OverloadedError  # noqa: E402
 from policies.request import SamplingParams  # noqa: E402
 

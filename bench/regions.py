@@ -57,7 +57,8 @@ from real_prompts import add_model_options, chosen_model  # noqa: E402
 
 from actors.engine.worker_hooks import WorkerHooks  # noqa: E402
 from actors.regions.runtime import BalancerRuntime, LocalReplica  # noqa: E402
-from actors.serving.engine_loop import ColocatedEngine, EngineLoop  # noqa: E402
+from actors.serving.colocated_engine import ColocatedEngine  # noqa: E402
+from actors.serving.engine_loop import EngineLoop  # noqa: E402
 from policies.region_balancer import BalancerConfig, RegionBalancer  # noqa: E402
 from policies.request import SamplingParams  # noqa: E402
 

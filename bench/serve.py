@@ -124,7 +124,8 @@ MODEL_NAME = "bench"
 # -- the in-process side ----------------------------------------------------------------------
 class InProcess:
     def __init__(self, model_dir: Path, cfg: Any, new_tokens: int) -> None:
-        from actors.serving.engine_loop import ColocatedEngine, EngineLoop
+        from actors.serving.colocated_engine import ColocatedEngine
+        from actors.serving.engine_loop import EngineLoop
         from policies.request import SamplingParams
 
         config = cfg.groups[0].engine

@@ -58,11 +58,25 @@ class SharedWeights:
         return out
 
 
+def is_object_ref(source: Any) -> bool:
+    """A Ray object ref (checked by name: this module does not import ray)."""
+    return type(source).__name__ == "ObjectRef"
+
+
+def checked_weights(expected: Mapping[str, tuple[int, ...]], source: Any) -> Weights:
+    """The tensors of ``source`` (``read_weights``), less a tied head equal to the
+    embeddings, refused unless they fit the model (``check_weights``); ``expected``:
+    name -> shape, ``models.loader.expected_tensors``."""
+    weights = without_tied_head(expected, read_weights(source))
+    check_weights(expected, weights)
+    return weights
+
+
 def read_weights(source: Any) -> Weights:
     """The tensors of ``source``: a name -> tensor mapping, a safetensors file, a folder
     of them, a ``SharedWeights``, or a Ray ``ObjectRef`` to one of these. Raises
     InvalidRequestError."""
-    if type(source).__name__ == "ObjectRef":
+    if is_object_ref(source):
         import ray
 
         source = ray.get(source)

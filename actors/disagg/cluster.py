@@ -93,7 +93,7 @@ from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
 from models.loader import expected_tensors
-from models.weight_update import SharedWeights, check_weights, read_weights, without_tied_head
+from models.weight_update import SharedWeights, checked_weights
 from policies.conductor import Conductor, DecodeInstance, PrefillInstance
 from policies.decode_wait import DecodeWaitQueue
 from policies.dualpath import PREFILL_PATH
@@ -465,9 +465,7 @@ class PDCluster:
         weights is used again."""
         if self.has_unfinished():
             raise RuntimeError("requests are in flight; update the weights between calls")
-        expected = expected_tensors(self.model_dir)
-        tensors = without_tied_head(expected, read_weights(weights))
-        check_weights(expected, tensors)
+        tensors = checked_weights(expected_tensors(self.model_dir), weights)
         self.replicas.update_weights(ray.put(SharedWeights.of(tensors)))
 
     # -- observation and faults -------------------------------------------------------------

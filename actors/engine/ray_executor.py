@@ -32,7 +32,7 @@ from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker import Worker, WorkerSpec
 from actors.engine.worker_hooks import HooksFactory
 from actors.ray_nodes import alive_nodes
-from models.weight_update import SharedWeights, read_weights
+from models.weight_update import SharedWeights, is_object_ref, read_weights
 from placement.worker_group import plan_worker_group, worker_bundle
 
 # Errors that mean a worker (or its node) is gone, not that the step itself was wrong.
@@ -234,8 +234,9 @@ class RayExecutor:
     def update_weights(self, weights: Any) -> None:
         """The tensors go into the object store once (a ref passes through as is) and every
         worker on a node reads them from there."""
-        is_ref = type(weights).__name__ == "ObjectRef"
-        ref = weights if is_ref else ray.put(SharedWeights.of(read_weights(weights)))
+        ref = (
+            weights if is_object_ref(weights) else ray.put(SharedWeights.of(read_weights(weights)))
+        )
         self._on_all("update_weights", ref)
         self._updates.append(ref)
 

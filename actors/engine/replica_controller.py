@@ -34,11 +34,7 @@ from actors.engine.worker_hooks import HooksFactory, WorkerHooks
 from errors import InvalidRequestError
 from models.config import ModelConfig
 from models.loader import expected_tensors
-from models.weight_update import (
-    check_weights,
-    read_weights,
-    without_tied_head,
-)
+from models.weight_update import checked_weights, is_object_ref
 from policies.request import Request, SampleSpec
 from policies.scheduler import ScheduledStep
 from policies.sequence import FinishReason, Sequence
@@ -426,12 +422,11 @@ class ReplicaController:
         update = getattr(self.executor, "update_weights", None)
         if update is None:
             raise InvalidRequestError(f"{type(self.executor).__name__} cannot update weights")
-        tensors = without_tied_head(self.expected_tensors(), read_weights(weights))
-        check_weights(self.expected_tensors(), tensors)
+        tensors = checked_weights(self.expected_tensors(), weights)
         received = sum(t.numel() * t.element_size() for t in tensors.values())
         if isinstance(weights, Mapping):  # a trainer's live tensors: keep a snapshot
             tensors = {n: t.detach().clone() for n, t in tensors.items()}
-        source = weights if type(weights).__name__ == "ObjectRef" else tensors
+        source = weights if is_object_ref(weights) else tensors
         del tensors  # an object ref's tensors: the workers read the store's copy
         update(source)
         self.kv.evict_all_cached()

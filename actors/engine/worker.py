@@ -172,7 +172,7 @@ class Worker:
         freed = _nbytes(self.kv_caches)
         self.kv_caches = []
         if isinstance(self.hooks.kv_cache, PrivateKVCache):
-            self.hooks.kv_cache.kv_caches = []
+            self.hooks.kv_cache.release()
         if level == 2 and self.shard is not None:
             freed += _nbytes(_shard_tensors(self.shard))
             self.shard = None

@@ -70,6 +70,10 @@ class PrivateKVCache:
         )
         return self.kv_caches
 
+    def release(self) -> None:
+        """Drop the tensors it allocated (the worker sleeps)."""
+        self.kv_caches = []
+
     def describe(self) -> None:
         return None  # private: nobody else reaches it
 

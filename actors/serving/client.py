@@ -27,12 +27,7 @@ from actors.engine.request_limits import RequestLimits
 from actors.serving.router import make_router_state
 from errors import EngineUnavailableError, InvalidRequestError, MeridianError
 from models.loader import expected_tensors
-from models.weight_update import (
-    SharedWeights,
-    check_weights,
-    read_weights,
-    without_tied_head,
-)
+from models.weight_update import SharedWeights, checked_weights, is_object_ref
 from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
@@ -144,11 +139,9 @@ class ReplicaPool:
         there (``ReplicaActor.update_weights``). An object ref passes through as is."""
         import ray
 
-        if type(weights).__name__ != "ObjectRef":
-            expected = self._expected_tensors()
-            tensors = without_tied_head(expected, read_weights(weights))
-            check_weights(expected, tensors)
-            weights = ray.put(SharedWeights.of(tensors))
+        if not is_object_ref(weights):
+            checked = checked_weights(self._expected_tensors(), weights)
+            weights = ray.put(SharedWeights.of(checked))
         self._on_all("update_weights", [weights], abort_in_flight)
 
     def sleep(self, level: int = 1) -> int:

@@ -32,9 +32,10 @@ from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
 from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.ray_nodes import alive_nodes
+from actors.serving.colocated_engine import ColocatedEngine
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.core_plan import replica_cores
-from actors.serving.engine_loop import ColocatedEngine, EngineLoop, ServingEngine
+from actors.serving.engine_loop import EngineLoop, ServingEngine
 from actors.serving.messages import AbortPrompt, OpenChannel, ReplicaCall, StartPrompt
 from actors.serving.replica_channel import ReplicaChannels
 from policies.autoscaling import ReplicaLoad

@@ -57,7 +57,7 @@ from actors.engine.replica_controller import ReplicaController, _Request
 from actors.engine.step_plan import StepResult
 from actors.engine.worker_hooks import KVCaches, PrivateKVCache, WorkerHooks
 from actors.kvstore.shard import KVStoreClient, current_node_id
-from actors.serving.engine_loop import ColocatedEngine
+from actors.serving.colocated_engine import ColocatedEngine
 from actors.serving.store_shards import AppShards, ShardSpec, shard_tag
 from errors import InvalidRequestError
 from policies.replica_stats import ReplicaStats

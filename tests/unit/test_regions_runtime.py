@@ -13,7 +13,8 @@ import pytest
 from actors.engine.replica_controller import ReplicaController
 from actors.regions.regions import Regions
 from actors.regions.runtime import LocalReplica
-from actors.serving.engine_loop import ColocatedEngine, EngineLoop
+from actors.serving.colocated_engine import ColocatedEngine
+from actors.serving.engine_loop import EngineLoop
 from models import write_tiny_model
 from policies.request import SamplingParams
 

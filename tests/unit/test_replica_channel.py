@@ -15,7 +15,8 @@ import pytest
 from actors.engine.events import Accepted, Delta, Done, Refused
 from actors.serving import replica_channel
 from actors.serving.channel_socket import channel_batches
-from actors.serving.engine_loop import ColocatedEngine, EngineLoop
+from actors.serving.colocated_engine import ColocatedEngine
+from actors.serving.engine_loop import EngineLoop
 from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
 from actors.serving.replica_channel import WRONG_REPLICA, ReplicaChannels
 from models import write_tiny_model

@@ -14,7 +14,8 @@ from actors import LLM, SamplingParams
 from actors.engine.config import EngineConfig
 from actors.engine.events import Accepted, Delta, Done
 from actors.engine.replica_controller import ReplicaController
-from actors.serving.engine_loop import ColocatedEngine, EngineLoop
+from actors.serving.colocated_engine import ColocatedEngine
+from actors.serving.engine_loop import EngineLoop
 from errors import ContextLengthError
 from models import write_tiny_model
 from policies.replica_stats import ReplicaStats
