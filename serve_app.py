@@ -84,7 +84,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=100_000,  # each call is microseconds of pure Python
         ray_actor_options={"num_cpus": 0},
         logging_config=LoggingConfig(enable_access_log=False),  # replicas report ~10/s
-    ).bind(cfg.routing, cfg.block_size, cfg.routing_options)
+    ).bind(cfg.routing, cfg.block_size, cfg.routing_options, cfg.model)
     replicas = {
         g.name: deployment(
             ReplicaServer,

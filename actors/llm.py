@@ -115,7 +115,9 @@ class LLM:
         another shape, or not floating-point is refused (InvalidRequestError) before
         anything changes. Requests in flight finish on the old weights (or, with
         ``abort_in_flight``, are aborted and run again on the new ones); KV computed with
-        the old weights is never reused. In process, call it between ``generate`` calls."""
+        the old weights is never reused. In process, call it between ``generate`` calls.
+        Attached to a Serve app by name, every replica of every group loads it; by URL,
+        ``weights`` must be a path on the server and ``api_key`` an admin key."""
         if self.remote is None:
             self.engine.update_weights(weights)
             return
@@ -141,8 +143,8 @@ class LLM:
         if call is None:
             raise InvalidRequestError(
                 f"{method} is built for LLM in process, LLM(num_replicas=k) and (update_weights "
-                f"only) LLM(num_prefill=..., num_decode=...); not yet for "
-                f"{type(self.remote).__name__}"
+                f"only) LLM(num_prefill=..., num_decode=...) and LLM.attach(app or URL); not "
+                f"yet for {type(self.remote).__name__}"
             )
         return call(*args)
 

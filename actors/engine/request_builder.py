@@ -107,14 +107,21 @@ class RequestBuilder:
     def at_weight_version(request: Request, version: int) -> Request:
         """``request`` as served by weights of ``version``: its salt carries the version
         and its block hashes are computed again with it, so KV computed with other weights
-        is never found for it (prefix cache, store, transfers). Version 0 (the stored
-        weights) and a request already at a version are returned as they are."""
-        if version == 0 or is_versioned(request.salt):
+        is never found for it (prefix cache, store, transfers). A request already at
+        ``version`` is returned as it is; one an edge built at another version (a Serve
+        ingress that has not yet heard of an update, or has heard before this replica
+        loaded it) is hashed again at ``version``: the weights that run a request decide
+        its version. Version 0 is the stored weights (no mark in the salt)."""
+        base = unversioned_salt(request.salt)
+        salt = weight_version_salt(base, version) if version else base
+        if salt == request.salt:
             return request
-        salt = weight_version_salt(request.salt, version)
         hashes = chained_block_hashes(request.prompt_token_ids, request.block_size, salt)
         return dataclasses.replace(request, salt=salt, block_hashes=hashes)
 
 
-def is_versioned(salt: str | None) -> bool:
-    return salt is not None and WEIGHT_VERSION_MARK in salt
+def unversioned_salt(salt: str | None) -> str | None:
+    """``salt`` without its weight-version mark (None when nothing else was in it)."""
+    if salt is None or WEIGHT_VERSION_MARK not in salt:
+        return salt
+    return salt.split(WEIGHT_VERSION_MARK)[0] or None

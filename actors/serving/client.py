@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from actors.engine.config import EngineConfig
@@ -27,7 +28,7 @@ from actors.engine.request_limits import RequestLimits
 from actors.serving.router import make_router_state
 from errors import EngineUnavailableError, InvalidRequestError, MeridianError
 from models.loader import expected_tensors
-from models.weight_update import SharedWeights, checked_weights, is_object_ref
+from models.weight_update import SharedWeights, checked_weights, is_object_ref, read_weights
 from policies.request import Request, SamplingParams
 from policies.routing import RouteRequest
 
@@ -235,6 +236,19 @@ class ServeAppClient:
             _raise_cause(e)
         yield from enumerate(outs)
 
+    def update_weights(self, weights: Any, abort_in_flight: bool = False) -> None:
+        """Put ``weights`` (read here: tensors, or a path on this machine) in the object
+        store once; the app's router checks them, keeps its own copy for replicas that
+        start later, and every replica loads it (``actors/serving/weight_updates.py``)."""
+        import ray
+
+        if not is_object_ref(weights):
+            weights = ray.put(SharedWeights.of(read_weights(weights)))
+        try:  # in a list: the ref reaches the router as a ref
+            self.handle.update_weights.remote([weights], abort_in_flight).result()
+        except Exception as e:
+            _raise_cause(e)
+
 
 class HttpClient:
     def __init__(
@@ -254,11 +268,7 @@ class HttpClient:
         body.update(_json_params(p))
         r = self.http.post("/v1/completions", json=body)
         if r.status_code != 200:
-            try:
-                msg = r.json()["error"]["message"]
-            except Exception:
-                msg = r.text
-            raise InvalidRequestError(f"prompt {i}: HTTP {r.status_code}: {msg}")
+            raise InvalidRequestError(f"prompt {i}: HTTP {r.status_code}: {_message(r)}")
         data = r.json()
         c = data["choices"][0]
         cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
@@ -267,6 +277,20 @@ class HttpClient:
         )
         out.logprobs = _token_logprobs(c.get("logprobs"))
         return out
+
+    def update_weights(self, weights: Any, abort_in_flight: bool = False) -> None:
+        """``POST /admin/update_weights`` (an API key with role admin): ``weights`` must be
+        a path on the server's filesystem (a ``.safetensors`` file or a model folder)."""
+        if not isinstance(weights, str | Path):
+            raise InvalidRequestError(
+                "over HTTP only a path on the server's filesystem can be sent (a .safetensors "
+                f"file or a model folder), not a {type(weights).__name__}; to send tensors, "
+                "attach by app name from a process connected to the app's Ray cluster"
+            )
+        body = {"path": str(weights), "abort_in_flight": abort_in_flight}
+        r = self.http.post("/admin/update_weights", json=body)
+        if r.status_code != 200:
+            raise InvalidRequestError(f"update_weights: HTTP {r.status_code}: {_message(r)}")
 
     def run(
         self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None
@@ -280,6 +304,14 @@ class HttpClient:
             }
             for f in concurrent.futures.as_completed(futures):
                 yield futures[f], f.result()
+
+
+def _message(r: Any) -> str:
+    """An error response's OpenAI-shaped message (else its body)."""
+    try:
+        return str(r.json()["error"]["message"])
+    except Exception:
+        return str(r.text)
 
 
 def ordered(results: Results, n: int) -> list[RequestOutput]:

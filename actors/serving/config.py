@@ -399,6 +399,7 @@ class ApiKeyConfig(_Strict):
     max_concurrent_requests: int | None = Field(None, ge=1)  # in flight at once; else 429
     requests_per_minute: int | None = Field(None, ge=1)  # else 429 with Retry-After
     tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion; else 429
+    role: Literal["user", "admin"] = "user"  # admin: may also call /admin/* (admin.py)
 
     def rate_limits(self) -> KeyRateLimits:
         return KeyRateLimits(self.requests_per_minute, self.tokens_per_minute)

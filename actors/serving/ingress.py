@@ -33,11 +33,13 @@ from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving import openai_protocol as oai
+from actors.serving.admin import UpdateWeightsBody, admin_error, require_admin
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
 from actors.serving.relay import ReplicaRelay, retry_after_header
 from actors.serving.tool_calls import ToolPlan, plan_tools, template_messages
 from actors.serving.tool_parsers import ToolFormat, ToolStream, detect_format, parse, stream_delta
+from actors.serving.weight_updates import VersionWatch
 from errors import (
     ContextLengthError,
     EngineUnavailableError,
@@ -93,6 +95,7 @@ class Ingress:
         self.pending = 0
         self.per_key: Counter[str] = Counter()
         self.http_counts: Counter[tuple[str, int]] = Counter()
+        self.weights = VersionWatch(router)  # the app's weight version, requests hash at it
 
     # -- routes -----------------------------------------------------------------------------
     @app.get("/health")
@@ -148,7 +151,28 @@ class Ingress:
     async def chat_completions(self, request: HTTPRequest) -> Response:
         return await self._serve("/v1/chat/completions", request, chat=True)
 
+    @app.post("/admin/update_weights")
+    async def admin_update_weights(self, request: HTTPRequest) -> Response:
+        """New weights from a path on the server, for an API key with role admin (admin.py)."""
+        route = "/admin/update_weights"
+        try:
+            require_admin(self._tenant(request), bool(self.keys))
+            body = UpdateWeightsBody.parse(await self._body(request))
+            version = await self.update_weights(body.path, body.abort_in_flight)
+        except oai.APIError as e:
+            return self._error(route, e)
+        except MeridianError as e:
+            return self._error(route, admin_error(e))
+        return self._ok(route, {"weight_version": version})
+
     # -- the Python actor API's entry (LLM.attach(app_name)) --------------------------------
+    async def update_weights(self, weights: Any, abort_in_flight: bool = False) -> int:
+        """Every replica of the app loads ``weights`` (a path on the server, or a one-item
+        list holding an object ref) as the next weight version; returns it once all have
+        (the router's log, ``weight_updates.py``). Raises InvalidRequestError (a bad
+        tensor; nothing changed), EngineUnavailableError."""
+        return await self.weights.update(weights, abort_in_flight)
+
     async def generate_tokens(
         self,
         token_lists: list[list[int]],
@@ -164,7 +188,8 @@ class Ingress:
             except ValueError as e:
                 raise InvalidRequestError(str(e), "kv_retention_s") from None
         builder = await self._request_builder()
-        requests = builder.build_each(token_lists, params, salt=salt, tenant=salt)
+        salted = self.weights.salt(salt)
+        requests = builder.build_each(token_lists, params, salt=salted, tenant=salt)
 
         async def one(request: Request) -> RequestOutput:
             outs: list[Any] = [None]
@@ -295,7 +320,8 @@ class Ingress:
         built = []
         for tokens in prompts:
             try:
-                built.append(builder.build_choices(tokens, params, salt=salt, tenant=salt))
+                salted = self.weights.salt(salt)
+                built.append(builder.build_choices(tokens, params, salt=salted, tenant=salt))
             except InvalidRequestError as e:  # the prompt, or prompt + max_tokens, too long
                 param = field if room >= 1 and isinstance(e, ContextLengthError) else prompt_field
                 param = e.param or param  # a sampling field the model cannot take
@@ -307,6 +333,7 @@ class Ingress:
     async def _request_builder(self) -> RequestBuilder:
         """The builder of this ingress's requests: the tightest limits of every replica
         group (a request may be routed to any), asked of one replica of each, once."""
+        self.weights.follow()
         if self._builder is None:
             groups = [g.name for g in self.cfg.groups]
             limits = await asyncio.gather(*(self.replicas[g].limits.remote() for g in groups))

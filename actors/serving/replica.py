@@ -10,6 +10,9 @@ later only if the router is slow). Each push waits for the previous one, so the 
 applies one replica's events in the order they happened. The first push makes the router
 route to a new replica; the last, when the replica stops, is ``leave``.
 
+Router -> replica: weight updates (``replica_weights.py``): the replica loads every update
+of the app's log before its first request, then each new one as the router announces it.
+
 Serve -> replica: ``record_autoscaling_stats`` (an autoscaled group) reports the load that
 ``policies.autoscaling`` scales on. When Serve removes a replica it stops routing to it and
 waits until its ongoing calls end (graceful shutdown); ``__del__`` then waits until the
@@ -38,6 +41,7 @@ from actors.serving.core_plan import replica_cores
 from actors.serving.engine_loop import EngineLoop, ServingEngine
 from actors.serving.messages import AbortPrompt, OpenChannel, ReplicaCall, StartPrompt
 from actors.serving.replica_channel import ReplicaChannels
+from actors.serving.replica_weights import WeightFollower
 from policies.autoscaling import ReplicaLoad
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -119,6 +123,8 @@ class ReplicaServer:
         )
         threads = len(cores) if cores and engine_config.cpu_cores is None else None
         self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, cores, threads)
+        # first on the loop: the app's weight updates so far, before any request runs
+        self.weights = WeightFollower(self.loop, router, self.replica_id)
         host = ray.util.get_node_ip_address()  # the channels' sockets listen here
         self.channels = ReplicaChannels(self.loop, self.replica_id, host)
         self.router = router
@@ -164,6 +170,9 @@ class ReplicaServer:
             raise RuntimeError("the engine thread died")
         if not self._reporter.is_alive():
             raise RuntimeError("the reporter thread died")
+        failed = self.weights.failed()
+        if failed is not None:
+            raise RuntimeError(failed)
 
     def __del__(self) -> None:
         """Serve calls this when the replica stops, after its graceful-shutdown drain (no
@@ -179,6 +188,7 @@ class ReplicaServer:
         if not self.loop.drain(self.drain_timeout_s):
             log.warning("replica %s stops with requests unfinished", self.replica_id)
         self._stop.set()
+        self.weights.stop()
         self._reporter.join(timeout=10)
         self.loop.shutdown()
 

@@ -19,8 +19,10 @@ The ingress asks ``RouterDeployment.route`` for a ranking of replica ids (one ac
 ``ReplicaCall.ranking``); the replica
 deployment's ``RankedRequestRouter`` (the custom Serve ``RequestRouter``) only pins the
 request to the ranking's first replica that has capacity, falling back down the ranking and
-then to any replica. All router methods are ``async`` without ``await``: each runs whole
-on the router's event loop, so ``RouterState`` is never touched by two calls at once.
+then to any replica. All router methods that touch ``RouterState`` are ``async`` without
+``await``: each runs whole on the router's event loop, so ``RouterState`` is never touched
+by two calls at once. The weight-update methods await, but only on the weight log
+(``weight_updates.py``), which the router owns for the whole app.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving.messages import ReplicaCall
 from actors.serving.metrics import MetricsSnapshot, ReplicaSample, RouterMetrics
 from actors.serving.router_state import RouterState
+from actors.serving.weight_updates import WeightUpdate, WeightUpdateLog
 from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
 
@@ -57,7 +60,15 @@ def make_router_state(policy: str, block_size: int, options: dict[str, Any]) -> 
 class RouterDeployment:
     """State: the routing view (``RouterState``) and each replica's latest stats/metrics."""
 
-    def __init__(self, policy: str, block_size: int, options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        policy: str,
+        block_size: int,
+        options: dict[str, Any] | None = None,
+        model: str | None = None,
+    ):
+        """``model``: the app's model folder (None: the built-in tiny one), whose tensors a
+        weight update must fit."""
         run_process_at_normal_priority()  # nice 0, as RAY_worker_niceness=0 (thread_priority)
         self.state = make_router_state(policy, block_size, options or {})
         self.block_size = block_size
@@ -66,6 +77,7 @@ class RouterDeployment:
         self.snapshots: dict[str, ReplicaSample] = {}  # each replica's latest, for /metrics
         self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, outcome) -> count
         self.departed: dict[str, None] = {}  # replicas that left (insertion-ordered, bounded)
+        self.weights = WeightUpdateLog(model, self._live_ids)
 
     async def route(self, request: RouteRequest) -> list[tuple[str, str]]:
         """(replica id, group) pairs, best first. Records the decision in the view."""
@@ -138,6 +150,27 @@ class RouterDeployment:
         self._expire(time.time())
         return RouterMetrics(dict(self.snapshots), dict(self.decisions))
 
+    # -- weight updates (``weight_updates.py``): the one ordered log of the app -------------
+    async def update_weights(self, source: Any, abort_in_flight: bool = False) -> int:
+        """Check ``source``, log it as the next weight version and return that version once
+        every live replica loaded it (the only router method that awaits: routing goes on)."""
+        return await self.weights.update(source, abort_in_flight)
+
+    async def next_weight_version(self, after: int, timeout_s: float = 10.0) -> int:
+        """The weight version, as soon as it is above ``after`` (a long poll)."""
+        return await self.weights.next_version(after, timeout_s)
+
+    async def weight_updates(self, after: int) -> list[WeightUpdate]:
+        """The updates after version ``after``, oldest first (their refs stay refs)."""
+        return self.weights.since(after)
+
+    async def weights_loaded(self, replica_id: str, version: int, error: str | None) -> None:
+        await self.weights.on_loaded(replica_id, version, error)
+
+    def _live_ids(self) -> set[str]:
+        self._expire(time.time())
+        return set(self.groups)
+
     def _expire(self, now: float) -> None:
         for rid, seen in list(self.last_seen.items()):
             if now - seen > REPLICA_TIMEOUT_S:
@@ -149,6 +182,7 @@ class RouterDeployment:
         self.groups.pop(replica_id, None)
         self.last_seen.pop(replica_id, None)
         self.snapshots.pop(replica_id, None)
+        self.weights.forget(replica_id)
 
 
 @contextlib.contextmanager

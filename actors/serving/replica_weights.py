@@ -1,0 +1,114 @@
+"""A Serve replica's side of the app's weight updates (the log: ``weight_updates.py``, held
+by the router deployment).
+
+    follower = WeightFollower(loop, router, replica_id)  # right after the EngineLoop starts
+
+- Catch-up: the first thing queued on the engine loop (``EngineLoop.when_drained``, so every
+  request waits behind it) loads every update the log holds, in order. A replica that
+  Serve starts later (autoscaling, or a replacement after a crash) therefore serves its
+  first request on the app's current weights.
+- Then a thread long-polls the router for a newer version; for each update it lacks it
+  has the engine load it once the requests running now finish (or aborts them, retriable,
+  when the update asks), holding new requests meanwhile, and tells the router which
+  version it has loaded (or why it failed).
+
+Invariant: ``version`` is the weight version the engine runs (set on the engine thread
+after each load), and updates are loaded one at a time in the log's order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+from typing import Any
+
+from actors.serving.engine_loop import EngineLoop
+from actors.serving.weight_updates import POLL_S, WeightUpdate
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 120.0  # any other router call
+
+
+def load_update(engine: Any, update: WeightUpdate) -> None:
+    """Load ``update`` into ``engine`` (holding no request) as weight version
+    ``update.version``. A disaggregated group's engine (``PDEngine``) loads it through its
+    ``PDCluster``, which numbers versions itself (one per update, from 0 when it starts),
+    so the two must agree."""
+    cluster = getattr(engine, "cluster", None)
+    if cluster is None:
+        engine.update_weights(update.ref, update.version)
+        return
+    cluster.update_weights(update.ref)
+    if cluster.weight_version != update.version:
+        raise RuntimeError(
+            f"the P/D cluster is at weight version {cluster.weight_version} after loading "
+            f"update {update.version}"
+        )
+
+
+class WeightFollower:
+    def __init__(self, loop: EngineLoop, router: Any, replica_id: str) -> None:
+        self.loop = loop
+        self.router = router
+        self.replica_id = replica_id
+        self.version = 0
+        self._stop = threading.Event()
+        self.caught_up: concurrent.futures.Future = loop.when_drained(self._catch_up)
+        self._thread = threading.Thread(target=self._follow, daemon=True, name="meridian-weights")
+        self._thread.start()
+
+    def failed(self) -> str | None:
+        """Why the catch-up failed (the replica must not serve: ``check_health``)."""
+        fut = self.caught_up
+        if fut.done() and fut.exception() is not None:
+            return f"loading the app's weight updates failed: {fut.exception()}"
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _catch_up(self, engine: Any) -> None:
+        """On the engine thread, before any request: every update of the log."""
+        updates = self.router.weight_updates.remote(0).result(timeout_s=CALL_TIMEOUT_S)
+        for update in updates:
+            self._load(update, engine)
+
+    def _load(self, update: WeightUpdate, engine: Any) -> None:
+        load_update(engine, update)
+        self.version = update.version
+
+    def _follow(self) -> None:
+        try:
+            self.caught_up.result()
+        except Exception:
+            log.exception("replica %s could not load the app's weight updates", self.replica_id)
+            return
+        self._tell_router(None)
+        while not self._stop.is_set():
+            try:
+                latest = self.router.next_weight_version.remote(self.version, POLL_S).result(
+                    timeout_s=POLL_S + CALL_TIMEOUT_S
+                )
+                if latest <= self.version:
+                    continue
+                updates = self.router.weight_updates.remote(self.version).result(
+                    timeout_s=CALL_TIMEOUT_S
+                )
+                for update in updates:
+                    load = functools.partial(self._load, update)
+                    self.loop.when_drained(load, abort_in_flight=update.abort_in_flight).result()
+                self._tell_router(None)
+            except Exception as e:  # the router restarting, or a load failed: say so, retry
+                log.warning("weight update on replica %s failed", self.replica_id, exc_info=True)
+                self._tell_router(f"{type(e).__name__}: {e}")
+                self._stop.wait(1.0)
+
+    def _tell_router(self, error: str | None) -> None:
+        try:
+            self.router.weights_loaded.remote(self.replica_id, self.version, error).result(
+                timeout_s=CALL_TIMEOUT_S
+            )
+        except Exception:
+            log.warning("could not tell the router about weight version %d", self.version)
