@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=None, help="line i samples with seed + i")
     ap.add_argument("--top-logprobs", type=int, default=0, help="top logprobs per token")
     ap.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each prompt's tokens and logprobs bitwise independent of the batch (slower)",
+    )
     args = ap.parse_args(argv)
 
     items = read_inputs(args.input)
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             routing=args.routing,
             num_cpus=args.num_cpus,
             max_in_flight=args.max_in_flight,
+            batch_invariant=args.batch_invariant,
         )
     token_lists = [tokens_of(llm, rec) for _, _, rec in todo]
     params = []

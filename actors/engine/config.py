@@ -75,6 +75,10 @@ class EngineConfig:
     kvp: int = 1
     kvp_rank_tokens: int | None = None
     use_compiled_graph: bool = True
+    # every token's sampled id and logprobs bitwise the same whatever else is in its step
+    # and wherever its prompt is chunked (kernels/batch_invariant.py; single-worker dense
+    # models only); costs throughput (bench/batch_invariance.py)
+    batch_invariant: bool = False
     # Ray custom resources each worker actor of a multi-worker layout reserves, e.g. a
     # region's node resource (``RegionConfig.node_resource``): its workers then go only on
     # the nodes that carry it. None: no custom resource.
@@ -171,6 +175,13 @@ class EngineConfig:
                 "attention/expert disaggregation needs attention_workers >= 1 and "
                 f"expert_workers >= 1 together, got {self.attention_workers} and "
                 f"{self.expert_workers}"
+            )
+        if self.batch_invariant and (
+            (self.tp, self.spp, self.kvp) != (1, 1, 1) or self.attention_workers
+        ):
+            raise ValueError(
+                "batch_invariant holds for the single-worker engine (tp = spp = kvp = 1, no "
+                "attention/expert workers); scale out with replicas instead"
             )
         if self.attention_workers and (self.tp, self.spp, self.kvp) != (1, 1, 1):
             raise ValueError("attention/expert disaggregation runs with tp = spp = kvp = 1")

@@ -85,6 +85,11 @@ def build_parts(
     on_gpu = device.type == "cuda"
     dtype = config.torch_dtype(on_gpu)
     model = read_model_config(folder)
+    if config.batch_invariant and model.is_moe:
+        raise ValueError(
+            "batch_invariant covers dense models; this one is MoE (its experts' GEMMs take "
+            "a row count that depends on the batch)"
+        )
     tokenizer = load_tokenizer(folder)
     max_model_len = config.context_len(model.max_position_embeddings)
     num_blocks = _num_blocks(config, model, dtype, max_model_len)
@@ -100,6 +105,7 @@ def build_parts(
         num_blocks=num_blocks,
         layout=layout,
         pack_weights=config.pack_weights,
+        batch_invariant=config.batch_invariant,
     )
     if executor is None:
         executor = _executor(config, model, spec, worker_hooks)

@@ -23,6 +23,7 @@ from actors.engine.sampling import TokenLogprob, sample_tokens
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker_hooks import CacheGeometry, HooksFactory, PrivateKVCache, WorkerHooks
 from actors.engine.worker_inputs import build_worker_inputs
+from kernels.batch_invariant import BatchInvariantAttention, tile_linears
 from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_parallel_attention import KVParallelAttention
 from models import load_model
@@ -42,6 +43,7 @@ class WorkerSpec:
     num_blocks: int  # per worker (each KVP rank has its own pool of this size)
     layout: Layout = Layout()
     pack_weights: bool | None = None
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -130,6 +132,9 @@ class Worker:
         del model
         if spec.pack_weights if spec.pack_weights is not None else can_pack(shard):
             pack_linears(shard)  # fp32 CPU: oneDNN-prepacked weights, same arithmetic
+        if spec.batch_invariant:  # fixed-shape GEMMs and one per-row attention kernel
+            tile_linears(shard)
+            shard.attention_backend = BatchInvariantAttention()
         if self.hooks.step is not None:
             shard.set_layer_hook(self.hooks.step)
         return shard
