@@ -14,10 +14,12 @@ import random
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 from torch import nn
 
 from actors import LLM, SamplingParams
 from actors.engine.config import EngineConfig
+from actors.serving.engine_section import EngineSection
 from kernels import paged_attention_cpu
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_torch import paged_attention
@@ -176,6 +178,13 @@ def test_torch_path_matches_native_within_rounding():
     tiled = attend_tiled_torch(q, k_cache, v_cache, meta, 0.125)
     for a, b in zip(native, tiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_serve_engine_section_takes_the_switch():
+    section = TypeAdapter(EngineSection)
+    assert section.validate_python({"batch_invariant": True}).batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant"):
+        section.validate_python({"batch_invariant": True, "kvp": 2})
 
 
 def test_layouts_it_does_not_cover_are_refused(tmp_path):
