@@ -11,6 +11,7 @@ default path is not, and show that too.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def model_dir(tmp_path_factory):
 def _alone_and_in_batch(model_dir, dtype: str, invariant: bool, chunk, budget):
     """The target prompt's (tokens, logprobs) alone, then as request 10 of 33."""
     rng = random.Random(0)
-    options = dict(dtype=dtype, batch_invariant=invariant)
+    options: dict[str, Any] = dict(dtype=dtype, batch_invariant=invariant)
     if chunk is not None:
         options.update(chunk_size=chunk, token_budget=budget)
     llm = LLM(model_dir, **options)
@@ -188,7 +189,8 @@ def test_serve_engine_section_takes_the_switch():
 
 
 def test_layouts_it_does_not_cover_are_refused(tmp_path):
-    for layout in (dict(tp=2), dict(spp=2), dict(kvp=2)):
+    layouts: list[dict[str, Any]] = [dict(tp=2), dict(spp=2), dict(kvp=2)]
+    for layout in layouts:
         with pytest.raises(ValueError, match="batch_invariant"):
             EngineConfig(batch_invariant=True, **layout)
     moe = write_tiny_model(tmp_path / "moe", kind="moe")
