@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 
     progress = Progress(len(items), len(items) - len(todo))
     fd = os.open(args.output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    generated, started = 0, time.monotonic()
     try:
         for i, out in llm.generate_unordered(prompt_token_ids=token_lists, sampling_params=params):
             rid, index, _ = todo[i]
@@ -207,13 +208,20 @@ def main(argv: list[str] | None = None) -> None:
             data = (json.dumps(line) + "\n").encode("utf-8")
             if os.write(fd, data) != len(data):  # one write per line: whole, or torn and cut
                 raise OSError(f"short write to {args.output}")
+            generated += len(out.token_ids)
             progress.update()
+        took = time.monotonic() - started
         os.fsync(fd)
     finally:
         os.close(fd)
         progress.close()
         llm.close()
     print(f"wrote {len(todo)} results to {args.output}", file=sys.stderr)
+    # from the first request submitted to the last finished (bench/rollout.py reads it)
+    print(
+        f"generated {generated} tokens in {took:.3f} s ({generated / took:.1f} tokens/s)",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -52,17 +52,47 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
 
 
 def sample_tokens(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:
-    """One token per row (with its logprobs when the row's spec asks for them)."""
+    """One token per row (with its logprobs when the row's spec asks for them).
+
+    Batched over rows wherever a row's result does not depend on its neighbours (argmax,
+    log-softmax, the shaping of each row in place); only a sampled row draws alone, with
+    its own seeded generator."""
     if not specs:
         return []
-    logits = logits.float()
-    fast = logits.argmax(dim=-1).tolist()
+    logits = logits.float()  # [N, vocab]
+    shaped = [i for i, s in enumerate(specs) if not s.plain]
+    processed = logits
+    if shaped:
+        processed = logits.clone()
+        for i in shaped:
+            _shape_row_(processed[i], specs[i])
+    greedy = processed.argmax(dim=-1).tolist()
+    raw_rows = [
+        i for i, s in enumerate(specs) if s.logprobs is not None and s.logprobs_mode == "raw"
+    ]
+    raw_lp: dict[int, torch.Tensor] = {}
+    if raw_rows:
+        lps = torch.log_softmax(logits[raw_rows].double(), dim=-1)  # [len(raw_rows), vocab]
+        raw_lp = {i: lps[j] for j, i in enumerate(raw_rows)}
     out = []
     for i, spec in enumerate(specs):
-        if spec.plain and spec.temperature == 0.0 and spec.logprobs is None:
-            out.append(SampledToken(int(fast[i])))
+        if spec.temperature == 0.0:
+            token = int(greedy[i])
+            final = raw_lp.get(i)
+            if spec.logprobs is not None and final is None:
+                final = torch.log_softmax(processed[i].double(), dim=-1)
         else:
-            out.append(_sample_row(logits[i].cpu(), spec))
+            row = processed[i].cpu()
+            probs = _probs(row / spec.temperature, spec.top_k, spec.top_p)
+            generator = torch.Generator().manual_seed(token_seed(spec.seed, spec.index))
+            token = int(torch.multinomial(probs, 1, generator=generator).item())
+            final = raw_lp.get(i)
+            if spec.logprobs is not None and final is None:
+                final = (probs.double() / probs.double().sum()).log()
+        if spec.logprobs is None or final is None:
+            out.append(SampledToken(token))
+        else:
+            out.append(SampledToken(token, _logprobs(final, token, spec.logprobs)))
     return out
 
 
@@ -70,31 +100,40 @@ def process_logits(row: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     """The grammar mask, logit bias, min_tokens suppression and penalties of ``spec`` applied
     to one row of fp32 logits (a new tensor; temperature and top-k/top-p are not applied)."""
     row = row.clone()
-    if spec.plain:
-        return row
+    if not spec.plain:
+        _shape_row_(row, spec)
+    return row
+
+
+def _shape_row_(row: torch.Tensor, spec: SampleSpec) -> None:
+    """``process_logits`` in place on ``row`` ([vocab] fp32, a view is fine)."""
     vocab = row.numel()
     if spec.allowed is not None:
-        row = row.masked_fill(~allowed_mask(spec.allowed, vocab), float("-inf"))
+        row.masked_fill_(~allowed_mask(spec.allowed, vocab).to(row.device), float("-inf"))
     if spec.logit_bias:
-        ids = torch.tensor([t for t, _ in spec.logit_bias], dtype=torch.int64)
-        bias = torch.tensor([b for _, b in spec.logit_bias], dtype=row.dtype)
+        ids = torch.tensor([t for t, _ in spec.logit_bias], dtype=torch.int64, device=row.device)
+        bias = torch.tensor([b for _, b in spec.logit_bias], dtype=row.dtype, device=row.device)
         row.index_add_(0, ids, bias)
     if spec.suppress:
-        suppressed = row.index_fill(0, torch.tensor(spec.suppress), float("-inf"))
-        if spec.allowed is None or bool(torch.isfinite(suppressed).any()):
-            row = suppressed  # a grammar that allows nothing but EOS wins over min_tokens
+        ids = torch.tensor(spec.suppress, dtype=torch.int64, device=row.device)
+        if spec.allowed is None:
+            row.index_fill_(0, ids, float("-inf"))
+        else:
+            suppressed = row.index_fill(0, ids, float("-inf"))
+            if bool(torch.isfinite(suppressed).any()):
+                row.copy_(suppressed)  # a grammar that allows nothing but EOS wins over min_tokens
     if spec.repetition_penalty != 1.0:
         seen = set(spec.prompt_tokens) | {t for t, _ in spec.output_counts}
         if seen:
-            ids = torch.tensor(sorted(seen), dtype=torch.int64)
+            ids = torch.tensor(sorted(seen), dtype=torch.int64, device=row.device)
             vals = row[ids]
             p = spec.repetition_penalty
             row[ids] = torch.where(vals > 0, vals / p, vals * p)
     if spec.output_counts and (spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0):
-        ids = torch.tensor([t for t, _ in spec.output_counts], dtype=torch.int64)
-        counts = torch.tensor([c for _, c in spec.output_counts], dtype=row.dtype)
+        dev = row.device
+        ids = torch.tensor([t for t, _ in spec.output_counts], dtype=torch.int64, device=dev)
+        counts = torch.tensor([c for _, c in spec.output_counts], dtype=row.dtype, device=dev)
         row.index_add_(0, ids, -(spec.frequency_penalty * counts + spec.presence_penalty))
-    return row
 
 
 def allowed_mask(words: bytes, vocab: int) -> torch.Tensor:
@@ -105,25 +144,6 @@ def allowed_mask(words: bytes, vocab: int) -> torch.Tensor:
     if mask.numel() < vocab:  # ids past the tokenizer's vocabulary are never allowed
         mask = torch.cat([mask, torch.zeros(vocab - mask.numel(), dtype=torch.bool)])
     return mask[:vocab]
-
-
-def _sample_row(raw: torch.Tensor, spec: SampleSpec) -> SampledToken:
-    """raw: [vocab] fp32 logits -> a token from the processed, tempered, top-k/top-p cut
-    softmax (argmax of the processed logits when greedy)."""
-    row = process_logits(raw, spec)
-    if spec.temperature == 0.0:
-        token = int(row.argmax().item())
-        final = torch.log_softmax(row.double(), dim=-1)
-    else:
-        probs = _probs(row / spec.temperature, spec.top_k, spec.top_p)
-        generator = torch.Generator().manual_seed(token_seed(spec.seed, spec.index))
-        token = int(torch.multinomial(probs, 1, generator=generator).item())
-        final = (probs.double() / probs.double().sum()).log()
-    if spec.logprobs is None:
-        return SampledToken(token)
-    if spec.logprobs_mode == "raw":
-        final = torch.log_softmax(raw.double(), dim=-1)
-    return SampledToken(token, _logprobs(final, token, spec.logprobs))
 
 
 def _probs(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
