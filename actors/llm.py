@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.engine.config import EngineConfig
+from actors.engine.defaults import BATCH_MAX_IN_FLIGHT
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
@@ -38,7 +39,7 @@ class LLM:
         *,
         routing: str = "prefix_aware",
         num_cpus: float = 0.0,
-        max_in_flight: int = 64,
+        max_in_flight: int = BATCH_MAX_IN_FLIGHT,
         num_prefill: int | None = None,
         num_decode: int | None = None,
         **engine_options: Any,

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from actors.engine.defaults import BATCH_MAX_IN_FLIGHT
 from actors.engine.sampling import SamplingParams
 from actors.llm import LLM
 from errors import InvalidRequestError
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--api-key", default=None, help="with --attach: the tenant's key")
     ap.add_argument("--routing", default="prefix_aware")
     ap.add_argument("--num-cpus", type=float, default=0.0, help="Ray CPUs per replica")
-    ap.add_argument("--max-in-flight", type=int, default=32)
+    ap.add_argument("--max-in-flight", type=int, default=BATCH_MAX_IN_FLIGHT)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None, help="line i samples with seed + i")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.engine.config import EngineConfig
+from actors.engine.defaults import BATCH_MAX_IN_FLIGHT
 from actors.engine.outputs import RequestOutput, TokenLogprob
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
@@ -58,7 +59,7 @@ class ReplicaPool:
         routing: str = "prefix_aware",
         num_cpus: float = 0.0,
         engine_config: EngineConfig | None = None,
-        max_in_flight: int = 64,
+        max_in_flight: int = BATCH_MAX_IN_FLIGHT,
     ) -> None:
         import ray
 
