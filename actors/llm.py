@@ -126,8 +126,9 @@ class LLM:
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level 1), or the KV cache and the weights (level 2), once the
-        requests in flight finish; requests sent while asleep wait for ``wake_up``.
-        Returns the bytes freed (every replica's)."""
+        requests in flight finish; requests sent while asleep wait for ``wake_up`` (in
+        process and on a P/D deployment they are refused until then: a call's ``generate``
+        holds no request when it returns). Returns the bytes freed (every replica's)."""
         if self.remote is None:
             return self.engine.sleep(level)
         return int(self._remote_call("sleep", level))
@@ -143,9 +144,9 @@ class LLM:
         call = getattr(self.remote, method, None)
         if call is None:
             raise InvalidRequestError(
-                f"{method} is built for LLM in process, LLM(num_replicas=k) and (update_weights "
-                f"only) LLM(num_prefill=..., num_decode=...) and LLM.attach(app or URL); not "
-                f"yet for {type(self.remote).__name__}"
+                f"{method} is built for LLM in process, LLM(num_replicas=k) and "
+                f"LLM(num_prefill=..., num_decode=...), and (update_weights only) "
+                f"LLM.attach(app or URL); not yet for {type(self.remote).__name__}"
             )
         return call(*args)
 
@@ -306,6 +307,12 @@ class _Disaggregated:
 
     def update_weights(self, weights: Any, abort_in_flight: bool = False) -> None:
         self.cluster.update_weights(weights)  # nothing is in flight between calls here
+
+    def sleep(self, level: int = 1) -> int:
+        return int(self.cluster.sleep(level))
+
+    def wake_up(self) -> None:
+        self.cluster.wake_up()
 
     def shutdown(self) -> None:
         self.cluster.shutdown()

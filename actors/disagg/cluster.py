@@ -89,6 +89,7 @@ from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams
 from actors.kvstore.shard import KVStoreClient
+from errors import InvalidRequestError
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
@@ -258,6 +259,8 @@ class PDCluster:
         cannot be met now or the wait queue is full."""
         if request.block_size != self.block_size:
             raise ValueError(f"the request was hashed in blocks of {request.block_size}")
+        if self.replicas.sleep_level is not None:
+            raise InvalidRequestError("the cluster is asleep; call wake_up() first")
         request = RequestBuilder.at_weight_version(request, self.weight_version)
         req = PDRequest(request)
         self.table.add(req)  # a replica death while placing queues it again
@@ -467,6 +470,25 @@ class PDCluster:
             raise RuntimeError("requests are in flight; update the weights between calls")
         tensors = checked_weights(expected_tensors(self.model_dir), weights)
         self.replicas.update_weights(ray.put(SharedWeights.of(tensors)))
+
+    def sleep(self, level: int = 1) -> int:
+        """Free every replica's weights (level 2, the only level here: the KV caches are
+        registered with the transfer layer and stay), with no request in flight;
+        ``submit`` refuses until ``wake_up``. The KV store's shards keep their blocks (keyed
+        by weight version, so valid after the wake). Returns the bytes freed."""
+        if level != 2:
+            raise InvalidRequestError(
+                f"a P/D deployment sleeps at level 2 only (got {level}): its replicas' KV "
+                "caches are registered with the KV transfer layer and stay; sleep(2) frees "
+                "every replica's weights"
+            )
+        if self.has_unfinished():
+            raise RuntimeError("requests are in flight; sleep between calls")
+        return self.replicas.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` freed: the weights as last updated, empty KV caches."""
+        self.replicas.wake_up()
 
     # -- observation and faults -------------------------------------------------------------
     def check_blocks(self) -> dict[str, int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 from actors.disagg.cluster import PDCluster
 from actors.disagg.cluster_config import PDClusterConfig
@@ -119,6 +120,17 @@ class PDEngine:
         evictions included) to the Conductor's map."""
         self.cluster.poll(0)
         self.cluster.refresh_store()
+
+    def update_weights(self, weights: Any, version: int) -> None:
+        """Load ``weights`` into every prefill and decode replica as weight version
+        ``version`` (holding no request). The cluster numbers versions itself, one per
+        update from 0 at its start, so ``version`` must be the next one."""
+        if version != self.cluster.weight_version + 1:
+            raise RuntimeError(
+                f"the P/D cluster is at weight version {self.cluster.weight_version}; it "
+                f"cannot load update {version} next"
+            )
+        self.cluster.update_weights(weights)
 
     def shutdown(self) -> None:
         for rid in list(self._live):

@@ -49,6 +49,14 @@ class LoopedReplica:
         (source,) = weights
         return int(self.loop.call(lambda: self.controller.update_weights(source, version)).result())
 
+    def sleep(self, level: int) -> int:
+        """Free the KV cache (level 1) and the weights too (level 2), on the loop thread,
+        holding no request. Returns the bytes freed."""
+        return int(self.loop.call(lambda: self.controller.sleep(level)).result())
+
+    def wake_up(self) -> None:
+        self.loop.call(self.controller.wake_up).result()
+
     def check_blocks(self) -> int:
         """Blocks in use (0 when idle), after the KV manager's integrity check."""
 

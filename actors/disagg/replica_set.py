@@ -116,6 +116,7 @@ class ReplicaSet:
         self.failed_starts: list[str] = []  # ids whose ``begin_start`` actor died starting
         # every weight update (object refs), oldest first: update i is weight version i + 1
         self.weight_updates: list[Any] = []
+        self.sleep_level: int | None = None  # every replica sleeps at it; None: awake
 
     def start_all(self) -> None:
         """Start every replica; in a shared pool (``config.pool``) first attach to the live
@@ -235,6 +236,19 @@ class ReplicaSet:
         ray.get([h.update_weights.remote([ref], version) for h in handles])
         self.weight_updates.append(ref)
 
+    def sleep(self, level: int) -> int:
+        """Every replica frees its KV cache (and weights, level 2), holding no request; a
+        replica started while asleep sleeps too. Returns the bytes freed by all."""
+        handles = [*self.prefills.values(), *self.decodes.values()]
+        freed = sum(ray.get([h.sleep.remote(level) for h in handles]))
+        self.sleep_level = level
+        return int(freed)
+
+    def wake_up(self) -> None:
+        handles = [*self.prefills.values(), *self.decodes.values()]
+        ray.get([h.wake_up.remote() for h in handles])
+        self.sleep_level = None
+
     def _store_placement(self) -> str:
         return self.store.cfg.placement if self.store else "local"
 
@@ -254,6 +268,8 @@ class ReplicaSet:
             ids.append(rid)
         for version, ref in enumerate(self.weight_updates, start=1):  # started after them
             ray.get(handle.update_weights.remote([ref], version))
+        if self.sleep_level is not None:
+            ray.get(handle.sleep.remote(self.sleep_level))
         report = ray.get(handle.report.remote(0.0))
         self.apply_stats(rid, report.stats)
         self.watch(rid, handle)

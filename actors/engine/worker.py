@@ -165,19 +165,27 @@ class Worker:
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1), and the weights too (level 2); ``wake_up`` brings
-        them back (the weights as last updated). Returns the bytes freed."""
+        them back (the weights as last updated). A KV cache shared with a transfer layer
+        (a P/D replica's: its memory is registered there) is kept, so such a worker sleeps
+        only at level 2, freeing its weights. Returns the bytes freed."""
         if level not in (1, 2):
             raise ValueError(
                 f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level}"
             )
-        if self.hooks.kv_cache is not None and not isinstance(self.hooks.kv_cache, PrivateKVCache):
+        shared = self.hooks.kv_cache is not None and not isinstance(
+            self.hooks.kv_cache, PrivateKVCache
+        )
+        if shared and level == 1:
             raise ValueError(
-                "this worker's KV cache is shared with a transfer layer; it cannot sleep"
+                "this worker's KV cache is registered with a transfer layer and stays; "
+                "sleep(2) frees its weights"
             )
-        freed = _nbytes(self.kv_caches)
-        self.kv_caches = []
-        if isinstance(self.hooks.kv_cache, PrivateKVCache):
-            self.hooks.kv_cache.release()
+        freed = 0
+        if not shared:
+            freed = _nbytes(self.kv_caches)
+            self.kv_caches = []
+            if isinstance(self.hooks.kv_cache, PrivateKVCache):
+                self.hooks.kv_cache.release()
         if level == 2 and self.shard is not None:
             freed += _nbytes(_shard_tensors(self.shard))
             self.shard = None

@@ -31,23 +31,6 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0  # any other router call
 
 
-def load_update(engine: Any, update: WeightUpdate) -> None:
-    """Load ``update`` into ``engine`` (holding no request) as weight version
-    ``update.version``. A disaggregated group's engine (``PDEngine``) loads it through its
-    ``PDCluster``, which numbers versions itself (one per update, from 0 when it starts),
-    so the two must agree."""
-    cluster = getattr(engine, "cluster", None)
-    if cluster is None:
-        engine.update_weights(update.ref, update.version)
-        return
-    cluster.update_weights(update.ref)
-    if cluster.weight_version != update.version:
-        raise RuntimeError(
-            f"the P/D cluster is at weight version {cluster.weight_version} after loading "
-            f"update {update.version}"
-        )
-
-
 class WeightFollower:
     def __init__(self, loop: EngineLoop, router: Any, replica_id: str) -> None:
         self.loop = loop
@@ -76,7 +59,7 @@ class WeightFollower:
             self._load(update, engine)
 
     def _load(self, update: WeightUpdate, engine: Any) -> None:
-        load_update(engine, update)
+        engine.update_weights(update.ref, update.version)  # colocated or P/D: same call
         self.version = update.version
 
     def _follow(self) -> None:

@@ -82,6 +82,19 @@ def test_llm_pd_update_weights_gives_the_new_weights_tokens(tmp_path):
         assert [o.token_ids for o in outs] == hf_greedy(base, prompts, NEW)
         llm.update_weights(tensors)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
-        assert [o.token_ids for o in outs] == hf_greedy(noisy, prompts, NEW)
+        want = hf_greedy(noisy, prompts, NEW)
+        assert [o.token_ids for o in outs] == want
+
+        # sleep(2) frees every replica's weights (the KV caches, registered with the
+        # transfer layer, stay: level 1 is refused); generate is refused until wake_up,
+        # which brings back the updated weights
+        with pytest.raises(InvalidRequestError, match="level 2 only"):
+            llm.sleep(1)
+        assert llm.sleep(2) > 0
+        with pytest.raises(InvalidRequestError, match="asleep"):
+            llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        llm.wake_up()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        assert [o.token_ids for o in outs] == want
     finally:
         llm.close()
