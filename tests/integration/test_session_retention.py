@@ -87,7 +87,6 @@ def test_retained_turn_survives_the_pause_and_an_expired_one_does_not(tmp_path):
     short = dataclasses.replace(PARAMS, kv_retention_s=1.5)
     out_b = turn(pd, b1, short)
     retained = wait_for(pd, lambda s: s["retained_blocks"] >= 14, "B retained")
-    time.sleep(2.0)
     expired = wait_for(
         pd,
         lambda s: s["expired_retentions"] - retained["expired_retentions"] >= 7,
