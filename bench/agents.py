@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent_setups import MODEL_NAME, SETUPS, app_config, expected_replicas, pd_kv_split  # noqa: E402
 from bench_model import MODEL, write_bench_model  # noqa: E402
-from serve_records import TokenClock, percentile, sse_chunks  # noqa: E402
+from serve_records import TokenClock, sse_chunks  # noqa: E402
 
 from sim.agent_trajectories import (  # noqa: E402
     AgentTrajectory,
@@ -82,6 +82,7 @@ from sim.agent_trajectories import (  # noqa: E402
     scaled,
     summary,
 )
+from sim.metrics import percentile  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
 
 APP = "bench-agents"
@@ -119,9 +120,9 @@ class AgentRun:
             "turns": len(self.turns),
             "duration_s": self.duration,
             "ttft_p50_ms": statistics.median(ttft),
-            "ttft_p99_ms": percentile(ttft, 0.99),
+            "ttft_p99_ms": percentile(ttft, 99),
             "later_ttft_p50_ms": statistics.median(later) if later else float("nan"),
-            "later_ttft_p99_ms": percentile(later, 0.99),
+            "later_ttft_p99_ms": percentile(later, 99),
             "completion_p50_s": statistics.median(self.completions),
             "completion_max_s": max(self.completions),
             "goodput_turns_s": sum(s.ttft <= slo for s in self.turns) / self.duration,

@@ -43,20 +43,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench_model import MODEL  # noqa: E402
 from real_prompts import add_model_options, chosen_model  # noqa: E402
 
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from models import write_tiny_model  # noqa: E402
+from sim.metrics import percentile  # noqa: E402
 
 WARMUP = 2  # interleaved pairs run first and not counted
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 def random_prompts(args: argparse.Namespace) -> list[list[int]]:

@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench_model import MODEL, write_bench_model  # noqa: E402
 
 from actors.engine.events import Delta  # noqa: E402
@@ -48,18 +47,12 @@ from actors.serving.colocated_engine import ColocatedEngine  # noqa: E402
 from actors.serving.engine_loop import EngineLoop  # noqa: E402
 from errors import OverloadedError  # noqa: E402
 from policies.request import SamplingParams  # noqa: E402
+from sim.metrics import percentile  # noqa: E402
 
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 @dataclass
@@ -199,9 +192,9 @@ def row(run: Run, slo: float) -> dict[str, float]:
         "offered": run.offered,
         "admitted": run.admitted,
         "refused": run.refused,
-        "p50": percentile(admitted, 0.5),
-        "p99": percentile(admitted, 0.99),
-        "p99/slo": percentile(admitted, 0.99) / slo,
+        "p50": percentile(admitted, 50),
+        "p99": percentile(admitted, 99),
+        "p99/slo": percentile(admitted, 99) / slo,
         "censored": run.censored,
         "rss": run.peak_rss / (1 << 20),
         "retry": statistics.median(run.retry_after) if run.retry_after else float("nan"),

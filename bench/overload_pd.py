@@ -51,7 +51,6 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench_model import MODEL, write_bench_model  # noqa: E402
 
 from actors.disagg.cluster import PDCluster  # noqa: E402
@@ -72,6 +71,7 @@ from policies.conductor import (  # noqa: E402
     DecodeInstance,
     PrefillInstance,
 )
+from sim.metrics import percentile  # noqa: E402
 
 MODES = ("baseline", "early", "predictive")
 ENGINE = dict(block_size=16, chunk_size=256, token_budget=512, max_num_seqs=64, num_blocks=1024)
@@ -287,10 +287,6 @@ class Bench:
             raise RuntimeError(f"blocks still held after a run: {blocks}")
 
 
-def pct(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=20.0)
@@ -358,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{r.reasons or ''} + "
                     f"{r.refused_at_decode} at decode, wasted prefill {r.wasted_prefill_tokens} "
                     f"tokens, finished {r.finished} (good {r.good}), aborted {r.aborted}, "
-                    f"TTFT p90 {pct(r.ttft, 0.9):.2f}s, TBT p90 {pct(r.tbt, 0.9) * 1e3:.1f} ms"
+                    f"TTFT p90 {percentile(r.ttft, 90):.2f}s, "
+                    f"TBT p90 {percentile(r.tbt, 90) * 1e3:.1f} ms"
                 )
         print()
         print(

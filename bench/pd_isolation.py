@@ -42,7 +42,6 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench_model import write_bench_model  # noqa: E402
 from real_prompts import add_model_options, chosen_model  # noqa: E402
 
@@ -52,6 +51,7 @@ from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.replica_loop import split_cores  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
+from sim.metrics import percentile  # noqa: E402
 
 ENGINE = dict(block_size=16, chunk_size=512, token_budget=1024, max_num_seqs=32)
 SHORT, SHORT_PROMPT, LONG_PROMPT = 8, 64, 3072
@@ -98,11 +98,6 @@ def gaps(times: list[list[float]], start: float, end: float) -> tuple[list[float
             elif b <= end:
                 during.append(b - a)
     return before, during
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def colocated_run(
@@ -168,7 +163,7 @@ def main() -> None:
 
         limit = SHORT_PARAMS.max_tokens
         med = run_http(
-            model_dir, prompts, gaps, pct, args.repeats, limit, BEFORE_TOKENS, args.profile
+            model_dir, prompts, gaps, percentile, args.repeats, limit, BEFORE_TOKENS, args.profile
         )
         report(med, args.repeats, "isolation-http")
         return
@@ -187,7 +182,12 @@ def main() -> None:
         for name, run in (("colocated", colocated_run), ("P/D", pd_run)):
             target = colocated if name == "colocated" else pd
             before, during = run(target, prompts, i)  # type: ignore[operator]
-            figs = (pct(before, 0.5), pct(before, 0.99), pct(during, 0.5), pct(during, 0.99))
+            figs = (
+                percentile(before, 50),
+                percentile(before, 99),
+                percentile(during, 50),
+                percentile(during, 99),
+            )
             runs[name].append(figs)
             print(f"run {i} {name:9s} " + " ".join(f"{x * 1e3:7.1f}" for x in figs), flush=True)
     med = {

@@ -170,7 +170,7 @@ def run_http(
                     one_run(url, model, prompts, i, short_tokens, before_tokens, prof)
                 )
                 before, during = gaps(times, arrival, first)
-                figs = (pct(before, 0.5), pct(before, 0.99), pct(during, 0.5), pct(during, 0.99))
+                figs = (pct(before, 50), pct(before, 99), pct(during, 50), pct(during, 99))
                 runs[name].append(figs)
                 if prof is not None:
                     profiled.append((prof.collect(), times, arrival, first, figs[0]))

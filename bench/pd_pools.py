@@ -77,7 +77,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_chat import ChatClient, load, mtbench_conversations  # noqa: E402
-from serve_records import percentile  # noqa: E402
+
+from sim.metrics import percentile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("islands", "shared")
@@ -338,7 +339,7 @@ class Run:
             "ratio": cached / ideal if ideal else float("nan"),
             "missed": sum(t.cached < 0.5 * i for t, i in later),
             "p50": statistics.median(lat) if lat else float("nan"),
-            "p99": percentile(lat, 0.99),
+            "p99": percentile(lat, 99),
             "first": statistics.median(first) if first else float("nan"),
             "seconds": self.seconds,
         }

@@ -30,7 +30,8 @@ from typing import Any
 
 import httpx
 from pd_pools import model_name, running_apps, samples
-from serve_records import percentile
+
+from sim.metrics import percentile
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -181,8 +182,8 @@ def report(samples: list[Sample], watch: Watch, args: argparse.Namespace) -> Non
     for phase in ("before", "during", "after"):
         mine = [s for s in samples if s.phase == phase]
         ok = [s.ttft for s in mine if s.ttft is not None]
-        p50 = f"{percentile(ok, 0.5) * 1e3:.0f}" if ok else "-"
-        p99 = f"{percentile(ok, 0.99) * 1e3:.0f}" if ok else "-"
+        p50 = f"{percentile(ok, 50) * 1e3:.0f}" if ok else "-"
+        p99 = f"{percentile(ok, 99) * 1e3:.0f}" if ok else "-"
         print(f"| {phase} | {len(mine)} | {len(mine) - len(ok)} | {p50} | {p99} |")
     failed = [s for s in samples if s.ttft is None]
     for why in sorted({s.why for s in failed}):

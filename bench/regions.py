@@ -51,7 +51,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from bench_model import MODEL, write_bench_model  # noqa: E402
 from real_prompts import add_model_options, chosen_model  # noqa: E402
 
@@ -61,6 +60,7 @@ from actors.serving.colocated_engine import ColocatedEngine  # noqa: E402
 from actors.serving.engine_loop import EngineLoop  # noqa: E402
 from policies.region_balancer import BalancerConfig, RegionBalancer  # noqa: E402
 from policies.request import SamplingParams  # noqa: E402
+from sim.metrics import percentile  # noqa: E402
 
 REGIONS = ("us", "eu", "asia")
 DELAY = {("us", "eu"): 0.04, ("us", "asia"): 0.08, ("eu", "asia"): 0.1}
@@ -69,13 +69,6 @@ MODES = ("selective", "immediate", "cap")
 
 def delay(a: str, b: str) -> float:
     return 0.0 if a == b else DELAY.get((a, b), DELAY.get((b, a), 0.0))
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(q * len(s) + 0.5) - 1))]
 
 
 def build_replica(
@@ -258,8 +251,8 @@ def main() -> None:
                 runs[mode].append(r)
                 print(
                     f"round {rep} {mode:9s}: {r.completed} requests, {r.throughput:.2f} req/s, "
-                    f"TTFT p50 {percentile(r.ttft, 0.5):.3f} s "
-                    f"p90 {percentile(r.ttft, 0.9):.3f} s, "
+                    f"TTFT p50 {percentile(r.ttft, 50):.3f} s "
+                    f"p90 {percentile(r.ttft, 90):.3f} s, "
                     f"hit {100 * r.hit:.1f}%, forwarded {r.forwarded}",
                     flush=True,
                 )
@@ -275,8 +268,8 @@ def main() -> None:
     med = {
         m: {
             "tput": statistics.median(r.throughput for r in rs),
-            "p50": statistics.median(percentile(r.ttft, 0.5) for r in rs),
-            "p90": statistics.median(percentile(r.ttft, 0.9) for r in rs),
+            "p50": statistics.median(percentile(r.ttft, 50) for r in rs),
+            "p90": statistics.median(percentile(r.ttft, 90) for r in rs),
             "hit": statistics.median(r.hit for r in rs),
             "fwd": statistics.median(r.forwarded for r in rs),
         }

@@ -51,12 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import MODEL, write_bench_model  # noqa: E402
-from regions import REGIONS, build_replica, connect_all, delay, percentile  # noqa: E402
+from regions import REGIONS, build_replica, connect_all, delay  # noqa: E402
 
 from actors.engine.worker_hooks import WorkerHooks  # noqa: E402
 from actors.regions.runtime import BalancerRuntime, LocalReplica  # noqa: E402
 from policies.region_balancer import BalancerConfig, RegionBalancer  # noqa: E402
 from policies.request import SamplingParams  # noqa: E402
+from sim.metrics import percentile  # noqa: E402
 from sim.regional_workload import diurnal_arrivals  # noqa: E402
 
 # name -> (replicas per region, forwarding)
@@ -108,7 +109,7 @@ class Run:
 
     def p90(self, region: str) -> float:
         xs = [t for g, t in self.ttfts if g == region and t is not None]
-        return percentile(xs, 0.9)
+        return percentile(xs, 90)
 
 
 class CostBench:

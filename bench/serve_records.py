@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.metrics import percentile
+
 
 @dataclass
 class Sample:
@@ -98,14 +100,14 @@ class Run:
         for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
             m[f"mean_{name}"] = statistics.fmean(xs) if xs else float("nan")
             m[f"median_{name}"] = statistics.median(xs) if xs else float("nan")
-            m[f"p99_{name}"] = percentile(xs, 0.99)
+            m[f"p99_{name}"] = percentile(xs, 99)
         second = [s.ttft * 1e3 for s in self.samples if s.turn == 2]
         if second:
             first = [s.ttft * 1e3 for s in self.samples if s.turn == 1]
             m["median_ttft_turn1"] = statistics.median(first) if first else float("nan")
-            m["p99_ttft_turn1"] = percentile(first, 0.99)
+            m["p99_ttft_turn1"] = percentile(first, 99)
             m["median_ttft_turn2"] = statistics.median(second)
-            m["p99_ttft_turn2"] = percentile(second, 0.99)
+            m["p99_ttft_turn2"] = percentile(second, 99)
         return m
 
 
@@ -122,16 +124,6 @@ async def sse_chunks(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]
         if "error" in chunk:
             raise RuntimeError(f"stream error: {chunk['error']}")
         yield chunk
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)  # linear interpolation, as numpy's default
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 ROWS = [

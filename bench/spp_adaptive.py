@@ -45,7 +45,6 @@ from typing import Any
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench_model import MODEL  # noqa: E402
 
 from actors.engine.collectives import Layout  # noqa: E402
@@ -54,6 +53,7 @@ from actors.engine.sampling import SamplingParams  # noqa: E402
 from actors.engine.step_plan import StepPlan  # noqa: E402
 from actors.engine.worker_hooks import WorkerHooks  # noqa: E402
 from models import write_tiny_model  # noqa: E402
+from sim.metrics import percentile  # noqa: E402
 
 CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 
@@ -78,11 +78,6 @@ class ChunkReport:
 
 def chunk_hooks(coords: tuple[int, int, int], layout: Layout) -> WorkerHooks:
     return WorkerHooks(step=ChunkReport(coords[1]))
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 def run_once(engine: ReplicaController, args, shorts: list[list[int]], long: list[int]) -> dict:

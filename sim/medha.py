@@ -40,6 +40,7 @@ from policies.routing import RoundRobin
 from sim.cluster import InstanceSpec
 from sim.colocated import ColocatedCluster
 from sim.instance import SchedulingSpec
+from sim.metrics import percentile
 from sim.workload import TraceRequest
 
 CONFIGS = ("fcfs", "edf", "lrs", "ilrs", "ilrs+ppb")
@@ -114,11 +115,6 @@ class ConfigResult:
     long_tpot_p50: float = float("nan")  # the long requests' own decode steps
 
 
-def quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
-
-
 def run_config(
     name: str,
     requests: list[TraceRequest],
@@ -152,16 +148,16 @@ def run_config(
     long_tpots = [s.tpot for s in stats if s.tpot is not None and s.input_len > 8192]
     return ConfigResult(
         name,
-        quantile(list(ttft.values()), 0.5),
-        quantile(list(ttft.values()), 0.9),
-        quantile(short, 0.5),
-        quantile(short, 0.9),
-        quantile(norm, 0.5),
-        quantile(long, 0.5),
+        percentile(list(ttft.values()), 50),
+        percentile(list(ttft.values()), 90),
+        percentile(short, 50),
+        percentile(short, 90),
+        percentile(norm, 50),
+        percentile(long, 50),
         statistics.median(tpots) if tpots else float("nan"),
         sum(1 for s in stats if s.finish is not None),
-        quantile(tpots, 0.9),
-        quantile(long_tpots, 0.5),
+        percentile(tpots, 90),
+        percentile(long_tpots, 50),
     )
 
 

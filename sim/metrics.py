@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -72,12 +72,19 @@ class RequestStats:
         )
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0 <= q <= 100) of ``values``, interpolated linearly between
+    the two nearest ranks (numpy's default, which vLLM's benchmarks report); NaN when empty.
+    The one definition every bench and simulator report uses, so their tails compare."""
     if not values:
         return float("nan")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q is a percentile in [0, 100], got {q}")
     s = sorted(values)
-    i = min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))
-    return s[i]
+    pos = q / 100 * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass

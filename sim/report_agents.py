@@ -24,6 +24,7 @@ from typing import Any
 from sim.agent_trajectories import AgentTrajectory, build_trajectories, summary
 from sim.dualpath import VARIANTS, DualPathConfig, DualPathSim
 from sim.events import Event
+from sim.metrics import percentile
 from sim.traces import load_trace
 from sim.workload import TraceRequest
 
@@ -40,11 +41,6 @@ class AgentSimResult:
     completion: float  # the last trajectory's end
     goodput: float  # turns per second with TTFT <= slo
     storage_max_over_avg: float
-
-
-def _quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 class _TrackedSim(DualPathSim):
@@ -68,7 +64,7 @@ def simulate(
     return AgentSimResult(
         variant,
         statistics.median(sim.ttfts),
-        _quantile(sim.ttfts, 0.99),
+        percentile(sim.ttfts, 99),
         statistics.median(sim.traj_end.values()),
         res.completion_time,
         good / res.completion_time,
