@@ -8,7 +8,7 @@ file names a free HTTP port (other work on this machine may hold 8000), and ``RA
 points at a private folder, so ``serve run`` starts its own Ray cluster rather than joining
 one that another process started, and stopping it stops only what it started.
 
-``cpu_hog`` is the co-located load of issue 25: one CPU-bound process at nice 0.
+``bench/cpu_hog.py`` is the co-located load of issue 25: one CPU-bound process at nice 0.
 """
 
 from __future__ import annotations
@@ -160,20 +160,6 @@ def stop_leftovers(tmp: Path) -> None:
         with contextlib.suppress(OSError):
             if mark in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(int(pid), signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def cpu_hog() -> Iterator[None]:
-    """One CPU-bound process (a Python busy loop) at nice 0 while the block runs."""
-    hog = subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"],
-        preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, 0),
-    )
-    try:
-        yield
-    finally:
-        hog.kill()
-        hog.wait()
 
 
 async def run_defaults(

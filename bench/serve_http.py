@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httpx
 from bench_model import MODEL
+from cpu_hog import cpu_hog
 from serve_profile import CpuProfile
 from serve_records import Run, Sample, TokenClock, print_table, sse_chunks
 
@@ -181,8 +182,6 @@ async def run_sides(
     """Every concurrency level, ``--repeats`` times, the sides taking turns (the one that
     goes first rotating with the repeat); the same prompts for every side of a repeat.
     ``profile`` reads every thread's CPU time around each run (``--cpu-profile``)."""
-    from serve_defaults import cpu_hog
-
     warm = prompts_for(-1, 4, args.prompt_len)
     for side in sides:
         if not side.hog:
