@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from pd_pools import model_name, running_apps, samples
+from pd_apps import model_name, running_apps, samples
 
 from sim.metrics import percentile
 

@@ -14,6 +14,7 @@ DOC = ROOT / "docs" / "architecture.md"
 RUNTIME = ("errors.py", "serve_app.py", "policies", "kernels", "store", "models", "placement")
 RUNTIME += ("sim", "actors")
 WHOLE_REPO = (*RUNTIME, "bench", "tests")
+SCRIPT_DIRS = ("bench.", "tests.")  # run with their own folder on sys.path
 
 # -- reading the rules ---------------------------------------------------------------------
 
@@ -106,7 +107,12 @@ def imports(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
                     base = ".".join([*up, base] if base else up)
                 targets = [f"{base}.{a.name}" for a in node.names]
             for t in targets:
+                # a bench script or a test imports its neighbours by bare name (its folder
+                # is on sys.path): ``from serve_http import x`` in bench/ is bench.serve_http
                 r = _resolve(t, modules)
+                neighbour = f"{package}.{t.split('.')[0]}"
+                if r is None and module.startswith(SCRIPT_DIRS) and neighbour in modules:
+                    r = _resolve(f"{package}.{t}", modules)
                 if r is not None and r != module:
                     found.setdefault(r, node.lineno)
         graph[module] = found
