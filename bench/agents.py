@@ -72,6 +72,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent_setups import MODEL_NAME, SETUPS, app_config, expected_replicas, pd_kv_split  # noqa: E402
+from app_probe import free_port, wait_healthy  # noqa: E402
 from bench_model import MODEL, write_bench_model  # noqa: E402
 from serve_records import TokenClock, sse_chunks  # noqa: E402
 
@@ -347,19 +348,6 @@ async def run_agents(
     return run
 
 
-def wait_healthy(url: str, replicas: int, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(url + "/health", timeout=5)
-            if r.status_code == 200 and r.json().get("replicas", 0) >= replicas:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the app did not become healthy")
-
-
 # the replicas' TTFT histogram (arrival to first token) and the P/D decode-room waits
 SUMS = (
     "meridian:time_to_first_token_seconds_sum",
@@ -515,7 +503,7 @@ def main() -> None:
         runtime_env={"env_vars": env},
         _system_config={"worker_niceness": 0},
     )
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     results: dict[str, list[AgentRun]] = {s: [] for s in args.setups}
@@ -556,14 +544,6 @@ def main() -> None:
         ]
         print(f"per-run ratios: {', '.join(f'{r:.2f}' for r in ratios)}")
         print(f"agent turn-ttft-p50 colocated/dualpath: {statistics.median(ratios):.2f}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -9,33 +9,17 @@ import argparse
 import contextlib
 import os
 import re
-import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+from app_probe import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def model_name(args: argparse.Namespace) -> str:
     return "meridian-tiny" if args.model == "tiny" else Path(args.model).stem
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def healthy(url: str, replicas: int) -> bool:
-    try:
-        r = httpx.get(url + "/health", timeout=5)
-        return r.status_code == 200 and r.json().get("replicas") == replicas
-    except (httpx.HTTPError, ValueError):
-        return False
 
 
 @contextlib.contextmanager
@@ -84,12 +68,8 @@ def running_apps(
         ]
         serve.run_many(targets, wait_for_applications_running=False)
         urls = {name: f"http://127.0.0.1:{port}/{name}" for name in apps}
-        deadline = time.monotonic() + 900
-        for name in apps:
-            while not healthy(urls[name], configs[name].groups[0].num_replicas):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not become healthy in 900 s")
-                time.sleep(1.0)
+        for name in apps:  # side by side: the first wait covers most of the others'
+            wait_healthy(urls[name], configs[name].groups[0].num_replicas, 900)
         yield urls
     finally:
         with contextlib.suppress(Exception):

@@ -88,7 +88,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -97,10 +96,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app_probe import free_port, wait_healthy  # noqa: E402
 from bench_model import MODEL, write_bench_model  # noqa: E402
 from serve_chat import ChatClient, run_chat  # noqa: E402
 from serve_http import (  # noqa: E402
@@ -168,18 +166,6 @@ class InProcess:
 
 
 # -- the Serve app ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def health_ok(url: str) -> bool:
-    try:
-        r = httpx.get(url + "/health", timeout=5)
-        return r.status_code == 200 and r.json().get("replicas") == 1
-    except (httpx.HTTPError, ValueError):
-        return False
 
 
 @contextlib.contextmanager
@@ -214,11 +200,7 @@ def serve_app(app_args: dict[str, Any], env: dict[str, str], direct: bool) -> It
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args), name=APP, route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{direct_port if direct else port}"
-        deadline = time.monotonic() + 600
-        while not health_ok(url):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the app did not become healthy")
-            time.sleep(0.5)
+        wait_healthy(url, 1)
         yield url
     finally:
         with contextlib.suppress(Exception):

@@ -19,7 +19,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from app_probe import free_port
 from serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
 from serve_profile import CpuProfile
 
@@ -53,12 +53,6 @@ def make_serve_env(makefile: Path = ROOT / "Makefile") -> dict[str, str]:
                 env[key] = value
             return env
     raise ValueError(f"{makefile}: no `serve run` line in the serve recipe")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def defaults_yaml(model: str, port: int, group: str = "{name: main}") -> str:
