@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import httpx
 from pd_profile import GAP_X, Profiler, RunProfile, decode_step_times, print_table, split_gaps
+from serve_records import sse_chunks
 
 Prompts = Callable[[int], tuple[list[list[int]], list[int]]]
 Gaps = Callable[[list[list[float]], float, float], tuple[list[float], list[float]]]
@@ -49,12 +49,7 @@ async def stream_times(
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
+        async for chunk in sse_chunks(r.aiter_lines()):
             choices = chunk.get("choices") or ()
             n = sum(len(c.get("token_ids") or ()) for c in choices)
             out.extend([time.monotonic()] * n)
