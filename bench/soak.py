@@ -10,20 +10,26 @@ with both groups is too heavy for a 2-core machine):
 
 Closed-loop HTTP clients send greedy requests (token-id prompts, EOS ignored, half of them
 streamed) whose tokens were computed in this process on the same weights. A fault injector
-waits until the app is at full strength, sleeps a random while, then kills one live actor
-of a kind (SIGKILL of its process for unnamed actors, ``ray.kill`` for Serve replicas),
-until every kind got ``--faults`` kills. Full strength: every expected actor alive,
-``/health`` 200 counting every replica, and a probe request returns its exact tokens.
+waits until the app is at full strength, sleeps a random while, waits for a request in
+flight, then kills one live actor of a kind (``actors.fault_targets``: found by class in
+the GCS actor table, a named one looked up in its own namespace; SIGKILL of its process,
+``ray.kill`` for Serve's deployments), until every kind got ``--faults`` kills. Full
+strength: every expected actor alive, ``/health`` 200 counting every replica, and a probe
+request returns its exact tokens.
 
 Per request: ``ok`` (its exact tokens), ``retriable`` (429/503 with an error body, or an
 error event in its stream, what it streamed before being a prefix of the right tokens),
-``lost`` (anything else: a hang past the timeout, another 5xx, a dropped connection, a
-stream ending without ``[DONE]`` or an error), ``wrong`` (a token differs). After the load
-stops, every replica's pools must be back to 0 blocks in use (``check_blocks``).
+``dropped`` (a 5xx of the Serve proxy or a broken connection: the client sees it failed),
+``lost`` (anything else: a hang past the timeout, another status, a stream ending without
+``[DONE]`` or an error), ``wrong`` (a token differs). A client sends a retriable or dropped
+request again, backing off, until it ends otherwise: ``gave up`` counts those still
+retriable or dropped after ``RETRY_FOR_S``. After the load stops, every replica's pools
+must be back to 0 blocks in use (``check_blocks``).
 
     python bench/soak.py [--faults 3] [--clients 4] [--phases colocated,pd]
 
-Last line: ``lost/wrong/leaked: <a>/<b>/<c>`` (target 0/0/0).
+Last lines: ``soak recovery-max-s: <s>`` (the slowest kill to full strength again) and
+``lost/wrong/leaked: <a>/<b>/<c>`` (target 0/0/0).
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import sys
@@ -49,22 +54,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
+from actors.fault_targets import is_alive, kill, live_actors  # noqa: E402
+
 MODEL = "meridian-tiny"
 APP = "meridian"
 MAX_TOKENS = 12
 REQUEST_TIMEOUT_S = 90.0
+RETRY_FOR_S = 300.0  # a client retries a request for this long (longer than a recovery)
 RECOVERY_TIMEOUT_S = 240.0
-
-# kind -> how to recognise its actors in the GCS actor table (class name)
-KIND_CLASS: dict[str, Callable[[str], bool]] = {
-    "ingress": lambda c: c.endswith(":Ingress"),
-    "router": lambda c: c.endswith(":Router"),
-    "replica": lambda c: ":Replica-" in c,
-    "worker": lambda c: c == "Worker",
-    "prefill": lambda c: c == "PrefillReplica",
-    "decode": lambda c: c == "DecodeReplica",
-    "store": lambda c: c == "KVStoreShard",
-}
 
 
 @dataclass
@@ -176,44 +173,6 @@ def health_ok(url: str, replicas: int) -> bool:
 
 
 # -- actors ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ActorInfo:
-    kind: str
-    class_name: str
-    name: str
-    pid: int
-
-
-def live_actors() -> list[ActorInfo]:
-    """Every live actor of a known kind, from the GCS actor table (no dashboard needed)."""
-    from ray._private import state
-
-    out = []
-    for a in state.actors().values():
-        if a.get("State") != "ALIVE":
-            continue
-        cls = a.get("ActorClassName", "")
-        for kind, match in KIND_CLASS.items():
-            if match(cls):
-                out.append(ActorInfo(kind, cls, a.get("Name", ""), int(a.get("Pid") or 0)))
-                break
-    return out
-
-
-SERVE_KINDS = ("ingress", "router", "replica")  # actors named in Serve's namespace
-
-
-def kill(actor: ActorInfo) -> None:
-    """A crash: ``ray.kill`` of a Serve actor (so Serve sees it die at once), SIGKILL of any
-    other actor's process."""
-    import ray
-
-    if actor.kind in SERVE_KINDS and actor.name:
-        ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
-    else:
-        os.kill(actor.pid, signal.SIGKILL)
-
-
 def serve_replica_ids(group: str) -> list[str]:
     """Unique ids of the group's live Serve replicas (their actor names end with them)."""
     tag = f"#Replica-{group}#"
@@ -251,6 +210,7 @@ class Tally:
     dropped: int = 0
     lost: int = 0
     wrong: int = 0
+    gave_up: int = 0  # requests whose every try within RETRY_FOR_S was retriable or dropped
     why: Counter[str] = field(default_factory=Counter)
 
 
@@ -321,10 +281,14 @@ class Outcome:
     end: float
     outcome: str  # ok / retriable / dropped / lost / wrong
     why: str
+    final: bool = True  # the request's last try (no retry follows it)
 
 
 class Load:
-    """``clients`` closed-loop clients, each recording every request's ``Outcome``."""
+    """``clients`` closed-loop clients, each recording every request's ``Outcome``. A
+    client sends a request again (backing off) after a retriable or dropped try, until it
+    ends otherwise or ``RETRY_FOR_S`` passed since its first try; it finishes the request
+    it is on when the load stops."""
 
     def __init__(
         self, url: str, cases: list[tuple[list[int], list[int]]], clients: int, seed: int
@@ -333,7 +297,9 @@ class Load:
         self.cases = cases
         self.stop = threading.Event()
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # a request started or ended
         self.outcomes: list[Outcome] = []
+        self.in_flight = 0
         self.threads = [
             threading.Thread(target=self._client, args=(seed + i,), daemon=True)
             for i in range(clients)
@@ -347,19 +313,52 @@ class Load:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for t in self.threads:
-            t.join(REQUEST_TIMEOUT_S + 30)
+            t.join(RETRY_FOR_S + REQUEST_TIMEOUT_S)
+
+    def wait_ended(self, n: int, timeout: float = REQUEST_TIMEOUT_S) -> bool:
+        """Until ``n`` more requests ended (whatever their outcome); False on timeout."""
+        with self.changed:
+            target = len(self.outcomes) + n
+            return self.changed.wait_for(lambda: len(self.outcomes) >= target, timeout)
+
+    def wait_busy(self, timeout: float = REQUEST_TIMEOUT_S) -> bool:
+        """Until a request is in flight; False on timeout."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.in_flight > 0, timeout)
 
     def _client(self, seed: int) -> None:
         rng = random.Random(seed)
         with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S) as http:
             while not self.stop.is_set():
                 prompt, want = rng.choice(self.cases)
-                start = time.monotonic()
-                outcome, why = one_request(http, prompt, want, stream=rng.random() < 0.5)
-                with self.lock:
-                    self.outcomes.append(Outcome(start, time.monotonic(), outcome, why))
-                if outcome != "ok":
-                    time.sleep(0.2)  # as a client backing off before a retry
+                stream = rng.random() < 0.5
+                first, backoff = time.monotonic(), 0.2
+                while True:
+                    outcome = self._try(http, prompt, want, stream, first + RETRY_FOR_S)
+                    if outcome.final:
+                        break
+                    time.sleep(backoff)  # as a client backing off before a retry
+                    backoff = min(2 * backoff, 2.0)
+
+    def _try(
+        self, http: httpx.Client, prompt: list[int], want: list[int], stream: bool, until: float
+    ) -> Outcome:
+        with self.changed:
+            self.in_flight += 1
+            self.changed.notify_all()
+        start = time.monotonic()
+        try:
+            outcome, why = one_request(http, prompt, want, stream)
+        except Exception as e:  # a malformed answer: counted, never a dead client
+            outcome, why = "lost", f"{type(e).__name__}: {str(e)[:80]}"
+        end = time.monotonic()
+        final = outcome not in ("retriable", "dropped") or end >= until
+        result = Outcome(start, end, outcome, why, final)
+        with self.changed:
+            self.in_flight -= 1
+            self.outcomes.append(result)
+            self.changed.notify_all()
+        return result
 
 
 def tally(outcomes: list[Outcome], windows: list[tuple[str, float, float]]) -> dict[str, Tally]:
@@ -373,6 +372,8 @@ def tally(outcomes: list[Outcome], windows: list[tuple[str, float, float]]) -> d
         setattr(t, o.outcome, getattr(t, o.outcome) + 1)
         if o.outcome != "ok":
             t.why[f"{o.outcome}: {o.why}"] += 1
+        if o.final and o.outcome in ("retriable", "dropped"):
+            t.gave_up += 1
     return out
 
 
@@ -419,6 +420,7 @@ class KindResult:
     faults: int = 0
     recovery_s: list[float] = field(default_factory=list)
     not_recovered: int = 0
+    not_found: int = 0  # kills that found no live actor of the kind
 
 
 def inject(
@@ -429,10 +431,12 @@ def inject(
     probe: Any,
     pause: tuple[float, float],
     log: Callable[[str], None],
+    busy: Callable[[], bool] = lambda: True,
 ) -> tuple[dict[str, KindResult], list[tuple[str, float, float]]]:
     """Kill ``faults`` actors of each kind of ``phase``, in a random order, each at a random
-    moment once the app is at full strength. Returns per kind its results, and the windows
-    (kind, kill, full strength again)."""
+    moment (``pause`` seconds) once the app is at full strength, as soon as ``busy()``
+    (a request in flight). Returns per kind its results, and the windows (kind, kill,
+    full strength again)."""
     plan = [k for k in phase.kinds for _ in range(faults)]
     rng.shuffle(plan)
     results = {k: KindResult() for k in phase.kinds}
@@ -440,16 +444,20 @@ def inject(
     for kind in plan:
         if wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S) is None:
             log(f"  not at full strength before a {kind} kill: {strength(url, phase)}")
-        time.sleep(rng.uniform(*pause))
-        victims = [a for a in live_actors() if a.kind == kind]
+        if pause[1] > 0:
+            time.sleep(rng.uniform(*pause))
+        if not busy():
+            log(f"  no request in flight before a {kind} kill")
+        victims = live_actors([kind])
         if not victims:
+            results[kind].not_found += 1
             log(f"  no live {kind} actor to kill")
             continue
         victim = rng.choice(victims)
         start = time.monotonic()
         kill(victim)
         results[kind].faults += 1
-        while victim in live_actors() and time.monotonic() - start < 30:
+        while is_alive(victim) and time.monotonic() - start < 30:
             time.sleep(0.1)  # until Ray saw it die: full strength means its replacement
         took = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S)
         who = victim.name.rsplit("#", 2)[-1] if victim.name else f"pid {victim.pid}"
@@ -507,16 +515,29 @@ def soak(
     """Load the running app at ``url``, inject the faults, stop the load, read the blocks."""
     rng = random.Random(seed)
     with Load(url, cases, clients, seed) as load:
-        time.sleep(2.0)
-        kinds, windows = inject(url, phase, faults, rng, cases[0], pause, log)
-        time.sleep(2.0)
+        if not load.wait_ended(clients):
+            log("  no request ended before the first fault")
+        kinds, windows = inject(url, phase, faults, rng, cases[0], pause, log, load.wait_busy)
+        if not load.wait_ended(clients):  # the load went on after the last recovery
+            log("  no request ended after the last fault")
     blocks = blocks_in_use(phase.group["name"])
     return PhaseReport(phase.name, kinds, tally(load.outcomes, windows), blocks)
 
 
 def table(reports: list[PhaseReport]) -> str:
-    rows = [
-        ("phase", "kind", "faults", "ok", "retriable", "dropped", "lost", "wrong", "back (s)"),
+    rows: list[tuple[str, ...]] = [
+        (
+            "phase",
+            "kind",
+            "faults",
+            "ok",
+            "retriable",
+            "dropped",
+            "lost",
+            "wrong",
+            "gave up",
+            "back (s)",
+        ),
     ]
     for rep in reports:
         for kind in ["none", *rep.kinds]:
@@ -527,6 +548,8 @@ def table(reports: list[PhaseReport]) -> str:
                 back = f"{statistics.median(k.recovery_s):.1f}/{max(k.recovery_s):.1f}"
             if k is not None and k.not_recovered:
                 back += f" ({k.not_recovered} never)"
+            if k is not None and k.not_found:
+                back += f" ({k.not_found} not found)"
             rows.append(
                 (
                     rep.phase,
@@ -537,10 +560,11 @@ def table(reports: list[PhaseReport]) -> str:
                     str(t.dropped),
                     str(t.lost),
                     str(t.wrong),
+                    str(t.gave_up),
                     back,
                 )
             )
-        rows.append((rep.phase, "blocks in use after", str(rep.leaked), *[""] * 6))
+        rows.append((rep.phase, "blocks in use after", str(rep.leaked), *[""] * 7))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
@@ -567,8 +591,14 @@ def main() -> None:
     wrong = sum(t.wrong for r in reports for t in r.tally.values())
     never = sum(k.not_recovered for r in reports for k in r.kinds.values())
     dropped = sum(t.dropped for r in reports for t in r.tally.values())
+    not_found = sum(k.not_found for r in reports for k in r.kinds.values())
+    gave_up = sum(t.gave_up for r in reports for t in r.tally.values())
     print(f"dropped (a 5xx of the Serve proxy or a broken connection): {dropped}")
     print(f"faults not recovered from (full strength within {RECOVERY_TIMEOUT_S:.0f}s): {never}")
+    print(f"kills that found no live actor of their kind: {not_found}")
+    print(f"requests given up (retriable for {RETRY_FOR_S:.0f}s): {gave_up}")
+    backs = [s for r in reports for k in r.kinds.values() for s in k.recovery_s]
+    print(f"soak recovery-max-s: {max(backs):.1f}" if backs else "soak recovery-max-s: -")
     print(f"lost/wrong/leaked: {lost}/{wrong}/{sum(r.leaked for r in reports)}")
 
 

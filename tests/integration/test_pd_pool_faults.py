@@ -1,42 +1,80 @@
-"""A disaggregated group served as one shared pool (``actors.disagg.pool_actors``) under
-closed-loop load while its Conductor's process (the group's one Serve replica) and a KV
-store shard are killed: every request ends with its exact greedy tokens or a clear
-retriable error, nothing is lost, the app is back at full strength by itself, and the
-prefill and decode replicas that ran before the Conductor died are the ones serving after
-it (the new Conductor attached to them; nothing was restarted)."""
+"""The soak's P/D phase at CI size (``bench/soak.py``'s own code on one app): a disaggregated
+group served as one shared pool (``actors.disagg.pool_actors``) under closed-loop load while
+actors of each kind are killed, as ``actors.fault_targets`` finds them. Every request ends
+with its exact greedy tokens, or retriable and then sent again until it does; nothing is
+lost, the app is back at full strength by itself and no block is left in use.
+
+- The Conductor's process (the group's one Serve replica) and a KV store shard: the prefill
+  and decode replicas that ran before the Conductor died are the ones serving after it (the
+  new Conductor attached to them; nothing was restarted).
+- A prefill and a decode replica (named in the pool's namespace, not Serve's): each is found,
+  killed, and replaced by a new actor.
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from actors.fault_targets import live_actors
 from bench import soak
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 
-PHASE = soak.pd_phase(kinds=["replica", "store"])
+APP_PHASE = soak.pd_phase()
 
 
-def engine_actors() -> set[tuple[str, int]]:
-    return {(a.kind, a.pid) for a in soak.live_actors() if a.kind in ("prefill", "decode")}
+def engine_actors() -> set[tuple[str, str]]:
+    return {(a.kind, a.actor_id) for a in live_actors(["prefill", "decode"])}
 
 
-def test_conductor_and_store_shard_killed_under_load_lose_nothing():
+@pytest.fixture(scope="module")
+def cases():
     token_lists = soak.prompts(6, seed=3)
-    cases = list(zip(token_lists, soak.reference_tokens(token_lists), strict=True))
-    with soak.running_app(PHASE, num_cpus=2) as url:
-        before = engine_actors()
-        lines: list[str] = []
-        report = soak.soak(
-            url, PHASE, cases, faults=1, clients=2, pause=(0.5, 1.5), log=lines.append
-        )
-        after = engine_actors()
-    table = soak.table([report]) + "\n" + "\n".join(lines)
-    for kind in PHASE.kinds:
+    return list(zip(token_lists, soak.reference_tokens(token_lists), strict=True))
+
+
+@pytest.fixture(scope="module")
+def app():
+    with soak.running_app(APP_PHASE, num_cpus=2) as url:
+        yield url
+
+
+def soak_once(url: str, kinds: list[str], cases) -> tuple[soak.PhaseReport, str]:
+    """One kill of each of ``kinds`` under the load of two clients, each kill as soon as the
+    app is at full strength and a request is in flight."""
+    phase = soak.pd_phase(kinds=kinds)
+    lines: list[str] = []
+    report = soak.soak(url, phase, cases, faults=1, clients=2, pause=(0, 0), log=lines.append)
+    return report, soak.table([report]) + "\n" + "\n".join(lines)
+
+
+def assert_nothing_lost(report: soak.PhaseReport, kinds: list[str], table: str) -> None:
+    for kind in kinds:
         k = report.kinds[kind]
-        assert k.faults == 1 and k.not_recovered == 0, table
+        assert k.not_found == 0, table  # the lookup found a live actor of the kind
+        assert k.faults == 1 and k.not_recovered == 0 and len(k.recovery_s) == 1, table
     tallies = report.tally.values()
     assert sum(t.ok for t in tallies) > 0, table
     assert sum(t.lost + t.dropped for t in tallies) == 0, table
     assert sum(t.wrong for t in tallies) == 0, table
+    assert sum(t.gave_up for t in tallies) == 0, table  # every retriable one was retried, ok
     assert report.leaked == 0 and report.blocks, table
+
+
+def test_conductor_and_store_shard_killed_under_load_lose_nothing(app, cases):
+    kinds = ["replica", "store"]
+    before = engine_actors()
+    report, table = soak_once(app, kinds, cases)
+    after = engine_actors()
+    assert_nothing_lost(report, kinds, table)
     assert len(before) == 2 and after == before, (before, after)
+
+
+def test_prefill_and_decode_replicas_killed_under_load_lose_nothing(app, cases):
+    kinds = ["prefill", "decode"]
+    before = engine_actors()
+    report, table = soak_once(app, kinds, cases)
+    after = engine_actors()
+    assert_nothing_lost(report, kinds, table)
+    assert {k for k, _ in before} == {k for k, _ in after} == {"prefill", "decode"}
+    assert not before & after, (before, after)  # both replaced: the killed ones were found

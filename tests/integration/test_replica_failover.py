@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from actors import fault_targets
 from bench import soak  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -75,8 +76,8 @@ def test_a_stream_survives_its_replica_dying(app):
                     got += c.get("token_ids") or []
                 if len(got) >= 8 and not killed.is_set():
                     victim = holder("main")
-                    (actor,) = [a for a in soak.live_actors() if a.name.endswith(victim)]
-                    soak.kill(actor)
+                    (actor,) = [a for a in fault_targets.live_actors() if a.name.endswith(victim)]
+                    fault_targets.kill(actor)
                     killed.set()
     assert killed.is_set() and not errors, errors
     assert got == want

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import ray
 
+from actors import fault_targets
 from bench import soak  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -76,8 +77,8 @@ def test_a_replacement_replica_loads_what_the_dead_one_stored(app):
     assert out["choices"][0]["token_ids"] == reference(first)
     stored(first, 6)
     (old,) = soak.serve_replica_ids("main")
-    (replica,) = [a for a in soak.live_actors() if a.kind == "replica"]
-    soak.kill(replica)
+    (replica,) = [a for a in fault_targets.live_actors() if a.kind == "replica"]
+    fault_targets.kill(replica)
     deadline = time.monotonic() + 300
     while soak.serve_replica_ids("main") in ([], [old]) or not soak.health_ok(app, 1):
         assert time.monotonic() < deadline, "no replacement replica"

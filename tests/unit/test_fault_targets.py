@@ -1,0 +1,29 @@
+"""``actors.fault_targets`` tells each kind of actor by the class name Ray records for it:
+the classes the runtime makes remote and the names Serve gives its deployments' actors."""
+
+from __future__ import annotations
+
+from actors.disagg.decode import DecodeReplica
+from actors.disagg.prefill import PrefillReplica
+from actors.engine.worker import Worker
+from actors.fault_targets import KIND_CLASS, kind_of
+from actors.kvstore.shard import KVStoreShard
+
+
+def test_each_kind_matches_the_class_name_of_its_actors():
+    seen = {
+        PrefillReplica.__name__: "prefill",
+        DecodeReplica.__name__: "decode",
+        Worker.__name__: "worker",
+        KVStoreShard.__name__: "store",
+        "ServeReplica:meridian:Replica-pd": "replica",
+        "ServeReplica:meridian:Router": "router",
+        "ServeReplica:meridian:Ingress": "ingress",
+    }
+    assert {name: kind_of(name) for name in seen} == seen
+    assert set(seen.values()) == set(KIND_CLASS)
+
+
+def test_serve_and_ray_internals_are_no_kind():
+    for name in ("ServeController", "ProxyActor", "ServeReplica:meridian:Ingress-eu", "Conductor"):
+        assert kind_of(name) is None, name
