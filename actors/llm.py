@@ -144,9 +144,9 @@ class LLM:
         call = getattr(self.remote, method, None)
         if call is None:
             raise InvalidRequestError(
-                f"{method} is built for LLM in process, LLM(num_replicas=k) and "
-                f"LLM(num_prefill=..., num_decode=...), and (update_weights only) "
-                f"LLM.attach(app or URL); not yet for {type(self.remote).__name__}"
+                f"{method} is built for LLM in process, LLM(num_replicas=k), "
+                f"LLM(num_prefill=..., num_decode=...) and LLM.attach(app or URL); not for "
+                f"{type(self.remote).__name__}"
             )
         return call(*args)
 

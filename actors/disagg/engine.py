@@ -132,6 +132,13 @@ class PDEngine:
             )
         self.cluster.update_weights(weights)
 
+    def sleep(self, level: int) -> int:
+        """Every replica of the cluster frees its weights (level 2 only: ``PDCluster.sleep``)."""
+        return self.cluster.sleep(level)
+
+    def wake_up(self) -> None:
+        self.cluster.wake_up()
+
     def shutdown(self) -> None:
         for rid in list(self._live):
             self.abort(rid)

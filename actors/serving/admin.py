@@ -3,6 +3,8 @@
 ``POST /admin/update_weights`` with ``{"path": "/abs/model-or.safetensors",
 "abort_in_flight": false}`` loads new weights into every replica of the app (the router's
 weight log, ``weight_updates.py``) and answers ``{"weight_version": n}`` once all have.
+``POST /admin/sleep`` with ``{"level": 1 | 2}`` answers ``{"freed_bytes": n}`` once every
+replica sleeps; ``POST /admin/wake_up`` answers ``{"awake": true}`` once all woke.
 
 Access: an API key whose ``role`` is ``admin``. No key or an unknown one: 401; a user
 key: 403 naming the role needed. With no ``api_keys`` configured (auth off) the admin
@@ -14,6 +16,7 @@ handle method instead (it can already do anything to the cluster's actors).
 from __future__ import annotations
 
 from pathlib import PurePosixPath
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,6 +43,20 @@ class UpdateWeightsBody(BaseModel):
             msg = f"path must be absolute (a file or folder on the server): {body.path!r}"
             raise oai.APIError(400, msg, "path")
         return body
+
+
+class SleepBody(BaseModel):
+    """``POST /admin/sleep``: 1 frees every replica's KV cache, 2 its weights too."""
+
+    model_config = ConfigDict(extra="forbid")
+    level: Literal[1, 2] = 1
+
+    @classmethod
+    def parse(cls, raw: object) -> SleepBody:
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise oai.validation_error(e) from None
 
 
 def require_admin(tenant: ApiKeyConfig | None, keys_configured: bool) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from actors.engine.config import EngineConfig
 from actors.engine.defaults import BATCH_MAX_IN_FLIGHT
@@ -43,7 +43,7 @@ def _retriable(e: Exception) -> bool:
     return isinstance(getattr(e, "cause", None), EngineUnavailableError)
 
 
-def _raise_cause(e: Exception) -> None:
+def _raise_cause(e: Exception) -> NoReturn:
     """Re-raise a remote MeridianError as itself (Ray wraps it in RayTaskError)."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, MeridianError):
@@ -250,6 +250,19 @@ class ServeAppClient:
         except Exception as e:
             _raise_cause(e)
 
+    def sleep(self, level: int = 1) -> int:
+        try:
+            freed = self.handle.sleep.remote(level).result()
+        except Exception as e:
+            _raise_cause(e)
+        return int(freed)
+
+    def wake_up(self) -> None:
+        try:
+            self.handle.wake_up.remote().result()
+        except Exception as e:
+            _raise_cause(e)
+
 
 class HttpClient:
     def __init__(
@@ -289,9 +302,20 @@ class HttpClient:
                 "attach by app name from a process connected to the app's Ray cluster"
             )
         body = {"path": str(weights), "abort_in_flight": abort_in_flight}
-        r = self.http.post("/admin/update_weights", json=body)
+        self._admin("update_weights", body)
+
+    def sleep(self, level: int = 1) -> int:
+        """``POST /admin/sleep`` (an API key with role admin)."""
+        return int(self._admin("sleep", {"level": level})["freed_bytes"])
+
+    def wake_up(self) -> None:
+        self._admin("wake_up", {})
+
+    def _admin(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.http.post(f"/admin/{route}", json=body)
         if r.status_code != 200:
-            raise InvalidRequestError(f"update_weights: HTTP {r.status_code}: {_message(r)}")
+            raise InvalidRequestError(f"{route}: HTTP {r.status_code}: {_message(r)}")
+        return dict(r.json())
 
     def run(
         self, token_lists: list[list[int]], params: list[SamplingParams], salt: str | None

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving import openai_protocol as oai
-from actors.serving.admin import UpdateWeightsBody, admin_error, require_admin
+from actors.serving.admin import SleepBody, UpdateWeightsBody, admin_error, require_admin
 from actors.serving.config import ApiKeyConfig, ServeConfig
 from actors.serving.metrics import render
 from actors.serving.relay import ReplicaRelay, retry_after_header
@@ -154,16 +154,45 @@ class Ingress:
     @app.post("/admin/update_weights")
     async def admin_update_weights(self, request: HTTPRequest) -> Response:
         """New weights from a path on the server, for an API key with role admin (admin.py)."""
-        route = "/admin/update_weights"
+
+        async def call(raw: Any) -> dict[str, Any]:
+            body = UpdateWeightsBody.parse(raw)
+            return {"weight_version": await self.update_weights(body.path, body.abort_in_flight)}
+
+        return await self._admin("/admin/update_weights", request, call)
+
+    @app.post("/admin/sleep")
+    async def admin_sleep(self, request: HTTPRequest) -> Response:
+        """``{"level": 1 | 2}``: every replica frees its KV cache (and weights, 2)."""
+
+        async def call(raw: Any) -> dict[str, Any]:
+            return {"freed_bytes": await self.sleep(SleepBody.parse(raw).level)}
+
+        return await self._admin("/admin/sleep", request, call)
+
+    @app.post("/admin/wake_up")
+    async def admin_wake_up(self, request: HTTPRequest) -> Response:
+        async def call(raw: Any) -> dict[str, Any]:
+            await self.wake_up()
+            return {"awake": True}
+
+        return await self._admin("/admin/wake_up", request, call)
+
+    async def _admin(
+        self, route: str, request: HTTPRequest, call: Callable[[Any], Awaitable[dict[str, Any]]]
+    ) -> Response:
+        """An admin route: the caller's key must have role admin (admin.py)."""
         try:
             require_admin(self._tenant(request), bool(self.keys))
-            body = UpdateWeightsBody.parse(await self._body(request))
-            version = await self.update_weights(body.path, body.abort_in_flight)
+            h = request.headers
+            sized = "content-length" in h or "transfer-encoding" in h
+            empty = h.get("content-length") == "0" or not sized
+            raw = {} if empty else await self._body(request)  # no body: the defaults
+            return self._ok(route, await call(raw))
         except oai.APIError as e:
             return self._error(route, e)
         except MeridianError as e:
             return self._error(route, admin_error(e))
-        return self._ok(route, {"weight_version": version})
 
     # -- the Python actor API's entry (LLM.attach(app_name)) --------------------------------
     async def update_weights(self, weights: Any, abort_in_flight: bool = False) -> int:
@@ -172,6 +201,15 @@ class Ingress:
         (the router's log, ``weight_updates.py``). Raises InvalidRequestError (a bad
         tensor; nothing changed), EngineUnavailableError."""
         return await self.weights.update(weights, abort_in_flight)
+
+    async def sleep(self, level: int = 1) -> int:
+        """Every replica frees its KV cache (level 1) or also its weights (level 2) once
+        its running requests finish; requests sent while asleep wait for ``wake_up``.
+        Returns the bytes freed by all. A P/D group sleeps at level 2 only."""
+        return await self.weights.set_sleep(level)
+
+    async def wake_up(self) -> None:
+        await self.weights.set_sleep(None)
 
     async def generate_tokens(
         self,

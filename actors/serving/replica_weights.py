@@ -10,7 +10,9 @@ by the router deployment).
 - Then a thread long-polls the router for a newer version; for each update it lacks it
   has the engine load it once the requests running now finish (or aborts them, retriable,
   when the update asks), holding new requests meanwhile, and tells the router which
-  version it has loaded (or why it failed).
+  version it has loaded (or why it failed). The same poll carries the app's sleep state:
+  the replica sleeps or wakes once its running requests finish (``_follow_sleep``); one
+  that starts while the app sleeps follows it to sleep after its catch-up.
 
 Invariant: ``version`` is the weight version the engine runs (set on the engine thread
 after each load), and updates are loaded one at a time in the log's order.
@@ -37,6 +39,7 @@ class WeightFollower:
         self.router = router
         self.replica_id = replica_id
         self.version = 0
+        self.sleep_changes = 0  # the app's sleeps and wakes this replica has followed
         self._stop = threading.Event()
         self.caught_up: concurrent.futures.Future = loop.when_drained(self._catch_up)
         self._thread = threading.Thread(target=self._follow, daemon=True, name="meridian-weights")
@@ -71,22 +74,44 @@ class WeightFollower:
         self._tell_router(None)
         while not self._stop.is_set():
             try:
-                latest = self.router.next_weight_version.remote(self.version, POLL_S).result(
-                    timeout_s=POLL_S + CALL_TIMEOUT_S
-                )
-                if latest <= self.version:
-                    continue
-                updates = self.router.weight_updates.remote(self.version).result(
-                    timeout_s=CALL_TIMEOUT_S
-                )
-                for update in updates:
-                    load = functools.partial(self._load, update)
-                    self.loop.when_drained(load, abort_in_flight=update.abort_in_flight).result()
-                self._tell_router(None)
+                latest, changes, level = self.router.next_app_state.remote(
+                    self.version, self.sleep_changes, POLL_S
+                ).result(timeout_s=POLL_S + CALL_TIMEOUT_S)
+                if latest > self.version:
+                    updates = self.router.weight_updates.remote(self.version).result(
+                        timeout_s=CALL_TIMEOUT_S
+                    )
+                    for update in updates:
+                        load = functools.partial(self._load, update)
+                        drained = self.loop.when_drained(
+                            load, abort_in_flight=update.abort_in_flight
+                        )
+                        drained.result()
+                    self._tell_router(None)
+                if changes > self.sleep_changes:
+                    self._follow_sleep(changes, level)
             except Exception as e:  # the router restarting, or a load failed: say so, retry
                 log.warning("weight update on replica %s failed", self.replica_id, exc_info=True)
                 self._tell_router(f"{type(e).__name__}: {e}")
                 self._stop.wait(1.0)
+
+    def _follow_sleep(self, changes: int, level: int | None) -> None:
+        """Sleep at ``level`` (None: wake) once the running requests finish (requests
+        arriving meanwhile wait for the wake), then tell the router (an error too: this
+        change is not retried; the next one is followed)."""
+        freed, error = 0, None
+        try:
+            if level is None:
+                self.loop.when_drained(lambda engine: engine.wake_up(), sleep=False).result()
+            else:
+                drained = self.loop.when_drained(lambda engine: engine.sleep(level), sleep=True)
+                freed = int(drained.result())
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        self.sleep_changes = changes
+        self.router.slept.remote(self.replica_id, changes, freed, error).result(
+            timeout_s=CALL_TIMEOUT_S
+        )
 
     def _tell_router(self, error: str | None) -> None:
         try:

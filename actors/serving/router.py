@@ -167,6 +167,19 @@ class RouterDeployment:
     async def weights_loaded(self, replica_id: str, version: int, error: str | None) -> None:
         await self.weights.on_loaded(replica_id, version, error)
 
+    async def set_sleep(self, level: int | None) -> int:
+        """Every replica sleeps at ``level`` (None: wakes); the bytes freed, once all did."""
+        return await self.weights.set_sleep(level)
+
+    async def next_app_state(
+        self, version: int, changes: int, timeout_s: float = 10.0
+    ) -> tuple[int, int, int | None]:
+        """A replica's long poll: ``(weight version, sleep changes, sleep level)``."""
+        return await self.weights.next_state(version, changes, timeout_s)
+
+    async def slept(self, replica_id: str, changes: int, freed: int, error: str | None) -> None:
+        await self.weights.on_slept(replica_id, changes, freed, error)
+
     def _live_ids(self) -> set[str]:
         self._expire(time.time())
         return set(self.groups)

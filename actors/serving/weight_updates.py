@@ -14,6 +14,11 @@ every group ask it, so all of them agree on the order and number of updates.
 - Each ingress long-polls ``next_version`` too and hashes new requests at that version, so
   the router's prefix view (block hashes the replicas report at their version) matches.
 
+- Sleep (``set_sleep``): the app's sleep level (None: awake) and a count of its changes;
+  replicas follow it on the same long poll (``next_state``), sleep or wake once their
+  running requests finish (requests meanwhile wait for the wake), and say ``slept``. A
+  replica that starts while the app sleeps follows it to sleep. No update while asleep.
+
 Invariants: update ``i`` (1-based) is weight version ``i`` on every replica; updates are
 applied one at a time, in order (``_lock``); the log only grows, and its object refs are
 owned by the router's process. If the router's process dies the log is lost with it
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from errors import EngineUnavailableError, MeridianError
+from errors import EngineUnavailableError, InvalidRequestError, MeridianError
 
 log = logging.getLogger(__name__)
 POLL_S = 10.0  # one long poll of the version (short: the router's drain waits on it)
@@ -57,8 +62,12 @@ class WeightUpdateLog:
         self.updates: list[WeightUpdate] = []
         self.loaded: dict[str, int] = {}  # replica id -> the version it has loaded
         self.failed: dict[str, str] = {}  # replica id -> why its last load failed
-        self._changed = asyncio.Condition()  # a new version, a load, a failure
-        self._lock = asyncio.Lock()  # one update at a time
+        self._changed = asyncio.Condition()  # a new version or sleep state, a load, a failure
+        self._lock = asyncio.Lock()  # one update (or sleep change) at a time
+        self.sleep_level: int | None = None  # the app's sleep level; None: awake
+        self.sleep_changes = 0  # sleeps and wakes so far
+        self.slept: dict[str, tuple[int, int]] = {}  # replica -> (changes followed, freed)
+        self.sleep_failed: dict[str, tuple[int, str]] = {}  # replica -> (change, why it failed)
 
     @property
     def version(self) -> int:
@@ -71,6 +80,8 @@ class WeightUpdateLog:
         InvalidRequestError (nothing changed), EngineUnavailableError (a replica failed to
         load it, or did not within ``LOAD_TIMEOUT_S``; the update stays in the log)."""
         async with self._lock:
+            if self.sleep_level is not None:
+                raise InvalidRequestError("the app is asleep; call wake_up() before an update")
             ref = await asyncio.to_thread(self._checked_ref, source)
             version = self.version + 1
             async with self._changed:
@@ -131,6 +142,72 @@ class WeightUpdateLog:
                 pass
             return self.version
 
+    async def set_sleep(self, level: int | None) -> int:
+        """Put every replica to sleep at ``level`` (1: KV cache, 2: and weights) or wake
+        them (None), once each finishes what it runs; returns the bytes freed by all (0 for
+        a wake) once every live replica followed. EngineUnavailableError names the
+        replicas that failed (a P/D group sleeps at level 2 only) or did not follow in
+        ``LOAD_TIMEOUT_S``; the app's state stays as set, replicas retry on their next
+        change."""
+        if level not in (1, 2, None):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}", "level")
+        async with self._lock:
+            async with self._changed:
+                self.sleep_level = level
+                self.sleep_changes += 1
+                changes = self.sleep_changes
+                self._changed.notify_all()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + LOAD_TIMEOUT_S
+            async with self._changed:
+                while True:
+                    live = self.live_replicas()
+                    failed = {
+                        r: why
+                        for r, (change, why) in self.sleep_failed.items()
+                        if r in live and change == changes
+                    }
+                    if failed:
+                        raise EngineUnavailableError(f"replicas could not follow: {failed}")
+                    behind = sorted(r for r in live if self.slept.get(r, (0, 0))[0] < changes)
+                    if not behind:
+                        return sum(self.slept[r][1] for r in live)
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise EngineUnavailableError(
+                            f"replicas {behind} did not follow within {LOAD_TIMEOUT_S:g} s"
+                        )
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                    except TimeoutError:
+                        pass
+
+    async def next_state(
+        self, version: int, changes: int, timeout_s: float
+    ) -> tuple[int, int, int | None]:
+        """``(version, sleep changes, sleep level)`` as soon as either count is above the
+        caller's, or after ``timeout_s``."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(
+                        lambda: self.version > version or self.sleep_changes > changes
+                    ),
+                    timeout_s,
+                )
+            except TimeoutError:
+                pass
+            return self.version, self.sleep_changes, self.sleep_level
+
+    async def on_slept(self, replica_id: str, changes: int, freed: int, error: str | None) -> None:
+        async with self._changed:
+            if error is None:
+                self.slept[replica_id] = (changes, freed)
+                self.sleep_failed.pop(replica_id, None)
+            else:
+                self.sleep_failed[replica_id] = (changes, error)
+            self._changed.notify_all()
+
     def since(self, version: int) -> list[WeightUpdate]:
         """The updates after ``version``, oldest first."""
         return self.updates[version:]
@@ -148,6 +225,8 @@ class WeightUpdateLog:
         """A replica left the app (its versions no longer matter)."""
         self.loaded.pop(replica_id, None)
         self.failed.pop(replica_id, None)
+        self.slept.pop(replica_id, None)
+        self.sleep_failed.pop(replica_id, None)
 
 
 class VersionWatch:
@@ -186,6 +265,16 @@ class VersionWatch:
             raise EngineUnavailableError(f"the weight update failed: {cause}") from None
         self.version = max(self.version, version)
         return version
+
+    async def set_sleep(self, level: int | None) -> int:
+        """``RouterDeployment.set_sleep``, its error re-raised as the MeridianError it is."""
+        try:
+            return int(await self.router.set_sleep.remote(level))
+        except Exception as e:
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, MeridianError):
+                raise cause from None
+            raise EngineUnavailableError(f"sleep/wake failed: {cause}") from None
 
     async def _watch(self) -> None:
         while True:

@@ -6,8 +6,8 @@ One app for the module: a colocated group of two replicas and a disaggregated gr
 prefill, one decode replica), round-robin routing, so consecutive requests visit every
 replica of both groups. After each update the greedy tokens are transformers' on the new
 weights, no prefix cached before it is hit after it, a bad tensor or a caller without an
-admin key changes nothing, and a replica Serve starts after the updates (in place of a
-killed one) serves the newest weights.
+admin key changes nothing, a replica Serve starts after the updates (in place of a
+killed one) serves the newest weights, and the app sleeps and wakes with no request lost.
 """
 
 from __future__ import annotations
@@ -164,3 +164,33 @@ def test_a_replica_started_after_the_updates_serves_the_newest_weights(server, w
     assert_tokens(run_everywhere(user, prompts), new2)  # every replica, the new one too
     health = httpx.get(server.url + "/health", timeout=10).json()
     assert health["replicas"] == NUM_REPLICAS
+
+
+def test_sleep_and_wake_through_the_handle_and_the_admin_route(server, weights, prompts):
+    """Level 2 frees every replica's weights (the P/D group sleeps at level 2 only, and
+    says so at level 1); a request sent while the app sleeps waits and, after the wake,
+    gets the newest weights' tokens. Runs after the updates above."""
+    import concurrent.futures
+
+    new2 = hf_greedy(weights[2][0], prompts, NEW)
+    by_name = LLM.attach(APP)
+    user = LLM.attach(server.url, api_key=USER)
+    admin = LLM.attach(server.url, api_key=ADMIN)
+    assert server.post("/admin/sleep", {"level": 2}, key=USER).status_code == 403
+    bad = server.post("/admin/sleep", {"level": 3}, key=ADMIN)
+    assert bad.status_code == 422 and "level" in bad.json()["error"]["message"]
+
+    assert by_name.sleep(2) > 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(user.generate, prompt_token_ids=[prompts[0]], sampling_params=PARAMS)
+        admin.wake_up()  # over HTTP
+        assert waiting.result(timeout=120)[0].token_ids == new2[0]
+    assert_tokens(run_everywhere(user, prompts), new2)
+
+    # level 1 reaches the colocated replicas; the P/D group's refusal names the level
+    with pytest.raises(Exception, match="level 2 only"):
+        admin.sleep(1)
+    by_name.wake_up()
+    assert_tokens(run_everywhere(user, prompts), new2)
+    update = server.post("/admin/update_weights", {"path": str(weights[1][0])}, key=ADMIN)
+    assert update.status_code == 200  # awake again: updates are taken
