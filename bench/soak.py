@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -55,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from actors.fault_targets import is_alive, kill, live_actors  # noqa: E402
+from bench.app_probe import free_port, healthy, wait_healthy  # noqa: E402
 
 MODEL = "meridian-tiny"
 APP = "meridian"
@@ -118,12 +118,6 @@ def reference_tokens(token_lists: list[list[int]]) -> list[list[int]]:
 
 
 # -- the app --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_app(phase: Phase, num_cpus: int = 4) -> Iterator[str]:
     """Ray in this process, the Serve app of ``phase`` on a free port; yields its URL once
@@ -148,11 +142,7 @@ def running_app(phase: Phase, num_cpus: int = 4) -> Iterator[str]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(phase.app_args()), name=APP, route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while not health_ok(url, phase.replicas):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the app did not become healthy")
-            time.sleep(0.5)
+        wait_healthy(url, phase.replicas)
         yield url
     finally:
         with contextlib.suppress(Exception):
@@ -162,14 +152,6 @@ def running_app(phase: Phase, num_cpus: int = 4) -> Iterator[str]:
             from store.shared_segment import remove_stale_segments
 
             remove_stale_segments()
-
-
-def health_ok(url: str, replicas: int) -> bool:
-    try:
-        r = httpx.get(url + "/health", timeout=5)
-        return r.status_code == 200 and r.json().get("replicas") == replicas
-    except (httpx.HTTPError, ValueError):
-        return False
 
 
 # -- actors ---------------------------------------------------------------------------------------
@@ -385,7 +367,7 @@ def strength(url: str, phase: Phase) -> str:
 
     counts = Counter(a.kind for a in live_actors())
     missing = [f"{k} {counts[k]}/{n}" for k, n in phase.expect.items() if counts[k] != n]
-    if not health_ok(url, phase.replicas):
+    if not healthy(url, phase.replicas):
         missing.append("/health")
     try:
         router = serve.get_deployment_handle("Router", app_name=APP)

@@ -14,6 +14,7 @@ import pytest
 
 from actors import fault_targets
 from bench import soak  # noqa: E402
+from bench.app_probe import healthy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -82,7 +83,7 @@ def test_a_stream_survives_its_replica_dying(app):
     assert killed.is_set() and not errors, errors
     assert got == want
     deadline = time.monotonic() + 120
-    while not soak.health_ok(app, 2):
+    while not healthy(app, 2):
         assert time.monotonic() < deadline, "the group did not return to two replicas"
         time.sleep(0.5)
     blocks = soak.blocks_in_use("main", wait_s=30)

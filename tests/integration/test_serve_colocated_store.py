@@ -15,6 +15,7 @@ import ray
 
 from actors import fault_targets
 from bench import soak  # noqa: E402
+from bench.app_probe import healthy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -80,7 +81,7 @@ def test_a_replacement_replica_loads_what_the_dead_one_stored(app):
     (replica,) = [a for a in fault_targets.live_actors() if a.kind == "replica"]
     fault_targets.kill(replica)
     deadline = time.monotonic() + 300
-    while soak.serve_replica_ids("main") in ([], [old]) or not soak.health_ok(app, 1):
+    while soak.serve_replica_ids("main") in ([], [old]) or not healthy(app, 1):
         assert time.monotonic() < deadline, "no replacement replica"
         time.sleep(0.5)
     longer = first + [3 + (i * 53) % 500 for i in range(40)]
