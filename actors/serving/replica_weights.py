@@ -41,6 +41,9 @@ class WeightFollower:
         self.version = 0
         self.sleep_changes = 0  # the app's sleeps and wakes this replica has followed
         self._stop = threading.Event()
+        # the log so far, fetched by the follower thread: a Serve handle call made on the
+        # engine thread would start Ray's threads there, and they would inherit its name
+        self._log: concurrent.futures.Future = concurrent.futures.Future()
         self.caught_up: concurrent.futures.Future = loop.when_drained(self._catch_up)
         self._thread = threading.Thread(target=self._follow, daemon=True, name="meridian-weights")
         self._thread.start()
@@ -57,8 +60,7 @@ class WeightFollower:
 
     def _catch_up(self, engine: Any) -> None:
         """On the engine thread, before any request: every update of the log."""
-        updates = self.router.weight_updates.remote(0).result(timeout_s=CALL_TIMEOUT_S)
-        for update in updates:
+        for update in self._log.result(timeout=2 * CALL_TIMEOUT_S):
             self._load(update, engine)
 
     def _load(self, update: WeightUpdate, engine: Any) -> None:
@@ -66,6 +68,12 @@ class WeightFollower:
         self.version = update.version
 
     def _follow(self) -> None:
+        try:
+            self._log.set_result(
+                self.router.weight_updates.remote(0).result(timeout_s=CALL_TIMEOUT_S)
+            )
+        except Exception as e:
+            self._log.set_exception(e)
         try:
             self.caught_up.result()
         except Exception:
