@@ -66,6 +66,9 @@ class ClusterView:
         self.index = PrefixIndex()
         # Per replica: the requests routed to it since its snapshot, oldest first.
         self._pending: dict[str, deque[_Routed]] = {}
+        # request id -> (its replica, its record), routed within ``pending_ttl``, oldest first:
+        # what ``on_moved`` takes back, whether or not a snapshot has absorbed its load
+        self._recent: dict[str, tuple[str, _Routed]] = {}
 
     # -- membership ------------------------------------------------------------------------
     def add_replica(
@@ -90,6 +93,7 @@ class ClusterView:
         if self._views.pop(replica_id, None) is None:
             return
         self._pending.pop(replica_id, None)
+        self._recent = {k: v for k, v in self._recent.items() if v[0] != replica_id}
         self.index.remove_replica(replica_id)
         self._relist()
 
@@ -183,23 +187,44 @@ class ClusterView:
         self.index.add(replica_id, added)
         routed = _Routed(now, tokens, new_blocks, request.request_id, tuple(added))
         self._pending[replica_id].append(routed)
+        recent = self._recent
+        recent.pop(request.request_id, None)  # a new record goes last
+        recent[request.request_id] = (replica_id, routed)
+        while True:  # at least the record just added stays
+            oldest = next(iter(recent))
+            if recent[oldest][1].time >= now - self.pending_ttl:
+                break
+            del recent[oldest]
 
-    def on_moved(self, request: RouteRequest, routed_to: str, runs_on: str, now: float) -> None:
+    def on_moved(
+        self, request: RouteRequest, routed_to: str, runs_on: str | None, now: float
+    ) -> None:
         """``request``, recorded on ``routed_to`` (its ranking's first), runs on ``runs_on``
-        (the replica deployment placed it further down): what ``on_routed`` recorded on
-        ``routed_to`` is taken back, if no snapshot has absorbed it yet, and the request is
+        instead (the replica deployment placed it further down its ranking), or nowhere
+        (None: refused, or its start failed).
+
+        What ``on_routed`` recorded on ``routed_to`` is taken back: its load while no
+        snapshot has absorbed it (a snapshot could not count a request the replica never
+        got), and the hashes it added (only the replica's own events confirm hashes), if
+        the correction comes within ``pending_ttl`` of the routing. The request is then
         recorded on ``runs_on``."""
-        pending = self._pending.get(routed_to, deque())
-        mine = next((r for r in pending if r.request_id == request.request_id), None)
-        if mine is not None:
-            pending.remove(mine)
-            view = self._views[routed_to]
-            view.queued_prefill_tokens = max(0, view.queued_prefill_tokens - mine.tokens)
-            view.num_waiting = max(0, view.num_waiting - 1)
-            view.free_blocks = min(view.total_blocks, view.free_blocks + mine.new_blocks)
-            self.index.discard(routed_to, mine.added)
-        if runs_on in self._views:
+        entry = self._recent.pop(request.request_id, None)
+        if entry is not None and entry[0] == routed_to:
+            self._take_back(routed_to, entry[1])
+        if runs_on is not None and runs_on in self._views:
             self.on_routed(runs_on, request, now)
+
+    def _take_back(self, replica_id: str, routed: _Routed) -> None:
+        pending = self._pending[replica_id]
+        for k, r in enumerate(pending):
+            if r is routed:  # its load is still on the view
+                del pending[k]
+                view = self._views[replica_id]
+                view.queued_prefill_tokens = max(0, view.queued_prefill_tokens - routed.tokens)
+                view.num_waiting = max(0, view.num_waiting - 1)
+                view.free_blocks = min(view.total_blocks, view.free_blocks + routed.new_blocks)
+                break
+        self.index.discard(replica_id, routed.added)
 
     def prefix_blocks(self, request: RouteRequest) -> list[int]:
         """Each replica's cached prefix of ``request``, in ``replicas`` order."""

@@ -97,8 +97,9 @@ class RouterState:
             return []
         return self.view.route(self.policy, request, self.clock())
 
-    def moved(self, request: RouteRequest, routed_to: str, runs_on: str) -> None:
-        """``request`` (routed to ``routed_to``, its ranking's first) runs on ``runs_on``:
-        the view moves the decision there (``ClusterView.on_moved``)."""
+    def moved(self, request: RouteRequest, routed_to: str, runs_on: str | None) -> None:
+        """``request`` (routed to ``routed_to``, its ranking's first) runs on ``runs_on``, or
+        nowhere (None: refused, or its start failed): the view moves its record of the
+        decision there, or drops it (``ClusterView.on_moved``)."""
         if routed_to != runs_on:
             self.view.on_moved(request, routed_to, runs_on, self.clock())

@@ -151,3 +151,39 @@ def test_consistent_hash_keeps_a_session_on_one_replica():
         s.route(request([k, k + 1, k + 2, k + 3], rid=f"q{k}", session="u1"))[0] for k in range(8)
     }
     assert len(owners) == 1
+
+
+def test_the_record_follows_where_a_request_runs_even_after_a_snapshot():
+    """The replica deployment passes over a full first choice: the router hears where the
+    request runs. A snapshot of the first that arrived meanwhile absorbed the request's load
+    (counting nothing, as the replica never got it), but not its blocks, which only that
+    replica's events could confirm: they leave it, and the next request with that prefix
+    goes where the blocks are."""
+    clock = FakeClock(10.0)
+    s = state("prefix_aware", n=2, clock=clock)
+    for rid in s.replica_ids:
+        s.on_stats(rid, snapshot(10.0))
+    q = request(list(range(32)), rid="q")
+    first, second = s.route(q)
+    clock.t = 10.5
+    s.on_stats(first, snapshot(10.4))  # taken after the routing: the record's load is absorbed
+    s.moved(q, first, second)
+    assert not s.view.replica(first).cached & set(q.block_hashes)
+    assert s.view.replica(second).cached >= set(q.block_hashes)
+    assert s.view.replica(second).num_waiting == 1
+    assert s.route(request(list(range(40)), rid="q2"))[0] == second
+
+
+def test_a_request_that_runs_nowhere_leaves_no_record():
+    """Refused by its replica (or its start failed): the routing's load and blocks are taken
+    back, so the view is as it was before the request."""
+    s = state("prefix_aware", n=2)
+    before = [(v.queued_prefill_tokens, v.num_waiting, v.free_blocks) for v in s.view.replicas]
+    q = request(list(range(32)), rid="q")
+    first = s.route(q)[0]
+    s.moved(q, first, None)
+    assert [(v.queued_prefill_tokens, v.num_waiting, v.free_blocks) for v in s.view.replicas] == (
+        before
+    )
+    assert all(not v.cached for v in s.view.replicas)
+    s.view.index.check()

@@ -461,8 +461,9 @@ def test_cluster_view_decisions_are_pinned_on_a_random_run():
 
 def test_a_request_placed_down_the_ranking_is_recorded_where_it_runs():
     """The replica deployment may pass over the ranking's first (full): the ingress tells
-    the router where the request runs, and the view moves the decision there, unless a
-    snapshot of the first already covers that time (then only the new replica gains)."""
+    the router where the request runs, and the view moves the decision there. When a
+    snapshot of the first already covers that time, the first keeps the snapshot's counters
+    and only the blocks it was taken to hold leave it."""
     cv = ClusterView(block_size=4)
     for rid in ("a", "b"):
         cv.add_replica(rid, total_blocks=100)
@@ -482,7 +483,8 @@ def test_a_request_placed_down_the_ranking_is_recorded_where_it_runs():
     r2 = req([7, 8], tokens=8, rid="q2")
     cv.on_routed("a", r2, now=2.0)
     cv.update_stats("a", snapshot(2.5, queued_prefill_tokens=8, num_waiting=1), now=2.6)
-    cv.on_moved(r2, "a", "b", now=2.7)  # a's snapshot already counted it: a is left as is
+    cv.on_moved(r2, "a", "b", now=2.7)  # a's snapshot absorbed its load: a's counters stay
     assert (a.queued_prefill_tokens, a.num_waiting) == (8, 1)
+    assert set(a.cached) == {1}  # but its blocks, which no event of a confirmed, leave
     assert (b.queued_prefill_tokens, b.num_waiting) == (22, 2)
     cv.index.check()
