@@ -161,9 +161,7 @@ class PDCluster:
             queue, self.table, self.placing.place, self.conductor.min_retry_after
         )
         self.replicas.start_all()
-        self.pools = ElasticPools(
-            self.replicas, self.table, config.prefill.scaling, config.decode.scaling
-        )
+        self.pools = ElasticPools(self.replicas, self.table, config.prefill, config.decode)
         self.limits = self._limits(model, config.engine.torch_dtype(on_gpu))
         self.builder = RequestBuilder(self.block_size, self.limits)
 
@@ -385,6 +383,8 @@ class PDCluster:
                 if fitter.num_fits["decode"]:  # against a fitted model, not the guess
                     self.conductor.observe_decode_step(e.batch, e.blocks, e.seconds)
         self.replicas.apply_stats(rid, report.stats)
+        if report.leaving:
+            self.pools.leave(rid, time.monotonic())
         return deltas
 
     def _retry_pending(self) -> None:

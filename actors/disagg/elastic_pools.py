@@ -1,5 +1,6 @@
-"""A ``PDCluster``'s prefill and decode pools, each grown and shrunk on its own signal
-(``policies.pool_scaling``), applied to its ``ReplicaSet`` at every Conductor poll.
+"""A ``PDCluster``'s prefill and decode pools, each kept at its size: a scaled pool grows
+and shrinks on its own signal (``policies.pool_scaling``), a fixed one stays at its
+configured count; applied to its ``ReplicaSet`` at every Conductor poll.
 
 - Signals, from the replicas' latest reports: a prefill replica's queued prefill tokens;
   a decode replica's KV use (blocks in use, pending or reserved, over its pool).
@@ -9,26 +10,33 @@
   places nothing new on it); once nothing is bound to it (a prefill replica has finished
   its prefills, a decode replica its requests) it is retired. A draining replica is never
   killed with work on it, so no request is lost.
+- A replica asked to leave (``leave``: an operator's drain request, which the replica
+  passes on in its report) no longer counts in its pool's size, so a fixed pool starts a
+  replacement at once (a scaled pool's scaler decides); it keeps taking work until
+  another replica of its pool does (a pool is never left with none), then drains and is
+  retired like any other.
 
 ``sizes()`` and ``decisions()`` feed ``/metrics`` (``PDCounters``); ``events`` records
-every change: (when, pool, "grow" | "drain" | "retire", replica id, signal, need).
+every change: (when, pool, "leave" | "grow" | "drain" | "retire", replica id, signal,
+need).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.disagg.cluster_config import PDSideConfig
 from actors.disagg.replica_set import ReplicaSet
 from actors.disagg.request_table import RequestTable
 from policies.autoscaling import ScalingDecision
-from policies.pool_scaling import DECODE_POOL, PREFILL_POOL, PoolScaler, PoolScaling
+from policies.pool_scaling import DECODE_POOL, PREFILL_POOL, PoolScaler
 
 
 @dataclass(frozen=True)
 class PoolEvent:
     time: float  # time.monotonic()
     pool: str
-    action: str  # grow | drain | retire
+    action: str  # leave | grow | drain | retire
     replica_id: str
     signal: str
     need: float  # replicas the load needed at the target
@@ -39,46 +47,71 @@ class ElasticPools:
         self,
         replicas: ReplicaSet,
         table: RequestTable,
-        prefill: PoolScaling | None,
-        decode: PoolScaling | None,
+        prefill: PDSideConfig,
+        decode: PDSideConfig,
     ) -> None:
+        """``prefill`` / ``decode``: each side's config; its ``scaling`` (None: the pool
+        stays at ``count``)."""
         self.replicas, self.table = replicas, table
+        sides = ((PREFILL_POOL, prefill), (DECODE_POOL, decode))
         self.scalers = {
-            pool: PoolScaler(pool, scaling)
-            for pool, scaling in ((PREFILL_POOL, prefill), (DECODE_POOL, decode))
-            if scaling is not None
+            pool: PoolScaler(pool, side.scaling) for pool, side in sides if side.scaling is not None
         }
+        self.fixed = {pool: side.count for pool, side in sides if side.scaling is None}
+        self.leaving: set[str] = set()  # asked to leave, still taking work
         self.events: list[PoolEvent] = []
 
+    def leave(self, rid: str, now: float) -> None:
+        """Replica ``rid`` asked to leave its pool (once; asking again changes nothing)."""
+        r = self.replicas
+        known = rid in r.prefill_views or rid in r.decode_views
+        if not known or rid in self.leaving or rid in r.draining:
+            return
+        self.leaving.add(rid)
+        self._record(now, self._pool_of(rid), "leave", rid)
+
     def step(self, now: float) -> None:
-        """Let started replicas join, retire drained ones, and move each pool toward the
-        size its scaler wants."""
+        """Let started replicas join, retire drained ones, move each pool toward the size
+        it should have, and drain the replicas that asked to leave once another replica of
+        their pool takes work."""
         r = self.replicas
         r.poll_starting()
         for rid in sorted(r.draining):
             if self._idle(rid):
                 r.retire(rid)
                 self._record(now, self._pool_of(rid), "retire", rid)
-        for pool, scaler in self.scalers.items():
-            live = self._accepting(pool)
+        self.leaving &= set(r.prefill_views) | set(r.decode_views)  # retired meanwhile
+        for pool in (PREFILL_POOL, DECODE_POOL):
+            live = self._staying(pool)
             starting = [rid for rid in r.starting if rid[0] == pool[0]]
             size = len(live) + len(starting)
-            wanted = scaler.decide(self._signals(pool, live), size, now)
+            scaler = self.scalers.get(pool)
+            if scaler is None:
+                wanted = self.fixed[pool]
+            else:
+                wanted = scaler.decide(self._signals(pool, live), size, now)
             for _ in range(wanted - size):
                 self._record(now, pool, "grow", r.begin_start(pool))
             for _ in range(size - wanted):
-                live = self._accepting(pool)
+                live = self._staying(pool)
                 if len(live) <= 1:
                     break  # a pool keeps one replica that takes work
                 rid = min(live, key=lambda x: self._work(pool, x))
                 r.draining.add(rid)
                 self._record(now, pool, "drain", rid)
+            for rid in sorted(x for x in self.leaving if x[0] == pool[0]):
+                if not self._staying(pool):
+                    break  # it is the pool's last replica taking work: not yet
+                self.leaving.discard(rid)
+                r.draining.add(rid)
+                self._record(now, pool, "drain", rid)
 
     def sizes(self) -> dict[str, int]:
-        """Replicas per pool that take work or are starting (draining ones not counted)."""
+        """Replicas per pool that take work and stay, or are starting (draining ones and
+        ones asked to leave not counted)."""
         r = self.replicas
         return {
-            pool: len(self._accepting(pool)) + sum(1 for s in r.starting if s[0] == pool[0])
+            pool: len(self._staying(pool)) + sum(1 for s in r.starting if s[0] == pool[0])
             for pool in (PREFILL_POOL, DECODE_POOL)
         }
 
@@ -91,6 +124,10 @@ class ElasticPools:
         r = self.replicas
         ids = r.prefill_views if pool == PREFILL_POOL else r.decode_views
         return [rid for rid in ids if r.accepting(rid)]
+
+    def _staying(self, pool: str) -> list[str]:
+        """Replicas of ``pool`` that take work and were not asked to leave."""
+        return [rid for rid in self._accepting(pool) if rid not in self.leaving]
 
     def _signals(self, pool: str, ids: list[str]) -> list[float]:
         return [self._work(pool, rid) for rid in ids]

@@ -27,9 +27,18 @@ class LoopedReplica:
     controller: ReplicaController
     loop: ReplicaLoop
     stats: PrefillStats | DecodeStats  # replaced (never mutated) by the loop thread
+    leaving = False  # asked to leave its pool (``drain``); never set back
 
     def ping(self) -> str:
         return self.replica_id
+
+    def drain(self) -> None:
+        """Ask to leave the pool (an operator scaling it down, or this replica's node about
+        to go): every report from now on says so, and the Conductor drains the replica
+        (nothing new placed on it once another replica of its pool takes work, what it
+        holds runs to the end) and then retires it (``ElasticPools``). A pool of fixed
+        size starts a replacement at once."""
+        self.leaving = True
 
     def report(self, timeout: float) -> Report:
         """The Conductor's long poll: events since the last report (waiting up to
@@ -37,7 +46,11 @@ class LoopedReplica:
         events = self.loop.take(timeout)
         if self.loop.error is not None:
             raise RuntimeError(f"replica {self.replica_id} failed") from self.loop.error
-        return Report(self.replica_id, events, self.stats)
+        return Report(self.replica_id, events, self.stats, self.leaving)
+
+    def weight_version(self) -> int:
+        """The weight version the replica runs (updates loaded since its start)."""
+        return int(self.controller.weight_version)
 
     def report_stats(self) -> PrefillStats | DecodeStats:
         return self.stats

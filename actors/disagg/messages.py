@@ -146,6 +146,7 @@ class Report:
     replica_id: str
     events: list[Event]
     stats: PrefillStats | DecodeStats
+    leaving: bool = False  # asked to leave its pool (``drain``): drain it, then retire it
 
 
 @dataclass(frozen=True)

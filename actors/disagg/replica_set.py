@@ -120,14 +120,23 @@ class ReplicaSet:
 
     def start_all(self) -> None:
         """Start every replica; in a shared pool (``config.pool``) first attach to the live
-        replicas a previous Conductor left (``attach``), then start the missing ones."""
+        replicas a previous Conductor left (``attach``), then start as many as each side
+        lacks of its ``count``."""
         found = pool_actors.find(self.config.pool) if self.config.pool else {}
         for rid, handle in sorted(found.items()):
             if rid[0] in "pd":
                 self.attach(rid, handle)
-        for rid in [*self.prefill_ids, *self.decode_ids]:
-            if rid not in self.prefills and rid not in self.decodes:
-                self.start(rid)
+        sides = (
+            (self.prefill_ids, self.prefills, self.config.prefill.count),
+            (self.decode_ids, self.decodes, self.config.decode.count),
+        )
+        for ids, running, count in sides:
+            for rid in [x for x in ids if x not in running]:
+                if len(running) < count:
+                    self.start(rid)
+                else:  # the pool holds its count under other ids (it grew or was drained)
+                    ids.remove(rid)
+                    self.plan.remove(rid)
 
     def attach(self, rid: str, handle: Any) -> None:
         """Take over a live replica of the shared pool: it drops what the previous
@@ -329,7 +338,10 @@ class ReplicaSet:
         )(cls)
 
     def _pinning(self, rid: str) -> dict[str, Any]:
-        cores = self._cores.get(rid)
+        """Replica ``rid``'s cores: its side's half (one grown later too), or none."""
+        cores = self._cores.get(rid) or next(
+            (c for k, c in sorted(self._cores.items()) if k[0] == rid[0]), None
+        )
         return {"cpus": cores, "threads": len(cores)} if cores else {}
 
     def _decode_shards(self) -> dict[str, Any] | None:
