@@ -26,7 +26,7 @@ from actors.engine.defaults import BATCH_MAX_IN_FLIGHT
 from actors.engine.outputs import RequestOutput, TokenLogprob
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
-from actors.serving.router import make_router_state
+from actors.serving.router_state import RouterState
 from errors import EngineUnavailableError, InvalidRequestError, MeridianError
 from models.loader import expected_tensors
 from models.weight_update import SharedWeights, checked_weights, is_object_ref, read_weights
@@ -79,7 +79,7 @@ class ReplicaPool:
             self.block_size, RequestLimits.tightest([i.limits for i in infos])
         )
         self.ids = [f"replica-{i}" for i in range(num_replicas)]
-        self.state = make_router_state(routing, self.block_size, {})
+        self.state = RouterState(routing, block_size=self.block_size)
         for rid, info in zip(self.ids, infos, strict=True):
             self.state.add_replica(rid, total_blocks=info.total_blocks)
         self.max_in_flight = max_in_flight

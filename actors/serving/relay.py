@@ -9,6 +9,7 @@ mid-request (``StreamLedger``: every token at most once).
 """
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
@@ -86,13 +87,14 @@ class ReplicaRelay:
 
         Raises APIError (before the first yield) when the replica refuses it."""
         gen, first, placed = await self._open(choices, session, region)
-        yield first
         ledger = StreamLedger(len(choices))
         attempt = 1
         while True:
             reason = None
             prefilled = placed is None
             try:
+                if attempt == 1:
+                    yield first  # in the try: a consumer that stops here aborts the prompt
                 async for batch in gen:  # the replica sends its events in lists
                     for item in batch:
                         if not prefilled and isinstance(item, Delta) and item.delta.token_ids:
@@ -123,7 +125,7 @@ class ReplicaRelay:
             if reason is None or not ledger.open_choices():
                 return
             attempt += 1
-            log.warning("replaying request %s (attempt %d): %s", first, attempt, reason)
+            log.warning("replaying %s (attempt %d): %s", choices[0].request_id, attempt, reason)
             retry = [c.with_id(f"{c.request_id}#{attempt}") for c in choices]
             try:
                 gen, _, placed = await self._open(retry, session, region)
@@ -159,7 +161,12 @@ class ReplicaRelay:
         except BaseException:
             if placed is not None:
                 await self._report(placed, "finished")
+            else:
+                self._tell_router(route_req, ranking, None)
             raise
+        if placed is None:
+            runs_on = first.replica_id if isinstance(first, Accepted) else None
+            self._tell_router(route_req, ranking, runs_on)
         if isinstance(first, Refused):
             if placed is not None:
                 await self._report(placed, "finished")
@@ -168,10 +175,16 @@ class ReplicaRelay:
                 headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
             param = "prompt" if first.status == 400 else None
             raise oai.APIError(first.status, first.message, param, headers=headers)
-        runs_on = first.replica_id
-        if placed is None and ranking and runs_on is not None and runs_on != ranking[0]:
-            self.router.moved.remote(route_req, ranking[0], runs_on)  # not awaited: a hint
         return gen, first, placed
+
+    def _tell_router(self, request: RouteRequest, ranking: list[str], runs_on: str | None) -> None:
+        """The router recorded ``request`` on ``ranking[0]``. When it runs on another replica
+        (the replica deployment's ``RankedRequestRouter`` passed over a full first) or
+        nowhere (refused, or its start failed), the router moves or drops that record now.
+        Not awaited, and outside the request's context: it neither delays the request nor
+        is cancelled when the client leaves."""
+        if ranking and runs_on != ranking[0]:
+            contextvars.Context().run(self.router.moved.remote, request, ranking[0], runs_on)
 
     async def _place(self, request: Request, session: str | None, region: str | None) -> _Placed:
         """Where the client's region balancer (``X-Meridian-Region``; default: the first

@@ -16,13 +16,16 @@ custom ``RequestRouter``:
 
 The ingress asks ``RouterDeployment.route`` for a ranking of replica ids (one actor call,
 ~ms), then calls the replica deployment with that ranking in its message (``messages.py``,
-``ReplicaCall.ranking``); the replica
-deployment's ``RankedRequestRouter`` (the custom Serve ``RequestRouter``) only pins the
-request to the ranking's first replica that has capacity, falling back down the ranking and
-then to any replica. All router methods that touch ``RouterState`` are ``async`` without
-``await``: each runs whole on the router's event loop, so ``RouterState`` is never touched
-by two calls at once. The weight-update methods await, but only on the weight log
-(``weight_updates.py``), which the router owns for the whole app.
+``ReplicaCall.ranking``); the replica deployment's ``RankedRequestRouter`` (the custom Serve
+``RequestRouter``) only pins the request to the ranking's first replica that has capacity,
+falling back down the ranking and then to any replica. The replica that accepts a request
+names itself; when that is not the ranking's first (or none accepted it), the ingress tells
+the router at once (``moved``), so the view records each request where it runs.
+
+All router methods that touch ``RouterState`` are ``async`` without ``await``: each runs
+whole on the router's event loop, so ``RouterState`` is never touched by two calls at once.
+The weight-update methods await, but only on the weight log (``weight_updates.py``), which
+the router owns for the whole app.
 """
 
 from __future__ import annotations
@@ -53,10 +56,6 @@ REPLICA_TIMEOUT_S = 10.0
 MAX_DEPARTED = 4096  # ids of replicas that left, remembered so a late report is ignored
 
 
-def make_router_state(policy: str, block_size: int, options: dict[str, Any]) -> RouterState:
-    return RouterState(policy, block_size=block_size, **options)
-
-
 class RouterDeployment:
     """State: the routing view (``RouterState``) and each replica's latest stats/metrics."""
 
@@ -70,7 +69,7 @@ class RouterDeployment:
         """``model``: the app's model folder (None: the built-in tiny one), whose tensors a
         weight update must fit."""
         run_process_at_normal_priority()  # nice 0, as RAY_worker_niceness=0 (thread_priority)
-        self.state = make_router_state(policy, block_size, options or {})
+        self.state = RouterState(policy, block_size=block_size, **(options or {}))
         self.block_size = block_size
         self.groups: dict[str, str] = {}  # replica id -> group name
         self.last_seen: dict[str, float] = {}
@@ -87,11 +86,13 @@ class RouterDeployment:
         self.decisions[(self.state.policy_name, "routed" if pairs else "no_replica")] += 1
         return pairs
 
-    async def moved(self, request: RouteRequest, routed_to: str, runs_on: str) -> None:
+    async def moved(self, request: RouteRequest, routed_to: str, runs_on: str | None) -> None:
         """The ingress saw ``request`` accepted by ``runs_on``, not by its ranking's first
-        (``RankedRequestRouter`` passed over a full replica): record it where it runs."""
+        (``RankedRequestRouter`` passed over a full replica), or by none (None: refused, or
+        its start failed): record it where it runs, or nowhere."""
         self.state.moved(request, routed_to, runs_on)
-        self.decisions[(self.state.policy_name, "moved")] += 1
+        outcome = "moved" if runs_on is not None else "not_run"
+        self.decisions[(self.state.policy_name, outcome)] += 1
 
     async def prefix_lengths(self, block_hashes: list[int]) -> dict[str, int]:
         """Each live replica's cached prefix of ``block_hashes`` in blocks, from the exact
