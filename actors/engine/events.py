@@ -17,7 +17,7 @@ from errors import EngineUnavailableError, InvalidRequestError, MeridianError, O
 
 @dataclass(frozen=True)
 class Accepted:
-    replica_id: str | None = None  # who took it, when the caller cannot tell
+    replica_id: str  # who took it (its ``EngineLoop``'s id; empty outside a Serve replica)
 
 
 @dataclass(frozen=True)

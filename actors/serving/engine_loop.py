@@ -106,12 +106,15 @@ class EngineLoop:
         max_waiting: int = 256,
         cpu_cores: Sequence[int] | None = None,
         torch_threads: int | None = None,
+        replica_id: str = "",
     ) -> None:
         """``cpu_cores``: the engine thread runs only on these cores (``EngineConfig``, or
         the Serve app's default, ``core_plan``); ``torch_threads``: torch's intra-op
-        threads (None: as the process has them)."""
+        threads (None: as the process has them); ``replica_id``: the id each ``Accepted``
+        names (the Serve replica's, which the ingress reports to the router)."""
         self.engine = engine
         self.max_waiting = max_waiting
+        self._accepted = Accepted(replica_id)  # every verdict that accepts: immutable
         # a disaggregated engine (PDEngine) also reports its transfer and store counters
         self.metrics = ReplicaMetrics(getattr(engine, "pd_counters", None), min_interval_s=0.2)
         self._sinks: dict[str, tuple[Sink, int]] = {}  # engine thread only
@@ -200,22 +203,6 @@ class EngineLoop:
         one ``Done`` or ``Failed`` per choice. Closing the iterator early aborts what is
         still running. Raises (before any yield) the refusal: InvalidRequestError,
         OverloadedError or EngineUnavailableError."""
-        batches = self.stream_batches(requests)
-        try:
-            async for batch in batches:
-                for item in batch:
-                    yield item
-        finally:
-            await batches.aclose()
-
-    async def stream_batches(
-        self, requests: Sequence[Request]
-    ) -> AsyncGenerator[list[Accepted | Event], None]:
-        """``stream`` in batches: the first batch is ``[Accepted]``; each later one holds
-        every event that arrived since the consumer last asked (at least one), in order.
-        A consumer slower than the engine (a relay to another process) so pays one hop per
-        batch rather than one per token. Closing early aborts; refusals raise as in
-        ``stream``."""
         q: asyncio.Queue[Verdict | Event] = asyncio.Queue()
         box = mailbox_of(asyncio.get_running_loop())  # one loop wake-up per burst of events
 
@@ -230,19 +217,13 @@ class EngineLoop:
             if isinstance(verdict, Refused):
                 remaining = 0  # the engine holds none of them
                 raise verdict.error()
-            assert isinstance(verdict, Accepted)
-            yield [verdict]
+            yield verdict
             while remaining:
-                batch: list[Accepted | Event] = []
-                ready = [await q.get()]
-                while not q.empty():
-                    ready.append(q.get_nowait())
-                for item in ready:
-                    assert not isinstance(item, Accepted | Refused)
-                    if not isinstance(item, Delta):
-                        remaining -= 1
-                    batch.append(item)
-                yield batch
+                item = await q.get()
+                assert not isinstance(item, Accepted | Refused)  # one verdict, the first item
+                if not isinstance(item, Delta):  # Done or Failed: one choice ended
+                    remaining -= 1
+                yield item
         finally:
             if remaining:
                 self.abort(ids)
@@ -455,7 +436,7 @@ class EngineLoop:
             return
         for i, rid in enumerate(ids):
             self._sinks[rid] = (sink, i)
-        sink(Accepted())
+        sink(self._accepted)
         for rid in ids:
             for d in self._early.pop(rid, ()):
                 self._deliver(d)

@@ -272,8 +272,8 @@ class Ingress:
             region = request.headers.get("x-meridian-region")
             streams = [self.relay.start(choices, session, region) for choices in prep.prompts]
             # Route and queue every prompt before answering: refusals keep their status.
-            firsts = [await anext(s) for s in streams]
-            assert all(isinstance(f, Accepted) for f in firsts)
+            for s in streams:
+                await anext(s)  # its Accepted (a refusal raises)
             if prep.req.stream:
                 body = self._sse(prep, streams, chat, key)
                 handed_off = True

@@ -110,7 +110,6 @@ class IngressChannels:
             stream.ended = True
             return stream, first
         replica_id = first.replica_id
-        assert replica_id is not None  # a replica's start always names itself
         stream.placed = (group, replica_id)
         if replica_id not in self._pumps:
             pump = self._pump(group, replica_id)

@@ -25,12 +25,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from actors.engine.config import EngineConfig
-from actors.engine.events import Verdict
 from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
 from actors.engine.thread_priority import run_process_at_normal_priority
@@ -39,7 +37,7 @@ from actors.serving.colocated_engine import ColocatedEngine
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.core_plan import replica_cores
 from actors.serving.engine_loop import EngineLoop, ServingEngine
-from actors.serving.messages import AbortPrompt, OpenChannel, ReplicaCall, StartPrompt
+from actors.serving.messages import AbortPrompt, ReplicaCall
 from actors.serving.replica_channel import ReplicaChannels
 from actors.serving.replica_weights import WeightFollower
 from policies.autoscaling import ReplicaLoad
@@ -102,7 +100,8 @@ class ReplicaServer:
     input, 429 overloaded or rejected by the Conductor, 503 failed). The prompt's events
     then come on that ingress's one ``events`` stream (``replica_channel.py``): one stream
     item per engine step for all of an ingress's requests, not one per request;
-    ``abort_prompt`` drops one.
+    ``abort_prompt`` drops one. ``start`` and ``events`` are its ``ReplicaChannels``' own
+    methods.
     ``limits()``: what a request must fit here, for the ingress's builder.
     """
 
@@ -122,11 +121,17 @@ class ReplicaServer:
             cfg, g, context.rank.local_rank, len(alive_nodes())
         )
         threads = len(cores) if cores and engine_config.cpu_cores is None else None
-        self.loop = EngineLoop(self.engine, cfg.limits.max_waiting_per_replica, cores, threads)
+        self.loop = EngineLoop(
+            self.engine, cfg.limits.max_waiting_per_replica, cores, threads, self.replica_id
+        )
         # first on the loop: the app's weight updates so far, before any request runs
         self.weights = WeightFollower(self.loop, router, self.replica_id)
         host = ray.util.get_node_ip_address()  # the channels' sockets listen here
         self.channels = ReplicaChannels(self.loop, self.replica_id, host)
+        # the relay's calls go straight to the channels (Serve looks a deployment's methods
+        # up on the instance)
+        self.start = self.channels.start
+        self.events = self.channels.events
         self.router = router
         self.interval = cfg.report_interval()
         scaling = g.autoscaling
@@ -139,16 +144,10 @@ class ReplicaServer:
     async def limits(self) -> RequestLimits:
         return self.engine.limits
 
-    # -- event channels (``replica_channel.py``): what the ingress's relay uses ----------
-    async def start(self, msg: StartPrompt) -> Verdict:
-        return await self.channels.start(msg)
-
     async def abort_prompt(self, msg: AbortPrompt) -> None:
+        """On the event loop, as the channels' state is (Serve runs a sync method in a
+        thread pool)."""
         self.channels.abort(msg)
-
-    async def events(self, msg: OpenChannel) -> AsyncIterator[list[Any]]:
-        async for items in self.channels.events(msg):
-            yield items
 
     async def check_blocks(self, timeout_s: float = 60.0) -> dict[str, int]:
         """Blocks in use per pool (0 everywhere when idle), read on the engine thread."""

@@ -91,8 +91,7 @@ class ReplicaChannels:
         if isinstance(answer, Refused):  # nothing of it was queued, so no event follows
             channel.live.pop(key, None)
             channel.remaining.pop(key, None)
-            return answer
-        return Accepted(self.replica_id)
+        return answer
 
     def abort(self, msg: AbortPrompt) -> None:
         """No-op for an ended prompt."""

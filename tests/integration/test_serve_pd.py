@@ -5,7 +5,8 @@ folder) on a private local Ray cluster, real HTTP, the real ``openai`` client.
 Greedy outputs equal the in-process engine on the same weights. The Conductor's rejection
 (``decode_full``: a running request holds the decode pool) reaches the client as a 429
 with the Conductor's Retry-After, before any 200, while a request that fits still
-completes; afterwards every block of every prefill and decode pool is back.
+completes, and the router drops its record of each refused one; afterwards every block of
+every prefill and decode pool is back.
 """
 
 from __future__ import annotations
@@ -219,6 +220,22 @@ def test_conductor_rejection_is_429_with_retry_after(server, reference):
         time.sleep(0.5)
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] >= 1
+    # The router recorded each refused request on the replica before it refused: the
+    # ingress told it, and it dropped each record (its view holds no request that runs
+    # nowhere).
+    deadline = time.monotonic() + 30
+    while router_decisions(server, "not_run") < 3:
+        assert time.monotonic() < deadline, "the router never heard of the refusals"
+        time.sleep(0.2)
+
+
+def router_decisions(server: Server, outcome: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    samples = [s for f in families for s in f.samples]
+    name = "meridian:router_decisions_total"
+    return sum(s.value for s in samples if s.name == name and s.labels["outcome"] == outcome)
 
 
 def test_session_turns_are_retained_in_the_store(server, reference):

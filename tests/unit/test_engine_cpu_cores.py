@@ -8,7 +8,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from test_engine_loop_batches import CountingEngine
+from test_engine_loop_stream import CountingEngine
 
 from actors.engine.config import EngineConfig
 from actors.serving.engine_loop import EngineLoop

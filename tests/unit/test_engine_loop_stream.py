@@ -1,6 +1,5 @@
-"""The relay side of a replica's engine loop: ``stream_batches`` hands a slow consumer every
-event that is ready in one batch (one Ray item per batch, not per token), in order, and
-ends a request exactly as ``stream`` does."""
+"""A request's stream from an engine loop: the loop's ``Accepted`` (naming its replica), then
+every event in order, ending with the request's ``Done``."""
 
 from __future__ import annotations
 
@@ -55,31 +54,8 @@ class CountingEngine(QuietEngineParts):
         return any(n < TOKENS for n in self.made.values())
 
 
-def test_a_slow_consumer_gets_every_event_in_order_in_fewer_batches():
-    loop = EngineLoop(CountingEngine())  # type: ignore[arg-type]
-
-    async def run() -> list[list[Any]]:
-        batches = []
-        async for batch in loop.stream_batches([SimpleNamespace(request_id="r")]):
-            batches.append(batch)
-            await asyncio.sleep(0.01)  # a relay slower than the engine's 2 ms steps
-        return batches
-
-    try:
-        batches = asyncio.run(asyncio.wait_for(run(), 10))
-    finally:
-        loop.shutdown()
-    assert len(batches[0]) == 1 and isinstance(batches[0][0], Accepted)
-    items = [item for batch in batches[1:] for item in batch]
-    deltas = [item.delta.token_ids[0] for item in items if isinstance(item, Delta)]
-    assert deltas == list(range(TOKENS))
-    assert isinstance(items[-1], Done) and items[-1].output.token_ids == list(range(TOKENS))
-    assert all(batch for batch in batches)
-    assert len(batches) - 1 < len(items)  # some batch carried several events
-
-
-def test_stream_is_the_flattened_batches():
-    loop = EngineLoop(CountingEngine())  # type: ignore[arg-type]
+def test_stream_yields_the_loops_accept_then_every_event_in_order():
+    loop = EngineLoop(CountingEngine(), replica_id="r7")  # type: ignore[arg-type]
 
     async def run() -> list[Any]:
         return [item async for item in loop.stream([SimpleNamespace(request_id="s")])]
@@ -88,6 +64,6 @@ def test_stream_is_the_flattened_batches():
         items = asyncio.run(asyncio.wait_for(run(), 10))
     finally:
         loop.shutdown()
-    assert isinstance(items[0], Accepted)
+    assert items[0] == Accepted("r7")
     assert [i.delta.token_ids[0] for i in items if isinstance(i, Delta)] == list(range(TOKENS))
     assert isinstance(items[-1], Done) and len(items) == TOKENS + 2

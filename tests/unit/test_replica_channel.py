@@ -40,7 +40,7 @@ def prompts(n: int) -> list[list[int]]:
 @pytest.fixture
 def channels(model_dir):
     engine = ColocatedEngine.build(model_dir, block_size=4)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, replica_id="r1")
     yield ReplicaChannels(loop, "r1"), engine.request_builder(), loop
     loop.shutdown()
 
