@@ -1,5 +1,5 @@
-"""The live actors of a running app by kind, as a fault injector finds and kills them
-(``bench/soak.py`` and the reliability tests).
+"""The live actors of a running app by kind, as a fault injector finds and kills them, or
+drains a pool replica (``bench/soak.py`` and the reliability tests).
 
 An actor's kind comes from its class name in the GCS actor table (no dashboard needed):
 the Serve deployments (ingress, router, colocated or Conductor replica), engine workers,
@@ -32,6 +32,7 @@ KIND_CLASS: dict[str, Callable[[str], bool]] = {
     "store": lambda c: c == "KVStoreShard",
 }
 SERVE_KINDS = ("ingress", "router", "replica")  # Serve's own deployments
+POOL_KINDS = ("prefill", "decode")  # a P/D cluster's replicas: they can be asked to drain
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,16 @@ def kill(actor: ActorInfo) -> None:
         ray.kill(handle(actor), no_restart=True)
     else:
         os.kill(actor.pid, signal.SIGKILL)
+
+
+def drain(actor: ActorInfo) -> None:
+    """Ask a prefill or decode pool replica to leave its pool (``LoopedReplica.drain``): its
+    Conductor stops placing work on it once another replica of the pool takes work, lets
+    what it holds finish and then retires it; a pool of fixed size starts a replacement at
+    once. Returns once the replica took the request (it leaves later)."""
+    if actor.kind not in POOL_KINDS:
+        raise ValueError(f"only pool replicas ({', '.join(POOL_KINDS)}) drain, not {actor.kind}")
+    ray.get(handle(actor).drain.remote())
 
 
 def is_alive(actor: ActorInfo) -> bool:

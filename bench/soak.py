@@ -1,4 +1,5 @@
-"""Reliability soak: kill every kind of actor of a live Serve app under steady load.
+"""Reliability soak: kill every kind of actor of a live Serve app under steady load, scale
+a pool down and update the weights under it.
 
 A real Serve app (``serve_app.build_app``) on a local Ray cluster, in two phases (one app
 with both groups is too heavy for a 2-core machine):
@@ -6,16 +7,27 @@ with both groups is too heavy for a 2-core machine):
 - ``colocated``: one group of ``tp=2`` replicas (so worker actors exist); kills workers,
   replicas, the router deployment and the ingress;
 - ``pd``: one disaggregated group (a prefill and a decode replica, a KV store shard); kills
-  prefill replicas, decode replicas and store shards (and the router).
+  prefill replicas, decode replicas and store shards (and the router), and scales a pool
+  down (``scale-down``: a prefill or decode replica asked to drain, ``LoopedReplica.drain``:
+  its Conductor drains it under the load and retires it once idle, after a replacement
+  joined, so the pool is whole again).
+
+Both phases also update the weights under load (``weights``): ``POST
+/admin/update_weights`` with an admin key and the app's own model folder, a new weight
+version with the same values, so every request's tokens still equal the reference;
+requests in flight finish first (the replicas drain), new ones wait. It is back once the
+update answered (every replica loaded it), every pool replica runs the new version and
+the app is at full strength.
 
 Closed-loop HTTP clients send greedy requests (token-id prompts, EOS ignored, half of them
 streamed) whose tokens were computed in this process on the same weights. A fault injector
 waits until the app is at full strength, sleeps a random while, waits for a request in
 flight, then kills one live actor of a kind (``actors.fault_targets``: found by class in
 the GCS actor table, a named one looked up in its own namespace; SIGKILL of its process,
-``ray.kill`` for Serve's deployments), until every kind got ``--faults`` kills. Full
-strength: every expected actor alive, ``/health`` 200 counting every replica, and a probe
-request returns its exact tokens.
+``ray.kill`` for Serve's deployments), or scales a pool down or updates the weights, until
+every kind got ``--faults`` faults. Full strength: every expected actor alive (and no
+other), ``/health`` 200 counting every replica, and a probe request returns its exact
+tokens.
 
 Per request: ``ok`` (its exact tokens), ``retriable`` (429/503 with an error body, or an
 error event in its stream, what it streamed before being a prefix of the right tokens),
@@ -28,7 +40,7 @@ must be back to 0 blocks in use (``check_blocks``).
 
     python bench/soak.py [--faults 3] [--clients 4] [--phases colocated,pd]
 
-Last lines: ``soak recovery-max-s: <s>`` (the slowest kill to full strength again) and
+Last lines: ``soak recovery-max-s: <s>`` (the slowest fault to full strength again) and
 ``lost/wrong/leaked: <a>/<b>/<c>`` (target 0/0/0).
 """
 
@@ -53,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from actors.fault_targets import is_alive, kill, live_actors  # noqa: E402
+from actors.fault_targets import POOL_KINDS, drain, handle, is_alive, kill, live_actors  # noqa: E402
 from bench.app_probe import free_port, healthy, wait_healthy  # noqa: E402
 
 MODEL = "meridian-tiny"
@@ -62,6 +74,8 @@ MAX_TOKENS = 12
 REQUEST_TIMEOUT_S = 90.0
 RETRY_FOR_S = 300.0  # a client retries a request for this long (longer than a recovery)
 RECOVERY_TIMEOUT_S = 240.0
+USER_KEY, ADMIN_KEY = "sk-soak-user-0001", "sk-soak-admin-001"  # the clients', the updater's
+SCALE_DOWN, WEIGHTS = "scale-down", "weights"  # fault kinds that kill no actor
 
 
 @dataclass
@@ -76,7 +90,20 @@ class Phase:
         return self.expect["replica"]
 
     def app_args(self) -> dict[str, Any]:
-        return {"model_name": MODEL, "groups": [self.group], "report_interval_s": 0.2}
+        """The Serve app's config; API keys (a user's for the clients, an admin's for the
+        updates) only when the phase updates weights (admin routes need a key), so callers
+        of an app without them need none."""
+        args: dict[str, Any] = {
+            "model_name": MODEL,
+            "groups": [self.group],
+            "report_interval_s": 0.2,
+        }
+        if WEIGHTS in self.kinds:
+            args["api_keys"] = [
+                {"key": USER_KEY, "tenant": "soak"},
+                {"key": ADMIN_KEY, "tenant": "soak-admin", "role": "admin"},
+            ]
+        return args
 
 
 def colocated_phase(kinds: list[str] | None = None, replicas: int = 2) -> Phase:
@@ -86,7 +113,8 @@ def colocated_phase(kinds: list[str] | None = None, replicas: int = 2) -> Phase:
         "engine": {"dtype": "float64", "num_blocks": 256, "block_size": 16, "tp": 2},
     }
     expect = {"ingress": 1, "router": 1, "replica": replicas, "worker": 2 * replicas}
-    return Phase("colocated", group, kinds or ["worker", "replica", "router", "ingress"], expect)
+    kinds = kinds or ["worker", "replica", "router", "ingress", WEIGHTS]
+    return Phase("colocated", group, kinds, expect)
 
 
 def pd_phase(kinds: list[str] | None = None) -> Phase:
@@ -99,7 +127,8 @@ def pd_phase(kinds: list[str] | None = None) -> Phase:
         "conductor": {"fit_costs": False},
     }
     expect = {"ingress": 1, "router": 1, "replica": 1, "prefill": 1, "decode": 1, "store": 1}
-    return Phase("pd", group, kinds or ["prefill", "decode", "store", "router"], expect)
+    kinds = kinds or ["prefill", "decode", "store", "router", SCALE_DOWN, WEIGHTS]
+    return Phase("pd", group, kinds, expect)
 
 
 # -- prompts and their reference tokens ---------------------------------------------------------
@@ -185,6 +214,11 @@ def blocks_in_use(group: str, wait_s: float = 60.0) -> dict[str, dict[str, int]]
 
 
 # -- load -------------------------------------------------------------------------------------
+def client(url: str, timeout: float, key: str = USER_KEY) -> httpx.Client:
+    """An HTTP client of the app sending ``key`` (ignored by an app without API keys)."""
+    return httpx.Client(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {key}"})
+
+
 @dataclass
 class Tally:
     ok: int = 0
@@ -310,7 +344,7 @@ class Load:
 
     def _client(self, seed: int) -> None:
         rng = random.Random(seed)
-        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S) as http:
+        with client(self.url, REQUEST_TIMEOUT_S) as http:
             while not self.stop.is_set():
                 prompt, want = rng.choice(self.cases)
                 stream = rng.random() < 0.5
@@ -382,7 +416,7 @@ def strength(url: str, phase: Phase) -> str:
 def full_strength(url: str, phase: Phase, probe: tuple[list[int], list[int]]) -> bool:
     if strength(url, phase):
         return False
-    with httpx.Client(base_url=url, timeout=30) as http:
+    with client(url, 30) as http:
         outcome, _ = one_request(http, probe[0], probe[1], stream=False)
     return outcome == "ok"
 
@@ -415,47 +449,113 @@ def inject(
     log: Callable[[str], None],
     busy: Callable[[], bool] = lambda: True,
 ) -> tuple[dict[str, KindResult], list[tuple[str, float, float]]]:
-    """Kill ``faults`` actors of each kind of ``phase``, in a random order, each at a random
-    moment (``pause`` seconds) once the app is at full strength, as soon as ``busy()``
-    (a request in flight). Returns per kind its results, and the windows (kind, kill,
-    full strength again)."""
+    """Cause ``faults`` faults of each kind of ``phase``, in a random order, each at a
+    random moment (``pause`` seconds) once the app is at full strength, as soon as
+    ``busy()`` (a request in flight). Returns per kind its results, and the windows (kind,
+    fault, full strength again)."""
     plan = [k for k in phase.kinds for _ in range(faults)]
     rng.shuffle(plan)
     results = {k: KindResult() for k in phase.kinds}
     windows: list[tuple[str, float, float]] = []
     for kind in plan:
         if wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S) is None:
-            log(f"  not at full strength before a {kind} kill: {strength(url, phase)}")
+            log(f"  not at full strength before a {kind} fault: {strength(url, phase)}")
         if pause[1] > 0:
             time.sleep(rng.uniform(*pause))
         if not busy():
-            log(f"  no request in flight before a {kind} kill")
-        victims = live_actors([kind])
-        if not victims:
-            results[kind].not_found += 1
-            log(f"  no live {kind} actor to kill")
-            continue
-        victim = rng.choice(victims)
+            log(f"  no request in flight before a {kind} fault")
         start = time.monotonic()
-        kill(victim)
-        results[kind].faults += 1
-        while is_alive(victim) and time.monotonic() - start < 30:
-            time.sleep(0.1)  # until Ray saw it die: full strength means its replacement
-        took = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S)
-        who = victim.name.rsplit("#", 2)[-1] if victim.name else f"pid {victim.pid}"
-        if took is None:
+        try:
+            what = cause(url, kind, rng, start + RECOVERY_TIMEOUT_S)
+        except FaultFailed as e:
+            results[kind].faults += 1
             results[kind].not_recovered += 1
             windows.append((kind, start, time.monotonic()))
-            log(
-                f"  killed {kind} {who}: NOT back in {RECOVERY_TIMEOUT_S:.0f}s: "
-                f"{strength(url, phase)}"
-            )
+            log(f"  {kind}: {e}")
+            continue
+        if what is None:
+            results[kind].not_found += 1
+            log(f"  no live actor for a {kind} fault")
+            continue
+        results[kind].faults += 1
+        took = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S)
+        windows.append((kind, start, time.monotonic()))
+        if took is None:
+            results[kind].not_recovered += 1
+            log(f"  {what}: NOT back in {RECOVERY_TIMEOUT_S:.0f}s: {strength(url, phase)}")
         else:
             took = time.monotonic() - start
             results[kind].recovery_s.append(took)
-            windows.append((kind, start, time.monotonic()))
-            log(f"  killed {kind} {who}: full strength after {took:.1f}s")
+            log(f"  {what}: full strength after {took:.1f}s")
     return results, windows
+
+
+class FaultFailed(Exception):
+    """A fault's own effect never came (an update refused, a drained replica never left)."""
+
+
+def cause(url: str, kind: str, rng: random.Random, deadline: float) -> str | None:
+    """Cause one fault of ``kind`` and wait for its own effect: a killed actor seen dead by
+    Ray (full strength then means its replacement), a drained replica retired, an update
+    loaded by every replica. Returns what it did (None: no live actor of the kind)."""
+    if kind == WEIGHTS:
+        version = update_weights(url, deadline)
+        wait_pool_version(version, deadline)
+        return f"updated the weights to version {version}"
+    victims = live_actors(POOL_KINDS if kind == SCALE_DOWN else [kind])
+    if not victims:
+        return None
+    victim = rng.choice(victims)
+    who = victim.name.rsplit("#", 2)[-1] if victim.name else f"pid {victim.pid}"
+    if kind == SCALE_DOWN:
+        drain(victim)
+        while is_alive(victim):  # drained under the load, retired once idle
+            if time.monotonic() > deadline:
+                raise FaultFailed(f"drained {victim.kind} {who} was not retired")
+            time.sleep(0.1)
+        return f"drained {victim.kind} {who}"
+    kill(victim)
+    start = time.monotonic()
+    while is_alive(victim) and time.monotonic() - start < 30:
+        time.sleep(0.1)  # until Ray saw it die: full strength means its replacement
+    return f"killed {kind} {who}"
+
+
+def update_weights(url: str, deadline: float) -> int:
+    """``POST /admin/update_weights`` with the app's own model folder (the built-in tiny
+    model): the new weight version, once every replica loaded it."""
+    from models import tiny_model_dir
+
+    timeout = max(1.0, deadline - time.monotonic())
+    body = {"path": str(tiny_model_dir("dense"))}
+    try:
+        with client(url, timeout, ADMIN_KEY) as http:
+            r = http.post("/admin/update_weights", json=body)
+    except httpx.HTTPError as e:
+        raise FaultFailed(f"the update failed: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise FaultFailed(f"the update answered {r.status_code}: {r.text[:200]!r}")
+    return int(r.json()["weight_version"])
+
+
+def wait_pool_version(version: int, deadline: float) -> None:
+    """Until every live prefill and decode replica runs weight version ``version``."""
+    import ray
+
+    while True:
+        behind: dict[str, int] = {}
+        for a in live_actors(POOL_KINDS):
+            try:
+                got = int(ray.get(handle(a).weight_version.remote(), timeout=30))
+            except Exception:  # gone since it was listed (its replacement is checked next)
+                continue
+            if got != version:
+                behind[a.name] = got
+        if not behind:
+            return
+        if time.monotonic() > deadline:
+            raise FaultFailed(f"pool replicas not on weight version {version}: {behind}")
+        time.sleep(0.25)
 
 
 @dataclass
@@ -553,7 +653,7 @@ def table(reports: list[PhaseReport]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--faults", type=int, default=3, help="kills per actor kind")
+    ap.add_argument("--faults", type=int, default=3, help="faults per kind")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--phases", default="colocated,pd")
     ap.add_argument("--seed", type=int, default=0)

@@ -9,6 +9,10 @@ lost, the app is back at full strength by itself and no block is left in use.
   new Conductor attached to them; nothing was restarted).
 - A prefill and a decode replica (named in the pool's namespace, not Serve's): each is found,
   killed, and replaced by a new actor.
+- The pool scaled down under load: a prefill or decode replica asked to drain is drained
+  with requests on it and retired (a replacement joined first); and the weights updated
+  under load (the admin route, the app's own weights as a new version): every request
+  still gets the reference tokens, every pool replica runs the new version.
 """
 
 from __future__ import annotations
@@ -78,3 +82,13 @@ def test_prefill_and_decode_replicas_killed_under_load_lose_nothing(app, cases):
     assert_nothing_lost(report, kinds, table)
     assert {k for k, _ in before} == {k for k, _ in after} == {"prefill", "decode"}
     assert not before & after, (before, after)  # both replaced: the killed ones were found
+
+
+def test_a_pool_scaled_down_and_a_weight_update_under_load_lose_nothing(app, cases):
+    kinds = [soak.SCALE_DOWN, soak.WEIGHTS]
+    before = engine_actors()
+    report, table = soak_once(app, kinds, cases)
+    after = engine_actors()
+    assert_nothing_lost(report, kinds, table)
+    assert sorted(k for k, _ in after) == ["decode", "prefill"], (before, after)
+    assert len(before & after) == 1, (before, after)  # the drained one left, a new one came
