@@ -39,6 +39,11 @@ from actors.serving.region_entry import NamedHandle
 from actors.serving.replica import ReplicaServer
 from actors.serving.router import RankedRequestRouter, RouterDeployment
 
+# Serve's controller finds a dead replica (router, ingress, engine replica) at its next
+# health check: this period bounds how long a killed actor goes unnoticed (Serve's default
+# is 10 s). Each check is one actor call of a few microseconds' work.
+HEALTH_CHECK_PERIOD_S = 1.0
+
 
 def _scaling_options(group: ReplicaGroupConfig) -> dict[str, Any]:
     """A fixed ``num_replicas``, or Serve's ``autoscaling_config`` with Meridian's policy
@@ -47,7 +52,7 @@ def _scaling_options(group: ReplicaGroupConfig) -> dict[str, Any]:
     most ``graceful_shutdown_timeout_s``), then leaves the router's view."""
     scaling = group.autoscaling
     if scaling is None:
-        return {"num_replicas": group.num_replicas}
+        return {"num_replicas": group.num_replicas + group.standby_replicas}
     return {
         "autoscaling_config": scaling.serve_config(),
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -83,15 +88,22 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         num_replicas=1,
         max_ongoing_requests=100_000,  # each call is microseconds of pure Python
         ray_actor_options={"num_cpus": 0},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         logging_config=LoggingConfig(enable_access_log=False),  # replicas report ~10/s
-    ).bind(cfg.routing, cfg.block_size, cfg.routing_options, cfg.model)
+    ).bind(
+        cfg.routing,
+        cfg.block_size,
+        cfg.routing_options,
+        cfg.model,
+        {g.name: g.num_replicas for g in cfg.groups if g.standby_replicas},
+    )
     replicas = {
         g.name: deployment(
             ReplicaServer,
             name=f"Replica-{g.name}",
             max_ongoing_requests=g.max_ongoing_requests,
             ray_actor_options=_actor_options(cfg, g),
-            health_check_period_s=5,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
             request_router_config=RequestRouterConfig(
                 request_router_class=cast(Any, RankedRequestRouter)  # stubs want a dict
             ),
@@ -105,6 +117,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=cfg.limits.max_pending_requests + 64,
         ray_actor_options={"num_cpus": 0},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     balancers: dict[str, Any] = {}  # region -> its balancer, with a regions section
     sec = cfg.regions

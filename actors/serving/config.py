@@ -264,6 +264,9 @@ class ReplicaGroupConfig(_Strict):
 
     name: str = "default"
     num_replicas: int = Field(2, ge=1)
+    # warm spares beyond num_replicas, loaded but not routed to; one takes a replica's place
+    # as soon as Serve finds it dead (policies/standby.py). Colocated, fixed-size groups
+    standby_replicas: int = Field(0, ge=0)
     num_cpus: float = Field(0.0, ge=0)  # Ray CPUs reserved per replica actor
     max_ongoing_requests: int = Field(256, ge=1)  # Serve's per-replica concurrency cap
     engine: EngineSection = Field(default_factory=EngineConfig)
@@ -299,6 +302,12 @@ class ReplicaGroupConfig(_Strict):
             raise ValueError(
                 f"{where}: give both num_prefill and num_decode (a disaggregated group) "
                 "or neither (colocated replicas)"
+            )
+        if self.standby_replicas and (self.autoscaling is not None or self.disaggregated):
+            kind = "an autoscaled" if self.autoscaling is not None else "a disaggregated"
+            raise ValueError(
+                f"{where}: standby_replicas is for colocated groups of a fixed num_replicas, "
+                f"not {kind} group; remove standby_replicas"
             )
         if self.autoscaling is not None:
             if self.disaggregated:

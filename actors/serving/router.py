@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from ray import serve
 from ray.serve import context as serve_context
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving.messages import ReplicaCall
@@ -48,6 +51,9 @@ from actors.serving.router_state import RouterState
 from actors.serving.weight_updates import WeightUpdate, WeightUpdateLog
 from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
+from policies.standby import StandbyPool
+
+log = logging.getLogger(__name__)
 
 # A replica silent this long (5 of its idle heartbeats) is dropped from the view: a killed
 # replica leaves /health and the rankings this soon (a live one that was only slow comes
@@ -65,9 +71,12 @@ class RouterDeployment:
         block_size: int,
         options: dict[str, Any] | None = None,
         model: str | None = None,
+        active_replicas: dict[str, int] | None = None,
     ):
         """``model``: the app's model folder (None: the built-in tiny one), whose tensors a
-        weight update must fit."""
+        weight update must fit. ``active_replicas``: group -> replicas that take requests,
+        for the groups that run warm standby replicas beyond them (``policies.standby``);
+        a standby is kept out of the routing view until it replaces an active replica."""
         run_process_at_normal_priority()  # nice 0, as RAY_worker_niceness=0 (thread_priority)
         self.state = RouterState(policy, block_size=block_size, **(options or {}))
         self.block_size = block_size
@@ -76,6 +85,9 @@ class RouterDeployment:
         self.snapshots: dict[str, ReplicaSample] = {}  # each replica's latest, for /metrics
         self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, outcome) -> count
         self.departed: dict[str, None] = {}  # replicas that left (insertion-ordered, bounded)
+        self.pool = StandbyPool(dict(active_replicas or {}))
+        self.standby_samples: dict[str, ReplicaSample] = {}  # each standby's latest report
+        self.promoted: set[str] = set()  # standbys made active whose whole set is not in yet
         self.weights = WeightUpdateLog(model, self._live_ids)
 
     async def route(self, request: RouteRequest) -> list[tuple[str, str]]:
@@ -90,8 +102,10 @@ class RouterDeployment:
         """The ingress saw ``request`` accepted by ``runs_on``, not by its ranking's first
         (``RankedRequestRouter`` passed over a full replica), or by none (None: refused, or
         its start failed): record it where it runs, or nowhere."""
-        self.state.moved(request, routed_to, runs_on)
         outcome = "moved" if runs_on is not None else "not_run"
+        if runs_on is not None and self.pool.is_standby(runs_on):
+            runs_on = None  # Serve overflowed onto a standby, which the view does not hold
+        self.state.moved(request, routed_to, runs_on)
         self.decisions[(self.state.policy_name, outcome)] += 1
 
     async def prefix_lengths(self, block_hashes: list[int]) -> dict[str, int]:
@@ -118,14 +132,24 @@ class RouterDeployment:
         Membership: a replica's first report adds it to the view (a replica Serve just
         started); one that ``leave``s, or stays silent for ``REPLICA_TIMEOUT_S`` (it died),
         is dropped. A report from a replica that left (a push in flight as it left) is
-        ignored, so it cannot come back."""
+        ignored, so it cannot come back. A standby's reports keep only its latest sample;
+        once promoted, its next report is asked for its whole cached set."""
         if replica_id in self.departed:
             return False
         known = replica_id in self.groups
         if not known:
-            self.state.add_replica(replica_id, total_blocks=stats.total_blocks)
             self.groups[replica_id] = group
+            if self.pool.join(replica_id, group):
+                self.state.add_replica(replica_id, total_blocks=stats.total_blocks)
         self.last_seen[replica_id] = time.time()
+        if self.pool.is_standby(replica_id):
+            self.standby_samples[replica_id] = ReplicaSample(group, stats, metrics)
+            return False
+        if replica_id in self.promoted and resync is None:
+            self.promoted.discard(replica_id)
+            self.state.on_stats(replica_id, stats)
+            return True
+        self.promoted.discard(replica_id)
         if resync is not None:
             self.state.resync(replica_id, resync)  # the whole set; ``events`` come after it
         self.state.on_events(replica_id, events)
@@ -142,9 +166,25 @@ class RouterDeployment:
         while len(self.departed) > MAX_DEPARTED:
             del self.departed[next(iter(self.departed))]
 
+    async def removed(self, replica_ids: list[str]) -> None:
+        """Serve no longer runs these replicas (its controller found them dead, or is
+        stopping them): drop them now, not after ``REPLICA_TIMEOUT_S`` of silence, so a
+        standby takes a dead replica's place at once. Sent by ``RankedRequestRouter``."""
+        for rid in replica_ids:
+            self.departed[rid] = None
+            self._drop(rid)
+        while len(self.departed) > MAX_DEPARTED:
+            del self.departed[next(iter(self.departed))]
+
     async def snapshot(self) -> dict[str, ReplicaSample]:
+        """The latest sample of each active replica (standbys: ``standby``)."""
         self._expire(time.time())
         return dict(self.snapshots)
+
+    async def standby(self) -> list[str]:
+        """The warm standby replicas, not routed to until one replaces an active replica."""
+        self._expire(time.time())
+        return self.pool.standby_ids()
 
     async def metrics(self) -> RouterMetrics:
         """What ``/metrics`` renders: each live replica's latest sample, and the decisions."""
@@ -191,12 +231,21 @@ class RouterDeployment:
                 self._drop(rid)
 
     def _drop(self, replica_id: str) -> None:
-        if replica_id in self.groups:
+        if replica_id in self.groups and not self.pool.is_standby(replica_id):
             self.state.remove_replica(replica_id)
+        promoted = self.pool.leave(replica_id)
         self.groups.pop(replica_id, None)
         self.last_seen.pop(replica_id, None)
         self.snapshots.pop(replica_id, None)
+        self.standby_samples.pop(replica_id, None)
+        self.promoted.discard(replica_id)
         self.weights.forget(replica_id)
+        if promoted is not None:  # a warm standby takes the place at once
+            sample = self.standby_samples.pop(promoted)
+            self.state.add_replica(promoted, total_blocks=sample.stats.total_blocks)
+            self.state.on_stats(promoted, sample.stats)
+            self.snapshots[promoted] = sample
+            self.promoted.add(promoted)
 
 
 @contextlib.contextmanager
@@ -232,6 +281,37 @@ class RankedRequestRouter(RequestRouter):
     ``max_ongoing_requests`` and falls back down the list; replicas missing from the
     ranking (new, or unknown to the router) form a last tier, so a request is never stuck
     on a stale ranking."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's controller changed the deployment's running replicas: besides routing
+        over the new set, tell the global router which replicas left (found dead, or being
+        stopped), so it stops ranking them (and promotes a standby) now instead of after
+        their reports stop. An update that leaves no replica is not passed on (a group is
+        never emptied on purpose while it serves)."""
+        before = {r.unique_id for r in self.curr_replicas}
+        super().update_replicas(replicas)
+        gone = sorted(before - {r.replica_id.unique_id for r in replicas})
+        if gone and replicas:
+            self._tell_router(gone)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A call to ``replica_id`` found its actor dead (often before the controller's
+        next update says so)."""
+        super().on_replica_actor_died(replica_id)
+        self._tell_router([replica_id.unique_id])
+
+    def _tell_router(self, gone: list[str]) -> None:
+        """On its own thread: this runs on Serve's routing loop, where a handle call to
+        another deployment is never sent."""
+
+        def tell() -> None:
+            try:
+                router = serve.get_deployment_handle("Router", app_name=self.app_name)
+                router.removed.remote(gone).result(timeout_s=30)
+            except Exception:  # the router restarts: its reports' silence drops them too
+                log.warning("could not tell the router that %s left", gone, exc_info=True)
+
+        threading.Thread(target=tell, name="meridian-replicas-gone", daemon=True).start()
 
     async def choose_replicas(
         self,
