@@ -26,8 +26,14 @@ flight, then kills one live actor of a kind (``actors.fault_targets``: found by 
 the GCS actor table, a named one looked up in its own namespace; SIGKILL of its process,
 ``ray.kill`` for Serve's deployments), or scales a pool down or updates the weights, until
 every kind got ``--faults`` faults. Full strength: every expected actor alive (and no
-other), ``/health`` 200 counting every replica, and a probe request returns its exact
-tokens.
+other), ``/health`` 200 counting every active replica, the router's view exactly the live
+replicas, and a probe request returns its exact tokens.
+
+The colocated group runs ``--standby`` warm spare replicas (default 1,
+``standby_replicas``): a replica kill is back once the router's view holds the group's
+active count of live replicas again (a spare took the dead one's place) and a probe
+succeeds; ``spare back`` is when Serve's replacement joined as the new spare. With
+``--standby 0`` a replica kill is back only when the replacement serves.
 
 Per request: ``ok`` (its exact tokens), ``retriable`` (429/503 with an error body, or an
 error event in its stream, what it streamed before being a prefix of the right tokens),
@@ -38,7 +44,7 @@ request again, backing off, until it ends otherwise: ``gave up`` counts those st
 retriable or dropped after ``RETRY_FOR_S``. After the load stops, every replica's pools
 must be back to 0 blocks in use (``check_blocks``).
 
-    python bench/soak.py [--faults 3] [--clients 4] [--phases colocated,pd]
+    python bench/soak.py [--faults 3] [--clients 4] [--phases colocated,pd] [--standby 1]
 
 Last lines: ``soak recovery-max-s: <s>`` (the slowest fault to full strength again) and
 ``lost/wrong/leaked: <a>/<b>/<c>`` (target 0/0/0).
@@ -83,11 +89,14 @@ class Phase:
     name: str
     group: dict[str, Any]
     kinds: list[str]  # the kinds killed in this phase
-    expect: dict[str, int]  # kind -> live actors at full strength
+    expect: dict[str, int]  # kind -> live actors at full strength (spares included)
+    standby: int = 0  # warm spare replicas of the group (``standby_replicas``)
+    ingress: int = 1  # ingress replicas (``ingress_replicas``)
 
     @property
     def replicas(self) -> int:
-        return self.expect["replica"]
+        """Active replicas: what /health and the router's view count."""
+        return self.expect["replica"] - self.standby
 
     def app_args(self) -> dict[str, Any]:
         """The Serve app's config; API keys (a user's for the clients, an admin's for the
@@ -98,6 +107,8 @@ class Phase:
             "groups": [self.group],
             "report_interval_s": 0.2,
         }
+        if self.ingress > 1:
+            args["ingress_replicas"] = self.ingress
         if WEIGHTS in self.kinds:
             args["api_keys"] = [
                 {"key": USER_KEY, "tenant": "soak"},
@@ -106,15 +117,20 @@ class Phase:
         return args
 
 
-def colocated_phase(kinds: list[str] | None = None, replicas: int = 2) -> Phase:
-    group = {
+def colocated_phase(
+    kinds: list[str] | None = None, replicas: int = 2, standby: int = 0, ingress: int = 1
+) -> Phase:
+    group: dict[str, Any] = {
         "name": "main",
         "num_replicas": replicas,
         "engine": {"dtype": "float64", "num_blocks": 256, "block_size": 16, "tp": 2},
     }
-    expect = {"ingress": 1, "router": 1, "replica": replicas, "worker": 2 * replicas}
+    if standby:
+        group["standby_replicas"] = standby
+    live = replicas + standby
+    expect = {"ingress": ingress, "router": 1, "replica": live, "worker": 2 * live}
     kinds = kinds or ["worker", "replica", "router", "ingress", WEIGHTS]
-    return Phase("colocated", group, kinds, expect)
+    return Phase("colocated", group, kinds, expect, standby, ingress)
 
 
 def pd_phase(kinds: list[str] | None = None) -> Phase:
@@ -337,6 +353,10 @@ class Load:
             target = len(self.outcomes) + n
             return self.changed.wait_for(lambda: len(self.outcomes) >= target, timeout)
 
+    def count_in_flight(self) -> int:
+        with self.lock:
+            return self.in_flight
+
     def wait_busy(self, timeout: float = REQUEST_TIMEOUT_S) -> bool:
         """Until a request is in flight; False on timeout."""
         with self.changed:
@@ -394,38 +414,58 @@ def tally(outcomes: list[Outcome], windows: list[tuple[str, float, float]]) -> d
 
 
 # -- faults ---------------------------------------------------------------------------------------
-def strength(url: str, phase: Phase) -> str:
+def strength(url: str, phase: Phase, serving: bool = False) -> str:
     """What is missing from full strength ('' when nothing): actors, /health, the router's
-    view (exactly the live replicas)."""
+    view (exactly the live replicas: the active ones, and the spares).
+
+    ``serving``: the group serves at full strength, its spares aside: the router's view
+    holds ``phase.replicas`` live replicas, and there are at least that many replicas (and
+    their workers); a spare still starting is not missing."""
     from ray import serve
 
     counts = Counter(a.kind for a in live_actors())
-    missing = [f"{k} {counts[k]}/{n}" for k, n in phase.expect.items() if counts[k] != n]
+    missing = []
+    for kind, n in phase.expect.items():
+        if serving and kind in ("replica", "worker"):
+            need = n * phase.replicas // phase.expect["replica"]  # the active replicas' share
+            if counts[kind] < need:
+                missing.append(f"{kind} {counts[kind]}/{need}")
+        elif counts[kind] != n:
+            missing.append(f"{kind} {counts[kind]}/{n}")
     if not healthy(url, phase.replicas):
         missing.append("/health")
     try:
         router = serve.get_deployment_handle("Router", app_name=APP)
         seen = set(router.snapshot.remote().result(timeout_s=10))
-        if seen != set(serve_replica_ids(phase.group["name"])):
+        spares = set(router.standby.remote().result(timeout_s=10))
+        live = set(serve_replica_ids(phase.group["name"]))
+        if len(seen) != phase.replicas or not seen <= live:
             missing.append(f"router view {len(seen)} replicas")
+        elif not serving and (seen | spares != live or len(spares) != phase.standby):
+            missing.append(f"router spares {len(spares)}/{phase.standby}")
     except Exception as e:
         missing.append(f"router: {type(e).__name__}")
     return ", ".join(missing)
 
 
-def full_strength(url: str, phase: Phase, probe: tuple[list[int], list[int]]) -> bool:
-    if strength(url, phase):
+def full_strength(
+    url: str, phase: Phase, probe: tuple[list[int], list[int]], serving: bool = False
+) -> bool:
+    if strength(url, phase, serving):
         return False
     with client(url, 30) as http:
         outcome, _ = one_request(http, probe[0], probe[1], stream=False)
     return outcome == "ok"
 
 
-def wait_full_strength(url: str, phase: Phase, probe: Any, timeout: float) -> float | None:
-    """Seconds until full strength (None: not within ``timeout``)."""
+def wait_full_strength(
+    url: str, phase: Phase, probe: Any, timeout: float, serving: bool = False
+) -> float | None:
+    """Seconds until full strength (``serving``: the spares aside; None: not within
+    ``timeout``)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
-        if full_strength(url, phase, probe):
+        if full_strength(url, phase, probe, serving):
             return time.monotonic() - start
         time.sleep(0.25)
     return None
@@ -434,9 +474,11 @@ def wait_full_strength(url: str, phase: Phase, probe: Any, timeout: float) -> fl
 @dataclass
 class KindResult:
     faults: int = 0
-    recovery_s: list[float] = field(default_factory=list)
+    recovery_s: list[float] = field(default_factory=list)  # to full (serving) strength
+    spare_s: list[float] = field(default_factory=list)  # to the spares too (a replica kill)
     not_recovered: int = 0
     not_found: int = 0  # kills that found no live actor of the kind
+    in_flight: int = 0  # the load's requests in flight at this kind's faults, summed
 
 
 def inject(
@@ -448,6 +490,7 @@ def inject(
     pause: tuple[float, float],
     log: Callable[[str], None],
     busy: Callable[[], bool] = lambda: True,
+    in_flight: Callable[[], int] = lambda: 0,
 ) -> tuple[dict[str, KindResult], list[tuple[str, float, float]]]:
     """Cause ``faults`` faults of each kind of ``phase``, in a random order, each at a
     random moment (``pause`` seconds) once the app is at full strength, as soon as
@@ -464,7 +507,7 @@ def inject(
             time.sleep(rng.uniform(*pause))
         if not busy():
             log(f"  no request in flight before a {kind} fault")
-        start = time.monotonic()
+        start, held = time.monotonic(), in_flight()
         try:
             what = cause(url, kind, rng, start + RECOVERY_TIMEOUT_S)
         except FaultFailed as e:
@@ -478,15 +521,20 @@ def inject(
             log(f"  no live actor for a {kind} fault")
             continue
         results[kind].faults += 1
-        took = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S)
+        results[kind].in_flight += held
+        spared = kind == "replica" and phase.standby > 0  # a spare takes the dead one's place
+        took = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S, serving=spared)
         windows.append((kind, start, time.monotonic()))
         if took is None:
             results[kind].not_recovered += 1
             log(f"  {what}: NOT back in {RECOVERY_TIMEOUT_S:.0f}s: {strength(url, phase)}")
-        else:
-            took = time.monotonic() - start
-            results[kind].recovery_s.append(took)
-            log(f"  {what}: full strength after {took:.1f}s")
+            continue
+        took = time.monotonic() - start
+        results[kind].recovery_s.append(took)
+        log(f"  {what}: full strength after {took:.1f}s")
+        if spared and wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S) is not None:
+            results[kind].spare_s.append(time.monotonic() - start)
+            log(f"  {what}: its spare back after {results[kind].spare_s[-1]:.1f}s")
     return results, windows
 
 
@@ -599,7 +647,9 @@ def soak(
     with Load(url, cases, clients, seed) as load:
         if not load.wait_ended(clients):
             log("  no request ended before the first fault")
-        kinds, windows = inject(url, phase, faults, rng, cases[0], pause, log, load.wait_busy)
+        kinds, windows = inject(
+            url, phase, faults, rng, cases[0], pause, log, load.wait_busy, load.count_in_flight
+        )
         if not load.wait_ended(clients):  # the load went on after the last recovery
             log("  no request ended after the last fault")
     blocks = blocks_in_use(phase.group["name"])
@@ -614,11 +664,13 @@ def table(reports: list[PhaseReport]) -> str:
             "faults",
             "ok",
             "retriable",
+            "in flight",
             "dropped",
             "lost",
             "wrong",
             "gave up",
             "back (s)",
+            "spare back (s)",
         ),
     ]
     for rep in reports:
@@ -632,6 +684,9 @@ def table(reports: list[PhaseReport]) -> str:
                 back += f" ({k.not_recovered} never)"
             if k is not None and k.not_found:
                 back += f" ({k.not_found} not found)"
+            spare = "-"
+            if k is not None and k.spare_s:
+                spare = f"{statistics.median(k.spare_s):.1f}/{max(k.spare_s):.1f}"
             rows.append(
                 (
                     rep.phase,
@@ -639,14 +694,16 @@ def table(reports: list[PhaseReport]) -> str:
                     str(k.faults if k else 0),
                     str(t.ok),
                     str(t.retriable),
+                    str(k.in_flight if k else "-"),
                     str(t.dropped),
                     str(t.lost),
                     str(t.wrong),
                     str(t.gave_up),
                     back,
+                    spare,
                 )
             )
-        rows.append((rep.phase, "blocks in use after", str(rep.leaked), *[""] * 7))
+        rows.append((rep.phase, "blocks in use after", str(rep.leaked), *[""] * 9))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
@@ -657,10 +714,25 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--phases", default="colocated,pd")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--standby",
+        type=int,
+        default=1,
+        help="warm spare replicas of the colocated group (0: a killed replica's place waits "
+        "for Serve's replacement)",
+    )
+    ap.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=1,
+        help="ingress replicas of the colocated phase (an ingress kill breaks only what the "
+        "killed one held)",
+    )
     args = ap.parse_args()
     token_lists = prompts(16, args.seed)
     cases = list(zip(token_lists, reference_tokens(token_lists), strict=True))
-    phases = {"colocated": colocated_phase(), "pd": pd_phase()}
+    colocated = colocated_phase(standby=args.standby, ingress=args.ingress_replicas)
+    phases = {"colocated": colocated, "pd": pd_phase()}
     reports = []
     for name in args.phases.split(","):
         reports.append(run_phase(phases[name], cases, args.faults, args.clients, args.seed))
