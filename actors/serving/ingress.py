@@ -5,9 +5,8 @@ Per request: authenticate (optional Bearer keys -> tenant), read and check the r
 ``Request`` once (``RequestBuilder``: the replicas' limits checked, the tenant-salted
 chained block hashes computed), ask the router for a ranking, then stream from the chosen
 replica, which takes the requests as built. Every failure becomes an OpenAI-shaped JSON
-error; nothing a client sends can take the ingress down. Invariant: ``pending`` (and each
-key's count) is incremented once per accepted request and decremented once when its
-response ends.
+error; nothing a client sends can take the ingress down. Who may call, and how much, is
+the ``TenantGate``'s (tenant_gate.py).
 """
 
 import asyncio
@@ -15,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -34,9 +32,10 @@ from actors.engine.request_limits import RequestLimits
 from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving import openai_protocol as oai
 from actors.serving.admin import SleepBody, UpdateWeightsBody, admin_error, require_admin
-from actors.serving.config import ApiKeyConfig, ServeConfig
+from actors.serving.config import ServeConfig
 from actors.serving.metrics import render
-from actors.serving.relay import ReplicaRelay, retry_after_header
+from actors.serving.relay import ReplicaRelay
+from actors.serving.tenant_gate import TenantGate
 from actors.serving.tool_calls import ToolPlan, plan_tools, template_messages
 from actors.serving.tool_parsers import ToolFormat, ToolStream, detect_format, parse, stream_delta
 from actors.serving.weight_updates import VersionWatch
@@ -48,8 +47,6 @@ from errors import (
     OverloadedError,
 )
 from models import load_tokenizer, read_model_config, tiny_model_dir
-from policies.api_keys import KeyRing
-from policies.rate_limit import RateLimited, RateLimiter
 from policies.request import Request, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,6 +65,12 @@ class _Prepared:
         self.n = req.n
         self.tools = tools
         self.reserved = 0  # tokens taken from the key's tokens_per_minute, settled at the end
+
+    def max_tokens(self) -> int:
+        """The most tokens the request may use: its largest ``usage.total_tokens``."""
+        return sum(
+            p[0].num_prompt_tokens + sum(c.params.max_tokens for c in p) for p in self.prompts
+        )
 
 
 @serve.ingress(app)
@@ -90,10 +93,7 @@ class Ingress:
         self._builder: RequestBuilder | None = None  # from the replicas' limits, on first use
         self.router = router
         self.replicas = replicas
-        self.keys: KeyRing[ApiKeyConfig] = KeyRing({k.key: k for k in self.cfg.api_keys})
-        self.rate = RateLimiter({k.key: k.rate_limits() for k in self.cfg.api_keys})
-        self.pending = 0
-        self.per_key: Counter[str] = Counter()
+        self.gate = TenantGate(self.cfg)  # keys, rate limits, the pending cap
         self.http_counts: Counter[tuple[str, int]] = Counter()
         self.weights = VersionWatch(router)  # the app's weight version, requests hash at it
 
@@ -125,7 +125,7 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: HTTPRequest) -> Response:
         try:
-            self._tenant(request)
+            self.gate.tenant(request)
         except oai.APIError as e:
             return self._error("/v1/models", e)
         card = {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "meridian"}
@@ -139,7 +139,7 @@ class Ingress:
             view,
             model_name=self.cfg.model_name,
             http_requests=dict(self.http_counts),
-            pending=self.pending,
+            pending=self.gate.pending,
         )
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -183,7 +183,7 @@ class Ingress:
     ) -> Response:
         """An admin route: the caller's key must have role admin (admin.py)."""
         try:
-            require_admin(self._tenant(request), bool(self.keys))
+            require_admin(self.gate.tenant(request), bool(self.gate.keys))
             h = request.headers
             sized = "content-length" in h or "transfer-encoding" in h
             empty = h.get("content-length") == "0" or not sized
@@ -218,7 +218,7 @@ class Ingress:
         api_key: str | None = None,
         region: str | None = None,
     ) -> list[RequestOutput]:
-        tenant = self._check_key(api_key)
+        tenant = self.gate.check_key(api_key)
         salt = tenant.tenant if tenant else None
         for p in params:  # kv_retention_s's bound and store rule hold for this door too
             try:
@@ -254,10 +254,10 @@ class Ingress:
     async def _serve(self, route: str, request: HTTPRequest, chat: bool) -> Response:
         key = None
         try:
-            tenant = self._tenant(request)
+            tenant = self.gate.tenant(request)
             key = tenant.key if tenant else None
-            self._rate_check(tenant)
-            self._admit(tenant)
+            self.gate.rate_check(tenant)
+            self.gate.admit(tenant)
         except oai.APIError as e:
             return self._error(route, e)
         handed_off = False  # once a stream owns the admission, it releases it
@@ -266,7 +266,7 @@ class Ingress:
         used = 0  # tokens the response used (total_tokens); 0 when it failed
         try:
             prep = await self._prepare(request, chat, tenant.tenant if tenant else None)
-            self._reserve(tenant, prep)
+            prep.reserved = self.gate.reserve(tenant, prep.max_tokens())
             header = request.headers.get(self.cfg.session_header)
             session = prep.req.session_id or header or prep.req.user
             region = request.headers.get("x-meridian-region")
@@ -289,9 +289,9 @@ class Ingress:
             return self._error(route, oai.APIError(503, f"request failed: {e}; retry it"))
         finally:
             if not handed_off:
-                self._release(key)
+                self.gate.release(key)
                 if prep is not None:
-                    self._settle(key, prep, used)
+                    self.gate.settle(key, prep.reserved, used)
                 for s in streams:
                     with contextlib.suppress(Exception):
                         await s.aclose()  # type: ignore[attr-defined]
@@ -533,8 +533,9 @@ class Ingress:
                 yield chunk([], oai.usage(prompt_tokens, completion, cached))
             yield "data: [DONE]\n\n"
         finally:
-            self._release(key)
-            self._settle(key, prep, sum(p[0].num_prompt_tokens for p in prep.prompts) + completion)
+            self.gate.release(key)
+            used = sum(p[0].num_prompt_tokens for p in prep.prompts) + completion
+            self.gate.settle(key, prep.reserved, used)
             for t in tasks:
                 t.cancel()  # a client gone mid-stream: stop relaying, abort on the replicas
             await asyncio.gather(*tasks, return_exceptions=True)  # before closing streams
@@ -563,80 +564,7 @@ class Ingress:
             offsets[idx] = body["text_offset"][-1] + len(body["tokens"][-1])
         return body
 
-    # -- auth, admission, responses ----------------------------------------------------------
-    def _tenant(self, request: HTTPRequest) -> ApiKeyConfig | None:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        return self._check_key(key)
-
-    def _check_key(self, key: str | None) -> ApiKeyConfig | None:
-        if not self.keys:
-            return None  # no keys configured: open, one shared (unsalted) cache
-        if key is None:
-            raise oai.APIError(401, "missing API key: send 'Authorization: Bearer <key>'")
-        tenant = self.keys.match(key)
-        if tenant is None:
-            raise oai.APIError(401, "invalid API key", code="invalid_api_key")
-        return tenant
-
-    def _rate_check(self, tenant: ApiKeyConfig | None) -> None:
-        """Before the body is read: a key out of requests (or in token debt) is refused."""
-        if tenant is not None:
-            self._rate_refuse(self.rate.check(tenant.key, 0, time.monotonic()), 0)
-
-    def _reserve(self, tenant: ApiKeyConfig | None, prep: _Prepared) -> None:
-        """Take one request and the most tokens it may use (each prompt's tokens plus every
-        choice's max_tokens: its largest ``usage.total_tokens``) from the key's limits."""
-        if tenant is None:
-            return
-        tokens = sum(
-            p[0].num_prompt_tokens + sum(c.params.max_tokens for c in p) for p in prep.prompts
-        )
-        self._rate_refuse(self.rate.admit(tenant.key, tokens, time.monotonic()), tokens)
-        prep.reserved = tokens
-
-    def _settle(self, key: str | None, prep: _Prepared, used: int) -> None:
-        if key is not None and prep.reserved:
-            self.rate.settle(key, prep.reserved, used, time.monotonic())
-            prep.reserved = 0
-
-    def _rate_refuse(self, refused: RateLimited | None, tokens: int) -> None:
-        if refused is None:
-            return
-        if refused.never_fits:
-            raise oai.APIError(
-                400,
-                f"this request may use {tokens} tokens (prompt + n x max_tokens), more than "
-                f"this key's tokens_per_minute of {refused.value}; lower max_tokens or n, or "
-                "shorten the prompt",
-                "max_tokens",
-                "request_too_large",
-            )
-        retry = retry_after_header(refused.retry_after, self.cfg)
-        raise oai.APIError(
-            429,
-            f"this key's {refused.limit} limit ({refused.value}) is used up; retry in {retry} s",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": retry},
-        )
-
-    def _admit(self, tenant: ApiKeyConfig | None) -> None:
-        retry = {"Retry-After": str(self.cfg.limits.retry_after_s)}
-        if self.pending >= self.cfg.limits.max_pending_requests:
-            raise oai.APIError(429, "the server is overloaded; retry later", headers=retry)
-        if tenant is not None and tenant.max_concurrent_requests is not None:
-            if self.per_key[tenant.key] >= tenant.max_concurrent_requests:
-                msg = f"this key allows {tenant.max_concurrent_requests} requests at once"
-                raise oai.APIError(429, msg, headers=retry)
-        self.pending += 1
-        if tenant is not None:
-            self.per_key[tenant.key] += 1
-
-    def _release(self, key: str | None) -> None:
-        self.pending -= 1
-        if key is not None:
-            self.per_key[key] -= 1
-
+    # -- responses ---------------------------------------------------------------------------
     def _ok(self, route: str, body: dict[str, Any]) -> Response:
         self.http_counts[(route, 200)] += 1
         return JSONResponse(body)
