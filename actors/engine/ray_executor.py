@@ -227,6 +227,17 @@ class RayExecutor:
         graph, self._graph = self._graph, None
         teardown_quietly(graph)
 
+    def alive(self) -> bool:
+        """Whether every worker still answers a no-op call. Only while no compiled graph is
+        up (True otherwise): its actors answer nothing else, and a step finds a dead one."""
+        if self._graph is not None:
+            return True
+        try:
+            ray.get([a.__ray_ready__.remote() for a in self.actors], timeout=self.step_timeout_s)
+        except _DEATH:
+            return False
+        return True
+
     def restart(self) -> None:
         self._kill()
         self._start()

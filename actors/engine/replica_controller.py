@@ -466,6 +466,16 @@ class ReplicaController:
         if not self.has_unfinished():
             self.executor.on_idle()
 
+    def check_workers(self) -> bool:
+        """Idle and awake: a worker group with a dead worker is brought up again now, not at
+        the next request (an idle replica, a warm standby, would otherwise hold a broken
+        group until it is given work). True when it restarted the group."""
+        alive = getattr(self.executor, "alive", None)
+        if alive is None or self.has_unfinished() or self.asleep or alive():
+            return False
+        self._recover()
+        return True
+
     def shutdown(self) -> None:
         """Stop the workers; requests still running are aborted."""
         for rid in list(self._requests):

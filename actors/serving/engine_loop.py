@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 Sink = Callable[[Verdict | Event], None]
 MAX_BUFFERED_EVENTS = 1 << 20  # beyond this, drop the deltas and resync the whole set
 IDLE_RELEASE_S = 2.0  # idle this long: let the workers stop polling
+WORKER_CHECK_S = 1.0  # an idle engine checks its workers this often (``check_workers``)
 
 
 class ServingEngine(Protocol):
@@ -132,6 +133,7 @@ class EngineLoop:
         self._held = 0  # requests the engine thread holds (published with the stats)
         self._last_publish = 0.0
         self._idle_since: float | None = None  # engine thread only
+        self._workers_checked = 0.0  # engine thread only: monotonic time of the last check
         # engine thread only: ``when_drained`` calls waiting for the engine to drain, the
         # submissions held until they ran (or, asleep, until the wake), and whether it sleeps
         self._exclusive: list[tuple[Callable[[Any], Any], concurrent.futures.Future, Any]] = []
@@ -295,6 +297,7 @@ class EngineLoop:
                 self._idle_since = time.monotonic()
             elif time.monotonic() - self._idle_since > IDLE_RELEASE_S:
                 self.engine.on_idle()  # compiled-graph workers stop spinning a core
+                self._check_workers()
             return False
         self._idle_since = None
         try:
@@ -314,6 +317,17 @@ class EngineLoop:
             self._answer_pending()
         self._publish()
         return True
+
+    def _check_workers(self) -> None:
+        """Idle: every ``WORKER_CHECK_S``, an engine with worker actors restarts a group that
+        lost one (``ReplicaController.check_workers``; engines without it are skipped)."""
+        check = getattr(self.engine, "check_workers", None)
+        now = time.monotonic()
+        if check is None or now - self._workers_checked < WORKER_CHECK_S:
+            return
+        self._workers_checked = now
+        if check():
+            log.warning("an idle engine lost a worker: its worker group was restarted")
 
     def _deliver(self, d: StreamDelta) -> None:
         entry = self._sinks.get(d.request_id)

@@ -197,6 +197,27 @@ def test_worker_killed_mid_generation_recovers(cluster, reference):
     assert controller.kv.check_blocks() == [0] * controller.kv.kvp
 
 
+def test_an_idle_replica_restarts_a_worker_group_that_lost_a_worker(cluster, reference):
+    """A worker of an idle replica (a warm standby) dies: ``check_workers`` finds it and
+    brings the group up again before any request, which then gets the same tokens."""
+    controller = ReplicaController.build(tiny_model_dir("dense"), tp=2, spp=1, **OPTIONS)
+    try:
+        assert generate(controller) == reference
+        controller.on_idle()  # the compiled graph torn down, as an idle engine loop does
+        assert controller.check_workers() is False  # all alive: nothing to do
+        dead = controller.executor.actors[1]
+        ray.kill(dead)
+        with pytest.raises(ray.exceptions.RayActorError):  # until Ray has it dead
+            ray.get(dead.__ray_ready__.remote(), timeout=60)
+        assert controller.check_workers() is True
+        assert controller.num_recoveries == 1 and dead not in controller.executor.actors
+        assert controller.check_workers() is False
+        assert generate(controller) == reference
+        assert controller.num_recoveries == 1
+    finally:
+        controller.shutdown()
+
+
 def test_kv_parallel_prefix_hit_past_the_first_rank_in_float32(cluster):
     """fp32 (the CPU fast path) on kvp=2: a prompt whose cached prefix fills the first
     rank's 48 tokens computes only on the second rank, so the first runs a step with no
