@@ -14,6 +14,10 @@ by the router deployment).
   the replica sleeps or wakes once its running requests finish (``_follow_sleep``); one
   that starts while the app sleeps follows it to sleep after its catch-up.
 
+- A router call that fails (the router's process died and Serve is starting another) is
+  asked again, with backoff, until the router answers (``_ask``); it is never reported as a
+  failed load. The router is told an error only when loading an update itself failed.
+
 Invariant: ``version`` is the weight version the engine runs (set on the engine thread
 after each load), and updates are loaded one at a time in the log's order.
 """
@@ -24,6 +28,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from actors.serving.engine_loop import EngineLoop
@@ -31,6 +36,11 @@ from actors.serving.weight_updates import POLL_S, WeightUpdate
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0  # any other router call
+BACKOFF_S = (0.25, 5.0)  # a router call that failed is asked again after this, doubling
+
+
+class _Stopped(Exception):
+    """The follower was stopped while it waited for the router."""
 
 
 class WeightFollower:
@@ -69,11 +79,16 @@ class WeightFollower:
 
     def _follow(self) -> None:
         try:
-            self._log.set_result(
-                self.router.weight_updates.remote(0).result(timeout_s=CALL_TIMEOUT_S)
-            )
-        except Exception as e:
-            self._log.set_exception(e)
+            self._follow_router()
+        except _Stopped:
+            pass
+
+    def _follow_router(self) -> None:
+        try:
+            self._log.set_result(self._ask(lambda: self.router.weight_updates.remote(0)))
+        except _Stopped:
+            self._log.set_exception(RuntimeError("the replica stopped before its catch-up"))
+            raise
         try:
             self.caught_up.result()
         except Exception:
@@ -81,27 +96,49 @@ class WeightFollower:
             return
         self._tell_router(None)
         while not self._stop.is_set():
+            latest, changes, level = self._ask(
+                lambda: self.router.next_app_state.remote(self.version, self.sleep_changes, POLL_S),
+                POLL_S + CALL_TIMEOUT_S,
+            )
+            if latest > self.version:
+                updates = self._ask(lambda: self.router.weight_updates.remote(self.version))
+                error = self._load_all(updates)
+                self._tell_router(error)
+                if error is not None:  # loaded again on the next poll
+                    self._stop.wait(1.0)
+                    continue
+            if changes > self.sleep_changes:
+                self._follow_sleep(changes, level)
+
+    def _load_all(self, updates: list[WeightUpdate]) -> str | None:
+        """Load ``updates`` in order, each once the engine drained; why one failed, or None."""
+        try:
+            for update in updates:
+                load = functools.partial(self._load, update)
+                self.loop.when_drained(load, abort_in_flight=update.abort_in_flight).result()
+        except Exception as e:
+            log.warning("weight update on replica %s failed", self.replica_id, exc_info=True)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _ask(self, call: Callable[[], Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """The answer of the router call ``call`` makes, asked again with backoff while the
+        router cannot answer (Serve restarting it). Raises _Stopped once stopped."""
+        wait = BACKOFF_S[0]
+        while not self._stop.is_set():
             try:
-                latest, changes, level = self.router.next_app_state.remote(
-                    self.version, self.sleep_changes, POLL_S
-                ).result(timeout_s=POLL_S + CALL_TIMEOUT_S)
-                if latest > self.version:
-                    updates = self.router.weight_updates.remote(self.version).result(
-                        timeout_s=CALL_TIMEOUT_S
-                    )
-                    for update in updates:
-                        load = functools.partial(self._load, update)
-                        drained = self.loop.when_drained(
-                            load, abort_in_flight=update.abort_in_flight
-                        )
-                        drained.result()
-                    self._tell_router(None)
-                if changes > self.sleep_changes:
-                    self._follow_sleep(changes, level)
-            except Exception as e:  # the router restarting, or a load failed: say so, retry
-                log.warning("weight update on replica %s failed", self.replica_id, exc_info=True)
-                self._tell_router(f"{type(e).__name__}: {e}")
-                self._stop.wait(1.0)
+                return call().result(timeout_s=timeout_s)
+            except Exception as e:
+                log.warning(
+                    "replica %s: the router did not answer (%s: %s); asking again in %.2g s",
+                    self.replica_id,
+                    type(e).__name__,
+                    e,
+                    wait,
+                )
+                self._stop.wait(wait)
+                wait = min(2 * wait, BACKOFF_S[1])
+        raise _Stopped
 
     def _follow_sleep(self, changes: int, level: int | None) -> None:
         """Sleep at ``level`` (None: wake) once the running requests finish (requests
@@ -117,14 +154,9 @@ class WeightFollower:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         self.sleep_changes = changes
-        self.router.slept.remote(self.replica_id, changes, freed, error).result(
-            timeout_s=CALL_TIMEOUT_S
-        )
+        self._ask(lambda: self.router.slept.remote(self.replica_id, changes, freed, error))
 
     def _tell_router(self, error: str | None) -> None:
-        try:
-            self.router.weights_loaded.remote(self.replica_id, self.version, error).result(
-                timeout_s=CALL_TIMEOUT_S
-            )
-        except Exception:
-            log.warning("could not tell the router about weight version %d", self.version)
+        """The version loaded now and, when loading failed, why (asked until it arrives)."""
+        version = self.version
+        self._ask(lambda: self.router.weights_loaded.remote(self.replica_id, version, error))

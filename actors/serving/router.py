@@ -48,7 +48,12 @@ from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.serving.messages import ReplicaCall
 from actors.serving.metrics import MetricsSnapshot, ReplicaSample, RouterMetrics
 from actors.serving.router_state import RouterState
-from actors.serving.weight_updates import WeightUpdate, WeightUpdateLog
+from actors.serving.weight_updates import (
+    RemoteLogStore,
+    WeightLogStore,
+    WeightUpdate,
+    WeightUpdateLog,
+)
 from policies.replica_stats import ReplicaStats
 from policies.routing import RouteRequest
 from policies.standby import StandbyPool
@@ -72,11 +77,14 @@ class RouterDeployment:
         options: dict[str, Any] | None = None,
         model: str | None = None,
         active_replicas: dict[str, int] | None = None,
+        weight_store: WeightLogStore | None = None,
     ):
         """``model``: the app's model folder (None: the built-in tiny one), whose tensors a
         weight update must fit. ``active_replicas``: group -> replicas that take requests,
         for the groups that run warm standby replicas beyond them (``policies.standby``);
-        a standby is kept out of the routing view until it replaces an active replica."""
+        a standby is kept out of the routing view until it replaces an active replica.
+        ``weight_store``: where the weight log is kept across router restarts (default:
+        under Serve the app's detached ``RemoteLogStore``, else in process)."""
         run_process_at_normal_priority()  # nice 0, as RAY_worker_niceness=0 (thread_priority)
         self.state = RouterState(policy, block_size=block_size, **(options or {}))
         self.block_size = block_size
@@ -88,7 +96,18 @@ class RouterDeployment:
         self.pool = StandbyPool(dict(active_replicas or {}))
         self.standby_samples: dict[str, ReplicaSample] = {}  # each standby's latest report
         self.promoted: set[str] = set()  # standbys made active whose whole set is not in yet
-        self.weights = WeightUpdateLog(model, self._live_ids)
+        store: WeightLogStore | RemoteLogStore | None = weight_store
+        replica = serve_context._get_internal_replica_context()
+        if store is None and replica is not None:  # a Serve replica: the app's own store
+            store = RemoteLogStore(replica.app_name, model)
+        self.weights = WeightUpdateLog(model, self._live_ids, store)
+
+    def __del__(self) -> None:
+        """Serve stops the router gracefully (a redeploy, or the app deleted): the weight
+        log's store goes with the app (``RemoteLogStore.release``)."""
+        store = getattr(getattr(self, "weights", None), "store", None)
+        if isinstance(store, RemoteLogStore):
+            store.release()
 
     async def route(self, request: RouteRequest) -> list[tuple[str, str]]:
         """(replica id, group) pairs, best first. Records the decision in the view."""

@@ -5,9 +5,9 @@ every group ask it, so all of them agree on the order and number of updates.
 
 - ``WeightUpdateLog.update`` reads and checks an update (``models.weight_update``: a bad
   tensor is refused, naming it, before anything changes), puts it in Ray's object store
-  once as ``SharedWeights`` (``ray.put`` by the router, so the data outlives the caller),
-  appends it as the next version, wakes every watcher, and returns once every live replica
-  has loaded it.
+  once as ``SharedWeights`` (put by the router, owned by the log's store below, so the
+  data outlives the caller and the router), appends it as the next version, wakes every
+  watcher, and returns once every live replica has loaded it.
 - Replicas (``replica_weights.py``) long-poll ``next_version``, fetch the updates they lack
   with ``since`` and say ``loaded``. A replica that starts later loads every update of the
   log before it serves (its first request waits for that).
@@ -19,15 +19,30 @@ every group ask it, so all of them agree on the order and number of updates.
   running requests finish (requests meanwhile wait for the wake), and say ``slept``. A
   replica that starts while the app sleeps follows it to sleep. No update while asleep.
 
-Invariants: update ``i`` (1-based) is weight version ``i`` on every replica; updates are
-applied one at a time, in order (``_lock``); the log only grows, and its object refs are
-owned by the router's process. If the router's process dies the log is lost with it
-(replicas keep their weights; docs/serving.md says so).
+- What must outlive the router (``LogState``: the updates and the sleep state) is saved,
+  before anyone sees it, in a ``WeightLogStore``: under Serve a detached named actor of the
+  app (``RemoteLogStore``), which also owns every update's tensors (it puts them in the
+  object store itself, ``keep``: a copy made once per update), so Serve's replacement of a
+  dead router reads the log back whole and goes on from its version and sleep state. The
+  rest (which replica loaded or slept what) is rebuilt from the replicas' next reports.
+  The store dies with the app: the router's graceful shutdown kills it when Serve is
+  deleting the app (``RemoteLogStore.release``), and a store found under the app's name
+  with another model is replaced, never read.
+
+Invariants: update ``i`` (1-based) is weight version ``i`` on every replica, across router
+restarts (a restarted router's log is the store's, so it never numbers an update a replica
+already holds, and a replica that starts after the restart loads the same updates);
+updates are applied one at a time, in order (``_lock``); the log only grows. Outside Ray
+(``WeightLogStore`` in process, unit tests) the log keeps each update's tensors themselves.
+Not covered: the store's own actor dying. The log is then lost (replicas keep their
+weights), the next update fails (it cannot be saved), and a router restarted after that
+starts an empty store whose versions the replicas already hold: deploy the app again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,28 +59,134 @@ LOAD_TIMEOUT_S = 600.0  # every live replica loads an update within this, or the
 @dataclass(frozen=True)
 class WeightUpdate:
     """One update of the log: weight version ``version`` is ``ref`` (a ``SharedWeights`` in
-    the object store, owned by the router) applied over version ``version - 1``."""
+    the object store, owned by the log's store; in process the ``SharedWeights`` itself)
+    applied over version ``version - 1``."""
 
     version: int
     ref: Any
     abort_in_flight: bool
 
 
+@dataclass(frozen=True)
+class LogState:
+    """What of the log outlives the router: ``model`` (the app's model folder the updates
+    fit; None: the built-in tiny one), the updates, and the sleep state."""
+
+    model: str | None = None
+    updates: tuple[WeightUpdate, ...] = ()
+    sleep_level: int | None = None
+    sleep_changes: int = 0
+
+
+class WeightLogStore:
+    """Holds a ``LogState``: a plain object in process, and the class of the detached actor
+    that ``RemoteLogStore`` starts under Serve."""
+
+    def __init__(self, model: str | None = None) -> None:
+        self.state = LogState(model)
+
+    def read(self) -> LogState:
+        return self.state
+
+    async def save(self, state: LogState) -> None:
+        self.state = state
+
+    async def keep(self, weights: Any) -> list[Any]:
+        """``weights`` as the log keeps them, in a one-item list: in the object store, put
+        by this process (which owns them from then on), or themselves outside Ray."""
+        import ray
+
+        return [ray.put(weights)] if ray.is_initialized() else [weights]
+
+
+STORE_NAMESPACE = "meridian-weights"
+
+
+class RemoteLogStore:
+    """The app's ``WeightLogStore`` as a detached actor named ``<app>/weight-log`` in
+    ``STORE_NAMESPACE`` (Ray's ``get_if_exists``: a restarted router attaches to the one it
+    had); it owns the updates' tensors in the object store."""
+
+    def __init__(self, app: str, model: str | None) -> None:
+        import ray
+
+        self.app = app
+        self.name = f"{app}/weight-log"
+        self.owner = self._start(model)
+        state = ray.get(self.owner.read.remote())
+        if state.model != model:  # another app's log under this name: never read it
+            log.warning("replacing the weight log of %s (model %s)", self.name, state.model)
+            ray.kill(self.owner)
+            self.owner = self._start(model)
+            state = ray.get(self.owner.read.remote())
+        self.state: LogState = state
+
+    def _start(self, model: str | None) -> Any:
+        import ray
+
+        actor: Any = ray.remote(WeightLogStore)
+        return actor.options(
+            name=self.name,
+            namespace=STORE_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=1,
+        ).remote(model)
+
+    def read(self) -> LogState:
+        return self.state
+
+    async def save(self, state: LogState) -> None:
+        await self.owner.save.remote(state)
+        self.state = state
+
+    async def keep(self, weights: Any) -> list[Any]:
+        """``weights`` (a ref, resolved by Ray for the store) put by the store, which owns
+        them from then on (a ref owned by the router would die with it)."""
+        return list(await self.owner.keep.remote(weights))
+
+    def release(self) -> None:
+        """The router stops gracefully: kill the store if Serve is deleting the app (kept
+        through a redeploy of the router; a router that dies never gets here)."""
+        import ray
+        from ray import serve
+
+        try:
+            app = serve.status().applications.get(self.app)
+            deleting = app is None or str(app.status).endswith("DELETING")
+        except Exception:  # Serve itself shutting down
+            deleting = True
+        if deleting:
+            try:
+                ray.kill(self.owner)
+            except Exception:
+                log.warning("could not stop the weight log %s", self.name, exc_info=True)
+
+
 class WeightUpdateLog:
     """``model_dir``: the app's model (None: the built-in tiny one), whose tensor names and
     shapes an update must fit. ``live_replicas``: the replica ids the router routes to now
-    (they must load an update before it is done)."""
+    (they must load an update before it is done). ``store``: where the log's ``LogState``
+    is saved and read back by a restarted router (default: in process only)."""
 
-    def __init__(self, model_dir: str | None, live_replicas: Callable[[], set[str]]) -> None:
+    def __init__(
+        self,
+        model_dir: str | None,
+        live_replicas: Callable[[], set[str]],
+        store: WeightLogStore | RemoteLogStore | None = None,
+    ) -> None:
         self.model_dir = model_dir
         self.live_replicas = live_replicas
-        self.updates: list[WeightUpdate] = []
+        self.store = store if store is not None else WeightLogStore(model_dir)
+        saved = self.store.read()
+        self.updates: list[WeightUpdate] = list(saved.updates)
         self.loaded: dict[str, int] = {}  # replica id -> the version it has loaded
         self.failed: dict[str, str] = {}  # replica id -> why its last load failed
         self._changed = asyncio.Condition()  # a new version or sleep state, a load, a failure
         self._lock = asyncio.Lock()  # one update (or sleep change) at a time
-        self.sleep_level: int | None = None  # the app's sleep level; None: awake
-        self.sleep_changes = 0  # sleeps and wakes so far
+        self.sleep_level: int | None = saved.sleep_level  # the app's level; None: awake
+        self.sleep_changes = saved.sleep_changes  # sleeps and wakes so far
         self.slept: dict[str, tuple[int, int]] = {}  # replica -> (changes followed, freed)
         self.sleep_failed: dict[str, tuple[int, str]] = {}  # replica -> (change, why it failed)
 
@@ -82,17 +203,24 @@ class WeightUpdateLog:
         async with self._lock:
             if self.sleep_level is not None:
                 raise InvalidRequestError("the app is asleep; call wake_up() before an update")
-            ref = await asyncio.to_thread(self._checked_ref, source)
+            checked = await asyncio.to_thread(self._checked, source)
+            try:
+                (ref,) = await self.store.keep(checked)
+            except Exception as e:
+                raise EngineUnavailableError(f"the app's weight log is unreachable: {e}") from e
             version = self.version + 1
+            update = WeightUpdate(version, ref, abort_in_flight)
+            await self._save(updates=(*self.updates, update))
             async with self._changed:
-                self.updates.append(WeightUpdate(version, ref, abort_in_flight))
+                self.updates.append(update)
                 self._changed.notify_all()
             await self._wait_loaded(version)
             return version
 
-    def _checked_ref(self, source: Any) -> Any:
-        """The checked tensors of ``source`` in the object store (off the event loop: a
-        checkpoint read takes seconds and routing goes on meanwhile)."""
+    def _checked(self, source: Any) -> Any:
+        """The checked tensors of ``source``: in the object store for the store's ``keep``
+        (in process, themselves). Off the event loop: a checkpoint read takes seconds and
+        routing goes on meanwhile."""
         import ray
 
         from models import tiny_model_dir
@@ -102,8 +230,24 @@ class WeightUpdateLog:
         if isinstance(source, list) and len(source) == 1:
             source = source[0]
         model = Path(self.model_dir) if self.model_dir else tiny_model_dir("dense")
-        tensors = checked_weights(expected_tensors(model), source)
-        return ray.put(SharedWeights.of(tensors))
+        shared = SharedWeights.of(checked_weights(expected_tensors(model), source))
+        if not ray.is_initialized():
+            return shared  # in process: the log keeps the tensors
+        return ray.put(shared)  # for the store, which keeps its own copy (``keep``)
+
+    async def _save(self, **changes: Any) -> None:
+        """Save the log's state with ``changes`` before anyone sees them (a restarted
+        router reads it back). EngineUnavailableError when the store cannot be reached."""
+        state = dataclasses.replace(
+            self.store.read(),
+            updates=tuple(self.updates),
+            sleep_level=self.sleep_level,
+            sleep_changes=self.sleep_changes,
+        )
+        try:
+            await self.store.save(dataclasses.replace(state, **changes))
+        except Exception as e:
+            raise EngineUnavailableError(f"the app's weight log could not be saved: {e}") from e
 
     async def _wait_loaded(self, version: int) -> None:
         loop = asyncio.get_running_loop()
@@ -152,6 +296,7 @@ class WeightUpdateLog:
         if level not in (1, 2, None):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}", "level")
         async with self._lock:
+            await self._save(sleep_level=level, sleep_changes=self.sleep_changes + 1)
             async with self._changed:
                 self.sleep_level = level
                 self.sleep_changes += 1

@@ -7,7 +7,8 @@ prefill, one decode replica), round-robin routing, so consecutive requests visit
 replica of both groups. After each update the greedy tokens are transformers' on the new
 weights, no prefix cached before it is hit after it, a bad tensor or a caller without an
 admin key changes nothing, a replica Serve starts after the updates (in place of a
-killed one) serves the newest weights, and the app sleeps and wakes with no request lost.
+killed one) serves the newest weights, the app sleeps and wakes with no request lost, and
+the weight log outlives a killed router.
 """
 
 from __future__ import annotations
@@ -194,3 +195,46 @@ def test_sleep_and_wake_through_the_handle_and_the_admin_route(server, weights, 
     assert_tokens(run_everywhere(user, prompts), new2)
     update = server.post("/admin/update_weights", {"path": str(weights[1][0])}, key=ADMIN)
     assert update.status_code == 200  # awake again: updates are taken
+
+
+def test_the_weight_log_outlives_a_killed_router(server, weights, prompts):
+    """Kill the Router actor; Serve's replacement reads the log back (the tensors too) and
+    numbers the next update after it, and every replica loads that update. Runs after the
+    three updates above (version 3: the first folder's weights again)."""
+    import ray
+    from ray import serve
+    from ray._private import state
+
+    (v1_dir, _), (v2_dir, _) = weights[1], weights[2]
+    new1, new2 = (hf_greedy(d, prompts, NEW) for d in (v1_dir, v2_dir))
+    router = serve.get_deployment_handle("Router", APP)
+
+    def router_actors() -> set[str]:
+        return {
+            a["Name"]
+            for a in state.actors().values()
+            if a.get("State") == "ALIVE" and "#Router#" in a.get("Name", "")
+        }
+
+    (victim,) = before = router_actors()
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 120
+    while True:  # the new router runs and every replica reported to it
+        try:
+            routed = router.snapshot.remote().result(timeout_s=10)
+        except Exception:  # the call that met the dying router
+            routed = {}
+        if router_actors() - before and len(routed) == NUM_REPLICAS:
+            break
+        assert time.monotonic() < deadline, routed
+        time.sleep(0.5)
+    updates = router.weight_updates.remote(0).result()
+    assert [u.version for u in updates] == [1, 2, 3]
+    assert ray.get(updates[-1].ref).arrays  # owned by the log's store, not the dead router
+    user = LLM.attach(server.url, api_key=USER)
+    assert_tokens(run_everywhere(user, prompts), new1)
+
+    update = server.post("/admin/update_weights", {"path": str(v2_dir)}, key=ADMIN)
+    assert update.status_code == 200, update.text  # no replica reports the router's death
+    assert update.json() == {"weight_version": 4}
+    assert_tokens(run_everywhere(user, prompts), new2)
