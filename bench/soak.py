@@ -32,8 +32,10 @@ replicas, and a probe request returns its exact tokens.
 The colocated group runs ``--standby`` warm spare replicas (default 1,
 ``standby_replicas``): a replica kill is back once the router's view holds the group's
 active count of live replicas again (a spare took the dead one's place) and a probe
-succeeds; ``spare back`` is when Serve's replacement joined as the new spare. With
-``--standby 0`` a replica kill is back only when the replacement serves.
+succeeds; ``spare back`` is when Serve's replacement joined as the new spare. A worker kill
+the same way: the replica restarting its worker group leaves the router's view meanwhile
+and a spare serves in its place; ``spare back`` is when it rejoined as the spare. With
+``--standby 0`` both are back only when the replacement (or the restarted group) serves.
 
 Per request: ``ok`` (its exact tokens), ``retriable`` (429/503 with an error body, or an
 error event in its stream, what it streamed before being a prefix of the right tokens),
@@ -522,7 +524,8 @@ def inject(
             continue
         results[kind].faults += 1
         results[kind].in_flight += held
-        spared = kind == "replica" and phase.standby > 0  # a spare takes the dead one's place
+        # a spare takes the place of a dead replica, or of one restarting its workers
+        spared = kind in ("replica", "worker") and phase.standby > 0
         took = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S, serving=spared)
         windows.append((kind, start, time.monotonic()))
         if took is None:

@@ -50,6 +50,9 @@ class StandbyPool:
                 return None
         return None
 
+    def has_spare(self, group: str) -> bool:
+        return bool(self.standby.get(group))
+
     def is_standby(self, replica_id: str) -> bool:
         return any(replica_id in ids for ids in self.standby.values())
 

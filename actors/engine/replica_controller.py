@@ -79,6 +79,9 @@ class ReplicaController:
         self._step_ids = itertools.count()
         self._inflight: deque[tuple[ScheduledStep, object]] = deque()
         self.num_recoveries = 0
+        # True while a lost worker group is brought up again (read by other threads: the
+        # replica's reporter tells the router, which routes to a warm spare meanwhile)
+        self.recovering = False
         self.step_timings: list[tuple[int, list[tuple[int, float, float]]]] = []
         self.record_timings = False
         self.hook_reports: list[Any] = []  # the workers' step-hook reports, until taken
@@ -403,7 +406,11 @@ class ReplicaController:
         """A worker died: drop the steps in flight, bring up a fresh worker group, forget
         every cached prefix (its KV is gone) and recompute the running requests."""
         self._inflight.clear()
-        self.executor.restart()
+        self.recovering = True
+        try:
+            self.executor.restart()
+        finally:
+            self.recovering = False
         self.scheduler.recompute_all()
         self.kv.evict_all_cached()
         self.num_recoveries += 1

@@ -194,18 +194,26 @@ class ReplicaServer:
     # -- reporting (its own thread: blocking handle calls never touch the event loop) -----
     def _report_forever(self) -> None:
         first, last_stats, last_metrics, last_push = True, None, None, 0.0
+        last_recovering = False
         while not self._stop.is_set():
             self._stop.wait(self.interval)
             resync, events = self.loop.take_events()
             stats = self.loop.stats()
             counters = stats.counters()
             metrics = self.loop.metrics_snapshot()  # a finished request changes only these
+            # its worker group restarting (read off the engine thread, which is busy with it)
+            recovering = bool(getattr(self.engine, "recovering", False))
             idle = (
-                not events and resync is None and counters == last_stats and metrics == last_metrics
+                not events
+                and resync is None
+                and counters == last_stats
+                and metrics == last_metrics
+                and recovering == last_recovering
             )
             if idle and time.monotonic() - last_push < HEARTBEAT_S:
                 continue  # nothing new: only a heartbeat every HEARTBEAT_S
             last_stats, last_metrics, last_push = counters, metrics, time.monotonic()
+            last_recovering = recovering
             try:
                 need_resync = self.router.report.remote(
                     self.replica_id,
@@ -215,6 +223,7 @@ class ReplicaServer:
                     events,
                     resync,
                     first,
+                    recovering,
                 ).result(timeout_s=30)
                 first = False
                 if need_resync:

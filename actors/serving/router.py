@@ -96,6 +96,7 @@ class RouterDeployment:
         self.pool = StandbyPool(dict(active_replicas or {}))
         self.standby_samples: dict[str, ReplicaSample] = {}  # each standby's latest report
         self.promoted: set[str] = set()  # standbys made active whose whole set is not in yet
+        self.recovering: set[str] = set()  # out of the view while their workers restart
         store: WeightLogStore | RemoteLogStore | None = weight_store
         replica = serve_context._get_internal_replica_context()
         if store is None and replica is not None:  # a Serve replica: the app's own store
@@ -144,6 +145,7 @@ class RouterDeployment:
         events: list[tuple[str, int]],
         resync: list[int] | None,
         first: bool,
+        recovering: bool = False,
     ) -> bool:
         """Apply one replica push. Returns True when the router needs the replica's whole
         cached set (it does not know this replica's history: a router restart).
@@ -152,9 +154,21 @@ class RouterDeployment:
         started); one that ``leave``s, or stays silent for ``REPLICA_TIMEOUT_S`` (it died),
         is dropped. A report from a replica that left (a push in flight as it left) is
         ignored, so it cannot come back. A standby's reports keep only its latest sample;
-        once promoted, its next report is asked for its whole cached set."""
+        once promoted, its next report is asked for its whole cached set.
+
+        ``recovering``: the replica is bringing a lost worker group up again. When its group
+        has a spare, the replica leaves the view meanwhile (the spare takes its place) and
+        rejoins, as a spare if the group is full, with its first report after recovering
+        (its cache is empty then: it is asked for its whole set)."""
         if replica_id in self.departed:
             return False
+        if recovering and (replica_id in self.recovering or self.pool.has_spare(group)):
+            if replica_id in self.groups and not self.pool.is_standby(replica_id):
+                self._drop(replica_id)
+            if replica_id not in self.groups:
+                self.recovering.add(replica_id)
+                return False
+        self.recovering.discard(replica_id)
         known = replica_id in self.groups
         if not known:
             self.groups[replica_id] = group
@@ -258,6 +272,7 @@ class RouterDeployment:
         self.snapshots.pop(replica_id, None)
         self.standby_samples.pop(replica_id, None)
         self.promoted.discard(replica_id)
+        self.recovering.discard(replica_id)
         self.weights.forget(replica_id)
         if promoted is not None:  # a warm standby takes the place at once
             sample = self.standby_samples.pop(promoted)

@@ -97,3 +97,34 @@ def test_a_request_serve_overflowed_onto_a_standby_is_not_recorded_on_it():
 def test_standby_is_refused_for_disaggregated_and_autoscaled_groups(extra):
     with pytest.raises(ValidationError, match="standby_replicas is for colocated groups"):
         ReplicaGroupConfig(name="g", standby_replicas=1, **extra)
+
+
+def test_a_replica_restarting_its_workers_hands_its_place_to_a_spare():
+    async def run() -> None:
+        router = RouterDeployment("least_loaded", block_size=16, active_replicas={"main": 2})
+        snap = ReplicaMetrics().snapshot()
+        for rid in ("a", "b", "s"):
+            await router.report(rid, "main", stats(), snap, [], None, True)
+        # "a" lost a worker and brings its group up again: "s" serves meanwhile
+        assert await router.report("a", "main", stats(), snap, [], None, False, True) is False
+        assert ranked(await router.route(RouteRequest("q0", [], 8))) == {"b", "s"}
+        assert await router.report("a", "main", stats(), snap, [], None, False, True) is False
+        assert set(await router.snapshot()) == {"b", "s"} and await router.standby() == []
+        # recovered: it rejoins as the group's spare
+        assert await router.report("a", "main", stats(), snap, [], None, False) is False
+        assert await router.standby() == ["a"]
+        assert ranked(await router.route(RouteRequest("q1", [], 8))) == {"b", "s"}
+
+    asyncio.run(run())
+
+
+def test_without_a_spare_a_restarting_replica_stays_in_the_view():
+    async def run() -> None:
+        router = RouterDeployment("least_loaded", block_size=16, active_replicas={"main": 2})
+        snap = ReplicaMetrics().snapshot()
+        for rid in ("a", "b"):
+            await router.report(rid, "main", stats(), snap, [], None, True)
+        await router.report("a", "main", stats(), snap, [], None, False, True)
+        assert ranked(await router.route(RouteRequest("q0", [], 8))) == {"a", "b"}
+
+    asyncio.run(run())
