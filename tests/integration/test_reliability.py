@@ -1,7 +1,9 @@
 """Reliability at CI size (``bench/soak.py`` is the full-size soak): a Serve app with one
-``tp=2`` replica under closed-loop load while a worker actor and the router deployment are
-killed; every request ends with its exact greedy tokens or a clear retriable error, the app
-is back at full strength by itself, and no block is left in use. A client that disconnects
+``tp=2`` replica and one warm spare (``standby_replicas``) under closed-loop load while a
+worker actor, a replica and the router deployment are killed; every request ends with its
+exact greedy tokens or a clear retriable error, a killed replica's place (and a restarting
+one's) is taken by the spare, the app is back at full strength by itself, spare included,
+and no block is left in use. A client that disconnects
 mid-stream frees its blocks at once (the Serve proxy, the ingress and the replica's stream
 are each closed in turn, and the engine loop aborts the request)."""
 
@@ -14,7 +16,7 @@ from bench import soak  # noqa: E402
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 
-PHASE = soak.colocated_phase(kinds=["worker", "router"], replicas=1)
+PHASE = soak.colocated_phase(kinds=["worker", "replica", "router"], replicas=1, standby=1)
 GROUP = PHASE.group["name"]
 
 
@@ -37,6 +39,8 @@ def test_faults_under_load_lose_nothing(app, cases):
     for kind in PHASE.kinds:
         k = report.kinds[kind]
         assert k.faults == 1 and k.not_recovered == 0 and len(k.recovery_s) == 1, table
+    for kind in ("worker", "replica"):  # the spare served, then was whole again
+        assert len(report.kinds[kind].spare_s) == 1, table
     tallies = report.tally.values()
     assert sum(t.ok for t in tallies) > 0, table
     assert sum(t.lost + t.dropped for t in tallies) == 0, table
