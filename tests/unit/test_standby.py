@@ -44,18 +44,27 @@ def ranked(pairs: list[tuple[str, str]]) -> set[str]:
     return {rid for rid, _ in pairs}
 
 
+SNAP = ReplicaMetrics().snapshot()
+
+
+async def joined(active: int, *replicas: str) -> RouterDeployment:
+    """A router for group "main" wanting ``active`` active replicas, each of ``replicas``
+    joined by its first report (the later ones as spares)."""
+    router = RouterDeployment("least_loaded", block_size=16, active_replicas={"main": active})
+    for rid in replicas:
+        await router.report(rid, "main", stats(), SNAP, [], None, True)
+    return router
+
+
 def test_router_routes_around_a_standby_until_an_active_replica_dies():
     async def run() -> None:
-        router = RouterDeployment("least_loaded", block_size=16, active_replicas={"main": 2})
-        snap = ReplicaMetrics().snapshot()
-        for rid in ("a", "b", "s"):
-            assert await router.report(rid, "main", stats(), snap, [], None, True) is False
+        router = await joined(2, "a", "b", "s")
         assert ranked(await router.route(RouteRequest("q0", [], 8))) == {"a", "b"}
         assert await router.standby() == ["s"]
         assert set(await router.snapshot()) == {"a", "b"}
         # the standby's reports are kept, not routed on
         stored = [("stored", 7)]
-        assert await router.report("s", "main", stats(), snap, stored, None, False) is False
+        assert await router.report("s", "main", stats(), SNAP, stored, None, False) is False
         assert ranked(await router.route(RouteRequest("q1", [], 8))) == {"a", "b"}
 
         await router.removed(["a"])  # Serve found "a" dead: "s" serves in its place at once
@@ -63,12 +72,12 @@ def test_router_routes_around_a_standby_until_an_active_replica_dies():
         assert await router.standby() == []
         assert set(await router.snapshot()) == {"b", "s"}
         # the promoted standby's next report is asked for its whole cached set, once
-        assert await router.report("s", "main", stats(), snap, [], None, False) is True
-        assert await router.report("s", "main", stats(), snap, [], [7], False) is False
+        assert await router.report("s", "main", stats(), SNAP, [], None, False) is True
+        assert await router.report("s", "main", stats(), SNAP, [], [7], False) is False
         # a push from the dead replica still in flight does not bring it back
-        assert await router.report("a", "main", stats(), snap, [], None, False) is False
+        assert await router.report("a", "main", stats(), SNAP, [], None, False) is False
         # Serve's replacement joins as the new standby
-        await router.report("r", "main", stats(), snap, [], None, True)
+        await router.report("r", "main", stats(), SNAP, [], None, True)
         assert await router.standby() == ["r"]
         assert ranked(await router.route(RouteRequest("q3", [], 8))) == {"b", "s"}
 
@@ -77,10 +86,7 @@ def test_router_routes_around_a_standby_until_an_active_replica_dies():
 
 def test_a_request_serve_overflowed_onto_a_standby_is_not_recorded_on_it():
     async def run() -> None:
-        router = RouterDeployment("least_loaded", block_size=16, active_replicas={"main": 1})
-        snap = ReplicaMetrics().snapshot()
-        for rid in ("a", "s"):
-            await router.report(rid, "main", stats(), snap, [], None, True)
+        router = await joined(1, "a", "s")
         req = RouteRequest("q0", [], 8)
         assert ranked(await router.route(req)) == {"a"}
         await router.moved(req, "a", "s")  # "a" was full: Serve took the last tier
@@ -101,17 +107,14 @@ def test_standby_is_refused_for_disaggregated_and_autoscaled_groups(extra):
 
 def test_a_replica_restarting_its_workers_hands_its_place_to_a_spare():
     async def run() -> None:
-        router = RouterDeployment("least_loaded", block_size=16, active_replicas={"main": 2})
-        snap = ReplicaMetrics().snapshot()
-        for rid in ("a", "b", "s"):
-            await router.report(rid, "main", stats(), snap, [], None, True)
+        router = await joined(2, "a", "b", "s")
         # "a" lost a worker and brings its group up again: "s" serves meanwhile
-        assert await router.report("a", "main", stats(), snap, [], None, False, True) is False
+        assert await router.report("a", "main", stats(), SNAP, [], None, False, True) is False
         assert ranked(await router.route(RouteRequest("q0", [], 8))) == {"b", "s"}
-        assert await router.report("a", "main", stats(), snap, [], None, False, True) is False
+        assert await router.report("a", "main", stats(), SNAP, [], None, False, True) is False
         assert set(await router.snapshot()) == {"b", "s"} and await router.standby() == []
         # recovered: it rejoins as the group's spare
-        assert await router.report("a", "main", stats(), snap, [], None, False) is False
+        assert await router.report("a", "main", stats(), SNAP, [], None, False) is False
         assert await router.standby() == ["a"]
         assert ranked(await router.route(RouteRequest("q1", [], 8))) == {"b", "s"}
 
@@ -120,11 +123,8 @@ def test_a_replica_restarting_its_workers_hands_its_place_to_a_spare():
 
 def test_without_a_spare_a_restarting_replica_stays_in_the_view():
     async def run() -> None:
-        router = RouterDeployment("least_loaded", block_size=16, active_replicas={"main": 2})
-        snap = ReplicaMetrics().snapshot()
-        for rid in ("a", "b"):
-            await router.report(rid, "main", stats(), snap, [], None, True)
-        await router.report("a", "main", stats(), snap, [], None, False, True)
+        router = await joined(2, "a", "b")
+        await router.report("a", "main", stats(), SNAP, [], None, False, True)
         assert ranked(await router.route(RouteRequest("q0", [], 8))) == {"a", "b"}
 
     asyncio.run(run())
