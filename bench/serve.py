@@ -78,8 +78,11 @@ streams: <ratio>`` (issue 25: >= 0.7).
 machine from ``/proc``, summed by part (the replicas' engine threads and their other
 threads, ingress, router, Serve proxy and controller, raylet and GCS, the peer's engine and
 API server, this client, other work), as cores and CPU ms per output token, with the
-engine threads' wait for a core (``bench/serve_profile.py``). ``--group`` replaces the
-config's one group (a YAML mapping, default ``{name: main}``) to try another layout.
+engine threads' wait for a core (``bench/serve_profile.py``); with a peer, the last line is
+``cpu-ms per output token outside engines meridian/vllm: <ratio>`` (Meridian outside its
+engine threads over the peer's API server process, at 8 streams; issue 38: <= 3).
+``--group`` replaces the config's one group (a YAML mapping, default ``{name: main}``) to
+try another layout.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from app_probe import free_port
 from serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
-from serve_profile import CpuProfile
+from serve_profile import SERVING, VLLM_SERVER, CpuProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 DIRECT_MIN = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"  # Ray Serve's direct-ingress port range
@@ -189,5 +189,15 @@ async def run_defaults(
         last = (
             f"cpu-hog/alone at {c} streams: {paired_ratio(results, 'with-hog', 'meridian', c):.2f}"
         )
+    if profile and with_peer:
+        c = 8 if 8 in args.concurrency else max(args.concurrency)
+        ours = profile.per_token("meridian", c, SERVING)
+        theirs = profile.per_token("peer", c, (VLLM_SERVER,))
+        print(
+            f"CPU ms per output token at {c} streams: Meridian outside its engines {ours:.2f}, "
+            f"the peer's API server {theirs:.2f}"
+        )
+        last = "cpu-ms per output token outside engines meridian/vllm: "
+        last += f"{profile.outside_engines_ratio('meridian', 'peer', c):.2f}"
     if last:
         print(last)

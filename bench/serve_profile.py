@@ -137,6 +137,23 @@ class CpuProfile:
         seconds, tokens = out[0]
         self.readings[(side, concurrency)].append(reading(side, before, after, seconds, tokens))
 
+    def per_token(self, side: str, concurrency: int, parts: tuple[str, ...]) -> float:
+        """``parts``' CPU ms per output token in ``side``'s runs at ``concurrency``, the
+        median over the repeats (NaN when no such run was read)."""
+        rs = self.readings.get((side, concurrency), [])
+        if not rs:
+            return float("nan")
+        return statistics.median(
+            1e3 * sum(r.cpu.get(p, 0.0) for p in parts) / max(r.tokens, 1) for r in rs
+        )
+
+    def outside_engines_ratio(self, ours: str, peer: str, concurrency: int) -> float:
+        """Meridian's CPU ms per output token outside its engine threads (ingress, proxy,
+        router, replicas' other threads, Ray and Serve's own processes) in ``ours``' runs,
+        over the peer's API server's in ``peer``'s runs."""
+        server = self.per_token(peer, concurrency, (VLLM_SERVER,))
+        return self.per_token(ours, concurrency, SERVING) / server if server else float("nan")
+
     def print(self, concurrency: int, engine_itl: dict[str, float]) -> None:
         """The table at ``concurrency``: each part's cores (CPU-s per s) and CPU ms per
         output token, medians over the repeats, a column pair per side; then the engine
@@ -156,9 +173,7 @@ class CpuProfile:
             line = f"{name:<28}"
             for rs in runs.values():
                 cores = statistics.median(sum(r.cores(p) for p in parts) for r in rs)
-                per_token = statistics.median(
-                    1e3 * sum(r.cpu.get(p, 0.0) for p in parts) / max(r.tokens, 1) for r in rs
-                )
+                per_token = self.per_token(rs[0].side, concurrency, parts)
                 line += f"{cores:>18.3f}{per_token:>10.2f}"
             print(line)
 
