@@ -12,7 +12,9 @@ replica dies; cancelling it aborts what the channel carried.
     replica:  listener = await ChannelListener.open(host)
               yield [("", listener.address)]
               writer = await listener.accept()          # the ingress's connection
-              await send_batch(writer, batch) ...       # then listener.close()
+              writer.write(frame(batch)) ...            # any thread pickles: ``frame``
+              await listener.wait_closed()              # the ingress closed it (or went)
+              listener.close()
     ingress:  async for batch in channel_batches(stream): ...
 
 Invariants: a listener accepts one connection, the one that presents its token first; a
@@ -54,7 +56,7 @@ class ChannelListener:
         self.host = host
         self.token = uuid.uuid4().hex.encode()
         assert len(self.token) == _TOKEN_BYTES
-        self._writer: asyncio.Future[asyncio.StreamWriter] = (
+        self._conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
             asyncio.get_running_loop().create_future()
         )
         self._server: asyncio.Server | None = None
@@ -73,34 +75,45 @@ class ChannelListener:
             token = await asyncio.wait_for(reader.readexactly(_TOKEN_BYTES), ACCEPT_TIMEOUT_S)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             token = b""
-        if token != self.token or self._writer.done():
+        if token != self.token or self._conn.done():
             writer.close()
             return
-        self._writer.set_result(writer)
+        self._conn.set_result((reader, writer))
         if self._server is not None:
             self._server.close()  # one connection per channel
 
     async def accept(self) -> asyncio.StreamWriter:
         """The ingress's connection; ``ChannelBroken`` if none came in time."""
         try:
-            return await asyncio.wait_for(asyncio.shield(self._writer), ACCEPT_TIMEOUT_S)
+            _, writer = await asyncio.wait_for(asyncio.shield(self._conn), ACCEPT_TIMEOUT_S)
         except TimeoutError as e:
             raise ChannelBroken(f"no ingress connected within {ACCEPT_TIMEOUT_S} s") from e
+        return writer
+
+    async def wait_closed(self) -> None:
+        """Until the ingress closes its end of the accepted connection (it sends nothing
+        after its token) or the connection fails."""
+        reader, _ = await asyncio.shield(self._conn)
+        try:
+            while await reader.read(1 << 12):
+                pass
+        except ConnectionError:
+            pass
 
     def close(self) -> None:
         """Stop listening and close the connection (what was sent is still delivered)."""
         if self._server is not None:
             self._server.close()
-        if self._writer.done() and not self._writer.cancelled():
-            self._writer.result().close()
+        if self._conn.done() and not self._conn.cancelled():
+            self._conn.result()[1].close()
         else:
-            self._writer.cancel()
+            self._conn.cancel()
 
 
-async def send_batch(writer: asyncio.StreamWriter, batch: list[Any]) -> None:
+def frame(batch: list[Any]) -> bytes:
+    """One batch as it goes on the socket (pickled on any thread; written on the loop)."""
     data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(_LENGTH.pack(len(data)) + data)
-    await writer.drain()
+    return _LENGTH.pack(len(data)) + data
 
 
 async def _read_socket(address: ChannelAddress) -> AsyncIterator[list[Any]]:

@@ -7,14 +7,16 @@ and is not thread-safe, so it never runs on an event loop: the engine thread of 
 ``ReplicaLoop`` (``actors.engine.replica_loop``, the loop every replica runs in) owns it
 (every call into it but ``validate``, which reads immutable sizes, happens on that thread,
 placement and ``shutdown`` included), and other threads talk to it through the loop's
-command queue. Results
-flow back through per-request sinks (posted to the loop's ``LoopMailbox``: one wake-up per
-burst), so the event loop only ever waits on ``asyncio.Queue``s.
+command queue. A prompt is
+submitted as its one record (``OpenPrompt``, ``open_prompt.py``); results flow back
+through its outlet: after each engine step (or posted command), every outlet that has
+events gets them in one batch, so a step costs one hand-off per outlet (an ingress's event
+channel), not one per request.
 
 Invariants:
-- A submitted request is answered on its sink first with exactly one ``Accepted`` or
-  ``Refused`` (``actors.engine.events``), decided on the engine thread (``add_request`` of
-  every choice succeeded, or none of them is left in the engine). An engine may defer the
+- A submitted prompt is answered first with exactly one ``Accepted`` or ``Refused``
+  (``actors.engine.events``), decided on the engine thread (``add_request`` of every choice
+  succeeded, or none of them is left in the engine). An engine may defer the
   verdict (a P/D engine whose request waits for decode room: ``waiting``), then a later
   step gives it (``refusal``: the 429 of one that waited past its bound). An accepted
   request then
@@ -42,8 +44,9 @@ from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused, 
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_loop import ReplicaLoop
 from actors.engine.request_limits import RequestLimits
-from actors.serving.loop_mailbox import mailbox_of
+from actors.serving.loop_mailbox import LoopMailbox, mailbox_of
 from actors.serving.metrics import MetricsSnapshot, ReplicaMetrics
+from actors.serving.open_prompt import Item, OpenPrompt, Outlet
 from errors import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -55,7 +58,6 @@ from policies.request import Request
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[Verdict | Event], None]
 MAX_BUFFERED_EVENTS = 1 << 20  # beyond this, drop the deltas and resync the whole set
 IDLE_RELEASE_S = 2.0  # idle this long: let the workers stop polling
 WORKER_CHECK_S = 1.0  # an idle engine checks its workers this often (``check_workers``)
@@ -118,10 +120,13 @@ class EngineLoop:
         self._accepted = Accepted(replica_id)  # every verdict that accepts: immutable
         # a disaggregated engine (PDEngine) also reports its transfer and store counters
         self.metrics = ReplicaMetrics(getattr(engine, "pd_counters", None), min_interval_s=0.2)
-        self._sinks: dict[str, tuple[Sink, int]] = {}  # engine thread only
-        # choices added whose verdict the engine deferred (engine thread only); an engine
+        # engine thread only: each running choice's prompt and index
+        self._open: dict[str, tuple[OpenPrompt, int]] = {}
+        # what the outlets get at the end of this pass (engine thread only)
+        self._batches: dict[int, tuple[Outlet, list[Item]]] = {}
+        # prompts added whose verdict the engine deferred (engine thread only); an engine
         # that defers provides ``waiting(id) -> bool`` and ``refusal(id) -> error | None``
-        self._pending: list[tuple[Sink, list[str]]] = []
+        self._pending: list[OpenPrompt] = []
         self._early: dict[str, list[StreamDelta]] = {}  # their deltas, until the verdict
         self._lock = threading.Lock()  # guards the published fields below
         self._events: list[tuple[str, int]] = []
@@ -137,7 +142,7 @@ class EngineLoop:
         # engine thread only: ``when_drained`` calls waiting for the engine to drain, the
         # submissions held until they ran (or, asleep, until the wake), and whether it sleeps
         self._exclusive: list[tuple[Callable[[Any], Any], concurrent.futures.Future, Any]] = []
-        self._held_back: list[tuple[list[Request], Sink]] = []
+        self._held_back: list[OpenPrompt] = []
         self._asleep = False
         self._loop = ReplicaLoop(
             self._iterate,
@@ -148,9 +153,9 @@ class EngineLoop:
         )
 
     # -- any thread -----------------------------------------------------------------------
-    def submit(self, requests: Sequence[Request], sink: Sink) -> None:
-        """Queue the choices of one request (choice i is tagged ``i`` on the sink); the
-        engine thread answers ``Accepted`` or ``Refused`` on the sink first.
+    def submit(self, prompt: OpenPrompt) -> None:
+        """Queue the choices of one prompt; the engine thread answers it ``Accepted`` or
+        ``Refused`` first, then its events go to its outlet.
 
         Raises OverloadedError (the queue is full; nothing queued), EngineUnavailableError
         (the engine thread has stopped)."""
@@ -158,13 +163,12 @@ class EngineLoop:
             raise EngineUnavailableError("the engine thread is not running; retry the request")
         with self._lock:
             waiting = self._stats.num_waiting + self._submitted
-            if waiting + len(requests) > self.max_waiting:
+            if waiting + len(prompt.requests) > self.max_waiting:
                 raise OverloadedError(
                     f"the replica has {waiting} queued requests (limit {self.max_waiting})"
                 )
-            self._submitted += len(requests)
-        choices = list(requests)  # choice i at index i
-        self._loop.post(lambda: self._add(choices, sink))
+            self._submitted += len(prompt.requests)
+        self._loop.post(lambda: self._add(prompt))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -205,30 +209,31 @@ class EngineLoop:
         one ``Done`` or ``Failed`` per choice. Closing the iterator early aborts what is
         still running. Raises (before any yield) the refusal: InvalidRequestError,
         OverloadedError or EngineUnavailableError."""
-        q: asyncio.Queue[Verdict | Event] = asyncio.Queue()
-        box = mailbox_of(asyncio.get_running_loop())  # one loop wake-up per burst of events
-
-        def sink(item: Verdict | Event) -> None:
-            box.post(q, item)
-
-        self.submit(requests, sink)
-        ids = [r.request_id for r in requests]
-        remaining = len(ids)
+        q: asyncio.Queue[Verdict | list[Item]] = asyncio.Queue()
+        box = mailbox_of(asyncio.get_running_loop())  # one loop wake-up per burst
+        outlet = _QueueOutlet(box, q)
+        prompt = OpenPrompt(list(requests), outlet, lambda v: box.post(q.put_nowait, v))
+        self.submit(prompt)
+        ended = False
         try:
             verdict = await q.get()
             if isinstance(verdict, Refused):
-                remaining = 0  # the engine holds none of them
+                ended = True  # the engine holds none of them
                 raise verdict.error()
+            assert isinstance(verdict, Accepted)
             yield verdict
-            while remaining:
-                item = await q.get()
-                assert not isinstance(item, Accepted | Refused)  # one verdict, the first item
-                if not isinstance(item, Delta):  # Done or Failed: one choice ended
-                    remaining -= 1
-                yield item
+            while not ended:
+                batch = await q.get()
+                assert isinstance(batch, list)  # one verdict, the first item
+                for _, item in batch:
+                    if item is None:
+                        ended = True
+                    else:
+                        yield item
         finally:
-            if remaining:
-                self.abort(ids)
+            if not ended:
+                prompt.dropped = True
+                self.abort(prompt.ids)
 
     async def generate(self, requests: Sequence[Request]) -> list[RequestOutput]:
         """The final output of every choice; a failed choice raises EngineUnavailableError
@@ -287,8 +292,15 @@ class EngineLoop:
     # -- the engine thread ----------------------------------------------------------------
     def _iterate(self) -> bool:
         """One pass of the loop: a step if the engine has work (True), else publish and
-        let idle workers stop polling (False: the loop waits). An exception outside the
-        step is a bug: the loop ends and ``_stopped`` fails what runs (retriable)."""
+        let idle workers stop polling (False: the loop waits); then each outlet gets the
+        pass's events (and those of the commands run before it) in one batch. An exception
+        outside the step is a bug: the loop ends and ``_stopped`` fails what runs."""
+        try:
+            return self._pass()
+        finally:
+            self._send_batches()
+
+    def _pass(self) -> bool:
         if self._exclusive and not self.engine.has_unfinished() and not self._pending:
             self._run_exclusive()
         if not self.engine.has_unfinished():
@@ -329,11 +341,33 @@ class EngineLoop:
         if check():
             log.warning("an idle engine lost a worker: its worker group was restarted")
 
+    def _emit(self, prompt: OpenPrompt, item: Event) -> None:
+        """Queue ``item`` for the prompt's outlet; after its last choice's end, the end."""
+        if not isinstance(item, Delta):  # Done or Failed: one choice ended
+            prompt.remaining -= 1
+            prompt.ended = prompt.remaining == 0
+        if prompt.dropped:
+            return
+        entry = self._batches.get(id(prompt.outlet))
+        if entry is None:
+            entry = self._batches[id(prompt.outlet)] = (prompt.outlet, [])
+        entry[1].append((prompt.key, item))
+        if prompt.ended:
+            entry[1].append((prompt.key, None))
+
+    def _send_batches(self) -> None:
+        batches, self._batches = self._batches, {}
+        for outlet, batch in batches.values():
+            try:
+                outlet.send(batch)
+            except Exception:  # a bug in one outlet: its prompts' callers time out
+                log.exception("an outlet failed to take its batch")
+
     def _deliver(self, d: StreamDelta) -> None:
-        entry = self._sinks.get(d.request_id)
+        entry = self._open.get(d.request_id)
         if entry is None:
             return
-        entry[0](Delta(entry[1], d))
+        self._emit(entry[0], Delta(entry[1], d))
         if d.finished:
             # The loop's own aborts never come back as deltas: an aborted one here
             # was lost by the engine (a replica died), so it is a retriable error.
@@ -350,30 +384,31 @@ class EngineLoop:
         was submitted before and after this): fail what runs, shut the engine down."""
         self._fail_all("the replica is shutting down; retry the request")
         held, self._held_back = self._held_back, []
-        for requests, sink in held:
-            self._add(requests, sink)  # stopping: refused, retriable
+        for prompt in held:
+            self._add(prompt)  # stopping: refused, retriable
         for _, fut, _ in self._exclusive:
             fut.set_exception(EngineUnavailableError("the replica is shutting down"))
         self._exclusive = []
+        self._send_batches()
         try:
             self.engine.shutdown()
         except Exception:
             log.exception("engine shutdown failed")
 
     def _abort_if_held(self, rid: str) -> None:
-        if rid in self._sinks:
+        if rid in self._open:
             self._abort(rid)
             return
-        for requests, sink in self._held_back:  # its caller left while it was held
-            if any(r.request_id == rid for r in requests):
-                self._held_back.remove((requests, sink))
+        for prompt in self._held_back:  # its caller left while it was held
+            if rid in prompt.ids:
+                self._held_back.remove(prompt)
                 with self._lock:
-                    self._submitted -= len(requests)
+                    self._submitted -= len(prompt.requests)
                 return
-        for group in self._pending:  # its caller left before the verdict: take it back
-            if rid in group[1]:
-                self._pending.remove(group)
-                self._take_back(group[1])
+        for prompt in self._pending:  # its caller left before the verdict: take it back
+            if rid in prompt.ids:
+                self._pending.remove(prompt)
+                self._take_back(prompt.ids)
                 return
 
     def _run_exclusive(self) -> None:
@@ -388,18 +423,19 @@ class EngineLoop:
                 fut.set_exception(e)
         if not self._asleep:
             held, self._held_back = self._held_back, []
-            for requests, sink in held:
-                self._add(requests, sink)
+            for prompt in held:
+                self._add(prompt)
 
-    def _add(self, requests: list[Request], sink: Sink) -> None:
-        """Every choice is added, or none is left in the engine and the request is refused.
+    def _add(self, prompt: OpenPrompt) -> None:
+        """Every choice is added, or none is left in the engine and the prompt is refused.
         While a ``when_drained`` call waits, or the engine sleeps, it is held until then."""
         if (self._exclusive or self._asleep) and not self._loop.stopping:
-            self._held_back.append((requests, sink))
+            self._held_back.append(prompt)
             return
+        requests = prompt.requests
         with self._lock:
             self._submitted -= len(requests)
-            self._held += len(requests)  # until the next publish counts the sinks
+            self._held += len(requests)  # until the next publish counts the open choices
         added: list[str] = []
         refusal: MeridianError | None = None
         if self._loop.stopping:
@@ -417,10 +453,10 @@ class EngineLoop:
         if refusal is None:
             decided, refusal = self._verdict(added)
             if not decided:
-                self._pending.append((sink, added))  # a later step answers it
+                self._pending.append(prompt)  # a later step answers it
                 self._early.update((rid, []) for rid in added)
                 return
-        self._answer(sink, added, refusal)
+        self._answer(prompt, refusal, added)
 
     def _verdict(self, ids: list[str]) -> tuple[bool, MeridianError | None]:
         """(decided, the refusal if refused) for the added choices ``ids``."""
@@ -435,22 +471,27 @@ class EngineLoop:
         return not any(waiting(rid) for rid in ids), None
 
     def _answer_pending(self) -> None:
-        for group in list(self._pending):
-            decided, refusal = self._verdict(group[1])
+        for prompt in list(self._pending):
+            decided, refusal = self._verdict(prompt.ids)
             if decided:
-                self._pending.remove(group)
-                self._answer(*group, refusal)
+                self._pending.remove(prompt)
+                self._answer(prompt, refusal)
 
-    def _answer(self, sink: Sink, ids: list[str], refusal: MeridianError | None) -> None:
-        """Accept every choice, or take them all back and refuse the request."""
+    def _answer(
+        self, prompt: OpenPrompt, refusal: MeridianError | None, added: list[str] | None = None
+    ) -> None:
+        """Accept every choice, or take back those ``added`` (default: all) and refuse."""
+        ids = prompt.ids
         if refusal is not None:
-            self._take_back(ids)
+            self._take_back(ids if added is None else added)
             self.metrics.on_refused(refusal)
-            sink(Refused.of(refusal))
+            prompt.ended = True
+            prompt.answer(Refused.of(refusal))
             return
         for i, rid in enumerate(ids):
-            self._sinks[rid] = (sink, i)
-        sink(self._accepted)
+            self._open[rid] = (prompt, i)
+        prompt.remaining = len(ids)
+        prompt.answer(self._accepted)
         for rid in ids:
             for d in self._early.pop(rid, ()):
                 self._deliver(d)
@@ -465,28 +506,29 @@ class EngineLoop:
                 log.exception("could not take back %s", rid)
 
     def _finish(self, rid: str, error: str | None = None) -> None:
-        out = self.engine.release(rid)  # first: if it raises, the sink is still there
-        sink, index = self._sinks.pop(rid)
+        out = self.engine.release(rid)  # first: if it raises, the choice is still open
+        prompt, index = self._open.pop(rid)
         self.metrics.on_finished(out)
-        sink(Failed(index, error) if error else Done(index, out))
+        self._emit(prompt, Failed(index, error) if error else Done(index, out))
 
     def _abort(self, rid: str, error: str | None = None) -> None:
-        """Abort and release one request; its sink hears the end even if the engine fails."""
+        """Abort and release one request; its prompt hears the end even if the engine fails."""
         try:
             self.engine.abort(rid)
             self._finish(rid, error)
         except Exception:
             log.exception("could not abort %s", rid)
-            entry = self._sinks.pop(rid, None)
+            entry = self._open.pop(rid, None)
             if entry is not None:
-                entry[0](Failed(entry[1], error or "the request could not be aborted"))
+                failed = Failed(entry[1], error or "the request could not be aborted")
+                self._emit(entry[0], failed)
 
     def _fail_all(self, message: str) -> None:
-        for rid in list(self._sinks):
+        for rid in list(self._open):
             self._abort(rid, message)
         pending, self._pending = self._pending, []
-        for sink, ids in pending:
-            self._answer(sink, ids, EngineUnavailableError(message))
+        for prompt in pending:
+            self._answer(prompt, EngineUnavailableError(message))
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -498,10 +540,22 @@ class EngineLoop:
         metrics = self.metrics.snapshot()
         with self._lock:
             self._stats, self._metrics = stats, metrics
-            self._held = len(self._sinks) + sum(len(ids) for _, ids in self._pending)
+            self._held = len(self._open) + sum(len(p.requests) for p in self._pending)
             if self._want_resync or len(self._events) > MAX_BUFFERED_EVENTS:
                 self._want_resync = False
                 self._resync = self.engine.cached_block_hashes()  # includes ``events``
                 self._events = []
             else:
                 self._events.extend(events)
+
+
+class _QueueOutlet:
+    """``EngineLoop.stream``'s outlet: each batch onto one asyncio queue, through the
+    event loop's mailbox (one wake-up per burst)."""
+
+    def __init__(self, box: LoopMailbox, q: asyncio.Queue[Any]) -> None:
+        self.box = box
+        self.q = q
+
+    def send(self, batch: list[Item]) -> None:
+        self.box.post(self.q.put_nowait, batch)

@@ -34,7 +34,7 @@ from actors.serving import openai_protocol as oai
 from actors.serving.admin import SleepBody, UpdateWeightsBody, admin_error, require_admin
 from actors.serving.config import ServeConfig
 from actors.serving.metrics import render
-from actors.serving.relay import ReplicaRelay
+from actors.serving.relay import ReplicaRelay, merge_prompts
 from actors.serving.tenant_gate import TenantGate
 from actors.serving.tool_calls import ToolPlan, plan_tools, template_messages
 from actors.serving.tool_parsers import ToolFormat, ToolStream, detect_format, parse, stream_delta
@@ -231,13 +231,14 @@ class Ingress:
 
         async def one(request: Request) -> RequestOutput:
             outs: list[Any] = [None]
-            async for item in self.relay.start([request], None, region):
-                if isinstance(item, Done):
-                    outs[0] = item.output
-                elif isinstance(item, Failed):
-                    raise (EngineUnavailableError if item.retriable else MeridianError)(
-                        item.message
-                    )
+            async for events in self.relay.start([request], None, region):
+                for item in events if isinstance(events, list) else ():
+                    if isinstance(item, Done):
+                        outs[0] = item.output
+                    elif isinstance(item, Failed):
+                        raise (EngineUnavailableError if item.retriable else MeridianError)(
+                            item.message
+                        )
             return outs[0]
 
         try:
@@ -261,7 +262,7 @@ class Ingress:
         except oai.APIError as e:
             return self._error(route, e)
         handed_off = False  # once a stream owns the admission, it releases it
-        streams: list[AsyncIterator[Accepted | Event]] = []
+        streams: list[AsyncIterator[Accepted | list[Event]]] = []
         prep: _Prepared | None = None
         used = 0  # tokens the response used (total_tokens); 0 when it failed
         try:
@@ -417,15 +418,16 @@ class Ingress:
         return raw
 
     async def _collect(
-        self, prep: _Prepared, streams: list[AsyncIterator[Accepted | Event]], chat: bool
+        self, prep: _Prepared, streams: list[AsyncIterator[Accepted | list[Event]]], chat: bool
     ) -> dict[str, Any]:
-        async def drain(s: AsyncIterator[Accepted | Event]) -> list[RequestOutput]:
+        async def drain(s: AsyncIterator[Accepted | list[Event]]) -> list[RequestOutput]:
             outs: list[Any] = [None] * prep.n
-            async for item in s:
-                if isinstance(item, Done):
-                    outs[item.index] = item.output
-                elif isinstance(item, Failed):
-                    raise oai.APIError(503, f"generation failed: {item.message}")
+            async for events in s:
+                for item in events if isinstance(events, list) else ():
+                    if isinstance(item, Done):
+                        outs[item.index] = item.output
+                    elif isinstance(item, Failed):
+                        raise oai.APIError(503, f"generation failed: {item.message}")
             return outs
 
         results = await asyncio.gather(*(drain(s) for s in streams))
@@ -453,24 +455,13 @@ class Ingress:
     async def _sse(
         self,
         prep: _Prepared,
-        streams: list[AsyncIterator[Accepted | Event]],
+        streams: list[AsyncIterator[Accepted | list[Event]]],
         chat: bool,
         key: str | None,
     ) -> AsyncIterator[str]:
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         n, want_ids, model = prep.n, prep.req.return_token_ids, prep.req.model
         obj = "chat.completion.chunk" if chat else "text_completion"
-        # (prompt index, event); None: that prompt's stream ended
-        q: asyncio.Queue[tuple[int, Accepted | Event | None]] = asyncio.Queue()
-
-        async def pump(pi: int, s: AsyncIterator[Accepted | Event]) -> None:
-            try:
-                async for item in s:
-                    await q.put((pi, item))
-            except Exception as e:
-                await q.put((pi, Failed(-1, str(e))))
-            finally:
-                await q.put((pi, None))
 
         def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> str:
             body: dict[str, Any] = {"id": rid, "object": obj, "created": 0, "model": model}
@@ -479,26 +470,21 @@ class Ingress:
                 body["usage"] = use
             return f"data: {json.dumps(body)}\n\n"
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        merged = merge_prompts(streams)
         opts = prep.req.stream_options
         per_chunk = opts is not None and opts.usage_per_chunk()
         generated: Counter[int] = Counter()  # per choice: tokens streamed so far
         started: set[int] = set()
         tool_streams: dict[int, ToolStream] = {}  # per choice, when its calls are parsed
         offsets: dict[int, int] = {}  # per choice: text offset of its next logprob token
-        completion, cached, live = 0, 0, len(streams)
+        completion, cached = 0, 0
         try:
-            while live:
-                # Everything ready goes out in one body write: one SSE event per delta, one
-                # ASGI message (and one proxy hop) per batch the replica sent.
-                ready = [await q.get()]
-                while not q.empty():
-                    ready.append(q.get_nowait())
+            async for pi, events in merged:
+                # One body write per frame the replica sent: one SSE event per delta, one
+                # ASGI message (and one proxy hop) per engine step.
                 out: list[str] = []
-                for pi, item in ready:
-                    if item is None:
-                        live -= 1
-                    elif isinstance(item, Delta):
+                for item in events:
+                    if isinstance(item, Delta):
                         idx, d = pi * n + item.index, item.delta
                         generated[idx] += len(d.token_ids)
                         first = idx not in started
@@ -536,9 +522,9 @@ class Ingress:
             self.gate.release(key)
             used = sum(p[0].num_prompt_tokens for p in prep.prompts) + completion
             self.gate.settle(key, prep.reserved, used)
-            for t in tasks:
-                t.cancel()  # a client gone mid-stream: stop relaying, abort on the replicas
-            await asyncio.gather(*tasks, return_exceptions=True)  # before closing streams
+            # a client gone mid-stream: stop relaying, abort on the replicas
+            with contextlib.suppress(Exception):
+                await merged.aclose()
             for s in streams:
                 with contextlib.suppress(Exception):
                     await s.aclose()  # type: ignore[attr-defined]

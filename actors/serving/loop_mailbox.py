@@ -1,12 +1,12 @@
-"""Items from the engine thread to the asyncio queues of one event loop, one wake-up at a time.
+"""Calls from the engine thread onto one event loop, one wake-up at a time.
 
 A step ends with an event for every running request; waking the event loop once per event
 (``call_soon_threadsafe``: a write to its self-pipe, then the loop thread contending for the
 GIL with the engine thread) costs the engine thread that many hand-offs per step. A mailbox
 collects what the engine thread posts and wakes the loop once for all of it.
 
-Invariants: every posted item reaches its queue exactly once, in posting order (per queue
-and overall), unless the loop closed first; at most one flush is scheduled at any time, so
+Invariants: every posted call runs on the loop exactly once, in posting order, unless the
+loop closed first; at most one flush is scheduled at any time, so
 a burst of posts before the loop runs costs one wake-up.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 
@@ -23,13 +24,14 @@ class LoopMailbox:
         self.loop = loop
         self.wakeups = 0  # flushes scheduled so far
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue[Any], Any]] = []
+        self._items: list[tuple[Callable[[Any], None], Any]] = []
         self._scheduled = False
 
-    def post(self, q: asyncio.Queue[Any], item: Any) -> None:
-        """Any thread: ``q.put_nowait(item)`` on the loop, soon. Dropped if the loop closed."""
+    def post(self, fn: Callable[[Any], None], item: Any) -> None:
+        """Any thread: ``fn(item)`` on the loop, soon (``queue.put_nowait``, a socket's
+        write). Dropped if the loop closed."""
         with self._lock:
-            self._items.append((q, item))
+            self._items.append((fn, item))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -45,8 +47,8 @@ class LoopMailbox:
         with self._lock:
             items, self._items = self._items, []
             self._scheduled = False
-        for q, item in items:
-            q.put_nowait(item)
+        for fn, item in items:
+            fn(item)
 
 
 _MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (

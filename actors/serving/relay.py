@@ -5,7 +5,11 @@ chosen replica and relay its events (from the replica's event channel for this i
 mid-request (``StreamLedger``: every token at most once).
 
     relay = ReplicaRelay(cfg, router, replicas, balancers)
-    stream = relay.start(choices, session, region)  # first item: Accepted, then events
+    stream = relay.start(choices, session, region)  # Accepted, then lists of events
+    async for pi, events in merge_prompts(streams): ...  # one response's prompts
+
+After ``Accepted``, each item is the events one frame of the replica's channel carried
+for this prompt, less what the ledger already passed on: the list the ingress writes.
 """
 
 import asyncio
@@ -13,18 +17,18 @@ import contextvars
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.engine.events import Accepted, Delta, Event, Failed, Refused
-from actors.engine.stream_ledger import ReplayDiverged, StreamLedger
+from actors.engine.stream_ledger import ReplayDiverged
 from actors.serving import openai_protocol as oai
 from actors.serving.channel_socket import ChannelBroken
 from actors.serving.config import ServeConfig
-from actors.serving.ingress_channels import IngressChannels, ReplicaGone
+from actors.serving.ingress_channels import IngressChannels, PromptStream, ReplicaGone
 from actors.serving.region_entry import RegionEntry
 from policies.region_balancer import BalancedRequest
 from policies.request import Request
@@ -34,6 +38,47 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # per prompt: the first run and two replays on another replica
 # died mid-request, or its channel broke
 REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaGone, ChannelBroken)
+
+
+async def merge_prompts(
+    streams: list[AsyncIterator[Accepted | list[Event]]],
+) -> AsyncGenerator[tuple[int, list[Event]], None]:
+    """(prompt index, events) as each prompt's relay gives them, after their ``Accepted``;
+    a prompt whose relay raises ends with ``Failed(-1, why)``. One prompt (the usual case)
+    is read directly; several share one queue, the only one between them and the response."""
+    if len(streams) == 1:
+        try:
+            async for events in streams[0]:
+                if isinstance(events, list):
+                    yield 0, events
+        except Exception as e:
+            yield 0, [Failed(-1, str(e))]
+        return
+    q: asyncio.Queue[tuple[int, list[Event] | None]] = asyncio.Queue()
+
+    async def pump(pi: int, s: AsyncIterator[Accepted | list[Event]]) -> None:
+        try:
+            async for item in s:
+                if isinstance(item, list):
+                    q.put_nowait((pi, item))
+        except Exception as e:
+            q.put_nowait((pi, [Failed(-1, str(e))]))
+        finally:
+            q.put_nowait((pi, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            pi, got = await q.get()
+            if got is None:
+                live -= 1
+            else:
+                yield pi, got
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -75,9 +120,9 @@ class ReplicaRelay:
 
     async def start(
         self, choices: list[Request], session: str | None, region: str | None = None
-    ) -> AsyncIterator[Accepted | Event]:
+    ) -> AsyncIterator[Accepted | list[Event]]:
         """Route one prompt (the built request of each of its choices) and relay its replica
-        stream; the first item is ``Accepted``.
+        stream; the first item is ``Accepted``, then non-empty lists of events.
 
         A replica that dies mid-request (or fails a choice retriably) costs a replay, not
         the request: the prompt is routed again, up to ``MAX_ATTEMPTS`` in all, and the
@@ -86,17 +131,19 @@ class ReplicaRelay:
         With regions, each attempt's balancer hears when it prefilled and when it ended.
 
         Raises APIError (before the first yield) when the replica refuses it."""
-        gen, first, placed = await self._open(choices, session, region)
-        ledger = StreamLedger(len(choices))
+        prompt = PromptStream(len(choices))
+        first, placed = await self._open(prompt, choices, session, region)
+        ledger = prompt.ledger
         attempt = 1
         while True:
             reason = None
             prefilled = placed is None
+            passed: list[Event] = []  # of the frame being read: what the consumer gets
             try:
                 if attempt == 1:
                     yield first  # in the try: a consumer that stops here aborts the prompt
-                async for batch in gen:  # the replica sends its events in lists
-                    for item in batch:
+                async for events in prompt:  # this prompt's part of one channel frame
+                    for item in events:
                         if not prefilled and isinstance(item, Delta) and item.delta.token_ids:
                             prefilled = True
                             assert placed is not None
@@ -105,9 +152,11 @@ class ReplicaRelay:
                         if isinstance(item, Failed) and item.retriable and attempt < MAX_ATTEMPTS:
                             reason = item.message
                             break
-                        passed = ledger.admit(item)
-                        if passed is not None:
-                            yield passed
+                        if ledger.admit(item) is not None:
+                            passed.append(item)
+                    if passed:
+                        yield passed
+                        passed = []
                     if reason is not None:
                         break
             except REPLICA_GONE as e:
@@ -115,11 +164,13 @@ class ReplicaRelay:
                     raise
                 reason = f"{type(e).__name__}: {e}"
             except ReplayDiverged as e:
-                for i in ledger.open_choices():
-                    yield Failed(i, f"{e}; retry the request")
+                yield [
+                    *passed,
+                    *(Failed(i, f"{e}; retry the request") for i in ledger.open_choices()),
+                ]
                 return
             finally:
-                gen.cancel()  # no-op when finished; aborts the replica's request otherwise
+                prompt.cancel()  # no-op when ended; aborts the replica's attempt otherwise
                 if placed is not None:
                     await self._report(placed, "finished")
             if reason is None or not ledger.open_choices():
@@ -128,18 +179,18 @@ class ReplicaRelay:
             log.warning("replaying %s (attempt %d): %s", choices[0].request_id, attempt, reason)
             retry = [c.with_id(f"{c.request_id}#{attempt}") for c in choices]
             try:
-                gen, _, placed = await self._open(retry, session, region)
+                _, placed = await self._open(prompt, retry, session, region)
             except oai.APIError as e:
-                for i in ledger.open_choices():
-                    yield Failed(i, f"its replica failed and a retry was refused: {e.message}")
+                why = f"its replica failed and a retry was refused: {e.message}"
+                yield [Failed(i, why) for i in ledger.open_choices()]
                 return
             ledger.begin_replay()
 
     async def _open(
-        self, choices: list[Request], session: str | None, region: str | None
-    ) -> tuple[Any, Accepted, _Placed | None]:
+        self, prompt: PromptStream, choices: list[Request], session: str | None, region: str | None
+    ) -> tuple[Accepted, _Placed | None]:
         """Route the choices of one prompt (through the client's region balancer when the
-        config has regions) and start them on a replica: (its event stream, its
+        config has regions) and start them on a replica as an attempt of ``prompt``: (its
         ``Accepted``, where a balancer placed it). Raises APIError when refused."""
         first_choice = choices[0]
         placed = await self._place(first_choice, session, region) if self.balancers else None
@@ -157,7 +208,7 @@ class ReplicaRelay:
             group, ranking = placed.group, [placed.replica_id]
             await asyncio.sleep(placed.delay)  # the injected way to the serving region
         try:
-            gen, first = await self.channels.open(group, choices, ranking)
+            first = await self.channels.open(prompt, group, choices, ranking)
         except BaseException:
             if placed is not None:
                 await self._report(placed, "finished")
@@ -175,7 +226,7 @@ class ReplicaRelay:
                 headers = {"Retry-After": retry_after_header(first.retry_after, self.cfg)}
             param = "prompt" if first.status == 400 else None
             raise oai.APIError(first.status, first.message, param, headers=headers)
-        return gen, first, placed
+        return first, placed
 
     def _tell_router(self, request: RouteRequest, ranking: list[str], runs_on: str | None) -> None:
         """The router recorded ``request`` on ``ranking[0]``. When it runs on another replica

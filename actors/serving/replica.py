@@ -37,7 +37,7 @@ from actors.serving.colocated_engine import ColocatedEngine
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.core_plan import replica_cores
 from actors.serving.engine_loop import EngineLoop, ServingEngine
-from actors.serving.messages import AbortPrompt, ReplicaCall
+from actors.serving.messages import ReplicaCall
 from actors.serving.replica_channel import ReplicaChannels
 from actors.serving.replica_weights import WeightFollower
 from policies.autoscaling import ReplicaLoad
@@ -100,8 +100,8 @@ class ReplicaServer:
     input, 429 overloaded or rejected by the Conductor, 503 failed). The prompt's events
     then come on that ingress's one ``events`` stream (``replica_channel.py``): one stream
     item per engine step for all of an ingress's requests, not one per request;
-    ``abort_prompt`` drops one. ``start`` and ``events`` are its ``ReplicaChannels``' own
-    methods.
+    ``abort_prompt`` drops one. ``start``, ``events`` and ``abort_prompt`` are its
+    ``ReplicaChannels``' own methods.
     ``limits()``: what a request must fit here, for the ingress's builder.
     """
 
@@ -132,6 +132,7 @@ class ReplicaServer:
         # up on the instance)
         self.start = self.channels.start
         self.events = self.channels.events
+        self.abort_prompt = self.channels.abort_prompt
         self.router = router
         self.interval = cfg.report_interval()
         scaling = g.autoscaling
@@ -143,11 +144,6 @@ class ReplicaServer:
 
     async def limits(self) -> RequestLimits:
         return self.engine.limits
-
-    async def abort_prompt(self, msg: AbortPrompt) -> None:
-        """On the event loop, as the channels' state is (Serve runs a sync method in a
-        thread pool)."""
-        self.channels.abort(msg)
 
     async def check_blocks(self, timeout_s: float = 60.0) -> dict[str, int]:
         """Blocks in use per pool (0 everywhere when idle), read on the engine thread."""

@@ -17,7 +17,7 @@ from actors.serving.channel_socket import (
     ChannelBroken,
     ChannelListener,
     channel_batches,
-    send_batch,
+    frame,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,7 +34,8 @@ async def replica_call(
         yield [("", listener.address)]
         writer = await listener.accept()
         for batch in batches:
-            await send_batch(writer, batch)
+            writer.write(frame(batch))
+            await writer.drain()
         if cut:
             writer.write(struct.pack("!I", 100) + b"half")
             await writer.drain()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from actors.engine.events import Accepted
-from actors.serving.ingress_channels import IngressChannels, ReplicaGone
+from actors.serving.ingress_channels import IngressChannels, PromptStream, ReplicaGone
 from policies.request import Request, SamplingParams
 
 
@@ -59,8 +59,9 @@ def test_a_channel_call_ending_abnormally_fails_its_open_prompts(end):
     async def run() -> list[Any]:
         replica = StandInReplica()
         channels = IngressChannels({"g": replica})
-        a, _ = await channels.open("g", [request("a")], ["r0"])
-        b, _ = await channels.open("g", [request("b")], ["r0"])
+        a, b = PromptStream(1), PromptStream(1)
+        await channels.open(a, "g", [request("a")], ["r0"])
+        await channels.open(b, "g", [request("b")], ["r0"])
         replica.feed.put_nowait([("a", "event-1")])
         first = await asyncio.wait_for(a.__anext__(), 5)
         replica.feed.put_nowait(end())  # the channel's call ends: cancelled, or failed

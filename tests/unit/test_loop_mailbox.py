@@ -18,7 +18,7 @@ def test_a_burst_from_another_thread_is_one_wakeup_and_keeps_order():
 
         def engine_step() -> None:  # 100 events over 4 requests, as one step posts them
             for i in range(100):
-                box.post(queues[i % 4], i)
+                box.post(queues[i % 4].put_nowait, i)
 
         t = threading.Thread(target=engine_step)
         t.start()
@@ -37,7 +37,9 @@ def test_posts_after_a_flush_wake_the_loop_again_and_nothing_is_lost():
         q: asyncio.Queue[int] = asyncio.Queue()
         out = []
         for burst in range(5):
-            t = threading.Thread(target=lambda b=burst: [box.post(q, b * 10 + i) for i in range(3)])
+            t = threading.Thread(
+                target=lambda b=burst: [box.post(q.put_nowait, b * 10 + i) for i in range(3)]
+            )
             t.start()
             t.join()
             out += [await q.get() for _ in range(3)]
@@ -52,6 +54,6 @@ def test_a_closed_loop_drops_posts_without_raising():
     box = LoopMailbox(loop)
     q: asyncio.Queue[int] = asyncio.Queue()
     loop.close()
-    box.post(q, 1)  # the consumer is gone: dropped
-    box.post(q, 2)
+    box.post(q.put_nowait, 1)  # the consumer is gone: dropped
+    box.post(q.put_nowait, 2)
     assert q.empty()

@@ -1,0 +1,53 @@
+"""A prompt started on a replica: the one record of it in the replica's process.
+
+The caller that starts a prompt (an ingress's event channel, ``replica_channel.py``, or
+``EngineLoop.stream``) makes the record and hands it to ``EngineLoop.submit``; the engine
+thread answers its verdict, then puts its events in its outlet's batch for the step, and
+counts its choices down. Nothing else tracks which of its choices are still open: the
+caller reads ``ended`` and sets ``dropped``.
+
+    prompt = OpenPrompt(requests, outlet, answer)
+    loop.submit(prompt)          # answer(Accepted | Refused) on the engine thread, once
+    outlet.send(batch)           # the engine thread, at most once per step and outlet:
+                                 #   [(key, event), ..., (key, None) after a prompt's last]
+
+Invariants: ``remaining`` and ``ended`` are written only on the engine thread; an accepted
+prompt's last event is followed by ``(key, None)`` in the same batch; a prompt ``dropped``
+by its caller (before the engine thread aborts it) sends nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from actors.engine.events import Event, Verdict
+from policies.request import Request
+
+Item = tuple[str, Event | None]  # (prompt key, event); None after the prompt's last event
+
+
+class Outlet(Protocol):
+    def send(self, batch: list[Item]) -> None:
+        """The engine thread: one step's events of this outlet's prompts, in order."""
+        ...
+
+
+@dataclass(eq=False)
+class OpenPrompt:
+    requests: list[Request]  # its choices; choice i is ``Event.index`` i
+    outlet: Outlet
+    answer: Callable[[Verdict], object]  # called once, on the engine thread
+    remaining: int = 0  # choices accepted and not ended (engine thread)
+    ended: bool = False  # its last choice ended, or it was refused (engine thread)
+    dropped: bool = False  # its caller aborted it: nothing more is sent (caller)
+
+    @property
+    def key(self) -> str:
+        """The prompt's id on the way back: its first choice's request id."""
+        return self.requests[0].request_id
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
