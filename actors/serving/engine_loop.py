@@ -531,6 +531,7 @@ class EngineLoop:
             self._answer(prompt, EngineUnavailableError(message))
 
     def _publish(self, force: bool = False) -> None:
+        self._send_batches()  # first: a drained count never precedes its requests' ends
         now = time.monotonic()
         events = self.engine.drain_cache_events()
         if not force and not events and now - self._last_publish < 0.05:

@@ -282,25 +282,32 @@ def test_a_draining_loop_finishes_what_it_holds_before_it_stops():
 
     from actors.engine.events import Done, Failed
     from actors.serving.engine_loop import EngineLoop
+    from actors.serving.open_prompt import OpenPrompt
 
     engine = SlowEngine(steps=30)  # ~0.3 s of work
     loop = EngineLoop(engine)  # type: ignore[arg-type]
     got: list[Any] = []
     finished = threading.Event()
 
-    def sink(item: Any) -> None:
-        got.append(item)
-        if isinstance(item, Done | Failed):
-            finished.set()
+    class Outlet:
+        def send(self, batch: list[Any]) -> None:
+            for _, item in batch:
+                if item is not None:
+                    got.append(item)
+                if isinstance(item, Done | Failed):
+                    finished.set()
+
+    def prompt(rid: str) -> OpenPrompt:
+        return OpenPrompt([SimpleNamespace(request_id=rid)], Outlet(), got.append)  # type: ignore[list-item]
 
     try:
-        loop.submit([SimpleNamespace(request_id="r1")], sink)  # type: ignore[list-item]
+        loop.submit(prompt("r1"))
         assert loop.drain(timeout=10)  # waits for the request, not the timeout
         assert finished.is_set() and isinstance(got[-1], Done) and not engine.aborted
         assert len(got[-1].output.token_ids) == 30
         assert loop.drain(timeout=0.1)  # idle: at once
         engine.steps = 10_000
-        loop.submit([SimpleNamespace(request_id="r2")], sink)  # type: ignore[list-item]
+        loop.submit(prompt("r2"))
         assert not loop.drain(timeout=0.2)  # bounded: gives up and says so
     finally:
         loop.shutdown()
