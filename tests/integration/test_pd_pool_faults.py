@@ -20,11 +20,11 @@ from __future__ import annotations
 import pytest
 
 from actors.fault_targets import live_actors
-from bench import soak
+from bench import soak, soak_app
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 
-APP_PHASE = soak.pd_phase()
+APP_PHASE = soak_app.pd_phase()
 
 
 def engine_actors() -> set[tuple[str, str]]:
@@ -33,20 +33,20 @@ def engine_actors() -> set[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def cases():
-    token_lists = soak.prompts(6, seed=3)
-    return list(zip(token_lists, soak.reference_tokens(token_lists), strict=True))
+    token_lists = soak_app.prompts(6, seed=3)
+    return list(zip(token_lists, soak_app.reference_tokens(token_lists), strict=True))
 
 
 @pytest.fixture(scope="module")
 def app():
-    with soak.running_app(APP_PHASE, num_cpus=2) as url:
+    with soak_app.running_app(APP_PHASE, num_cpus=2) as url:
         yield url
 
 
 def soak_once(url: str, kinds: list[str], cases) -> tuple[soak.PhaseReport, str]:
     """One kill of each of ``kinds`` under the load of two clients, each kill as soon as the
     app is at full strength and a request is in flight."""
-    phase = soak.pd_phase(kinds=kinds)
+    phase = soak_app.pd_phase(kinds=kinds)
     lines: list[str] = []
     report = soak.soak(url, phase, cases, faults=1, clients=2, pause=(0, 0), log=lines.append)
     return report, soak.table([report]) + "\n" + "\n".join(lines)
@@ -85,7 +85,7 @@ def test_prefill_and_decode_replicas_killed_under_load_lose_nothing(app, cases):
 
 
 def test_a_pool_scaled_down_and_a_weight_update_under_load_lose_nothing(app, cases):
-    kinds = [soak.SCALE_DOWN, soak.WEIGHTS]
+    kinds = [soak_app.SCALE_DOWN, soak_app.WEIGHTS]
     before = engine_actors()
     report, table = soak_once(app, kinds, cases)
     after = engine_actors()

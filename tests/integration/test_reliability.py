@@ -12,23 +12,23 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench import soak  # noqa: E402
+from bench import soak, soak_app  # noqa: E402
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 
-PHASE = soak.colocated_phase(kinds=["worker", "replica", "router"], replicas=1, standby=1)
+PHASE = soak_app.colocated_phase(kinds=["worker", "replica", "router"], replicas=1, standby=1)
 GROUP = PHASE.group["name"]
 
 
 @pytest.fixture(scope="module")
 def cases():
-    token_lists = soak.prompts(6, seed=1)
-    return list(zip(token_lists, soak.reference_tokens(token_lists), strict=True))
+    token_lists = soak_app.prompts(6, seed=1)
+    return list(zip(token_lists, soak_app.reference_tokens(token_lists), strict=True))
 
 
 @pytest.fixture(scope="module")
 def app():
-    with soak.running_app(PHASE, num_cpus=2) as url:
+    with soak_app.running_app(PHASE, num_cpus=2) as url:
         yield url
 
 
@@ -40,7 +40,7 @@ def test_faults_under_load_lose_nothing(app, cases):
         k = report.kinds[kind]
         assert k.faults == 1 and k.not_recovered == 0 and len(k.recovery_s) == 1, table
     for kind in ("worker", "replica"):  # the spare served, then was whole again
-        assert len(report.kinds[kind].spare_s) == 1, table
+        assert len(report.kinds[kind].whole_s) == 1, table
     tallies = report.tally.values()
     assert sum(t.ok for t in tallies) > 0, table
     assert sum(t.lost + t.dropped for t in tallies) == 0, table
@@ -49,11 +49,11 @@ def test_faults_under_load_lose_nothing(app, cases):
 
 
 def test_client_disconnecting_mid_stream_frees_its_blocks_at_once(app, cases):
-    idle = soak.blocks_in_use(GROUP, wait_s=30)
+    idle = soak_app.blocks_in_use(GROUP, wait_s=30)
     assert idle and all(v == 0 for b in idle.values() for v in b.values()), idle
     prompt = cases[0][0]
     body = {
-        "model": soak.MODEL,
+        "model": soak_app.MODEL,
         "prompt": prompt,
         "max_tokens": 1000,  # seconds of decoding, were it not aborted
         "temperature": 0,
@@ -68,10 +68,10 @@ def test_client_disconnecting_mid_stream_frees_its_blocks_at_once(app, cases):
             for line in r.iter_lines():
                 chunks += line.startswith("data: ")
                 if chunks == 3:  # streaming: the request holds blocks now
-                    in_use = soak.blocks_in_use(GROUP, wait_s=0)
+                    in_use = soak_app.blocks_in_use(GROUP, wait_s=0)
                     break  # leaving the iteration closes the response: the client is gone
     assert any(v for b in in_use.values() for v in b.values()), in_use
     # the response and its connection are closed here: the request is aborted, and its
     # blocks are back at 0 within the wait (decoding its 1,000 tokens would take longer)
-    blocks = soak.blocks_in_use(GROUP, wait_s=5)
+    blocks = soak_app.blocks_in_use(GROUP, wait_s=5)
     assert all(v == 0 for b in blocks.values() for v in b.values()), blocks

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from actors import fault_targets
-from bench import soak  # noqa: E402
+from bench import soak_app  # noqa: E402
 from bench.app_probe import healthy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -23,13 +23,13 @@ GROUP = {
     "num_replicas": 2,
     "engine": {"dtype": "float64", "num_blocks": 256, "block_size": 16},
 }
-PHASE = soak.Phase("failover", GROUP, [], {"ingress": 1, "router": 1, "replica": 2})
+PHASE = soak_app.Phase("failover", GROUP, [], {"ingress": 1, "router": 1, "replica": 2})
 TOKENS = 160  # long enough to kill the replica mid-stream
 
 
 @pytest.fixture(scope="module")
 def app():
-    with soak.running_app(PHASE, num_cpus=2) as url:
+    with soak_app.running_app(PHASE, num_cpus=2) as url:
         yield url
 
 
@@ -43,17 +43,17 @@ def reference(prompt: list[int]) -> list[int]:
 def holder(group: str) -> str:
     """The one replica of ``group`` holding blocks now."""
     busy = [
-        rid for rid, pools in soak.blocks_in_use(group, wait_s=0).items() if any(pools.values())
+        rid for rid, pools in soak_app.blocks_in_use(group, wait_s=0).items() if any(pools.values())
     ]
     assert len(busy) == 1, busy
     return busy[0]
 
 
 def test_a_stream_survives_its_replica_dying(app):
-    prompt = soak.prompts(1, seed=5)[0]
+    prompt = soak_app.prompts(1, seed=5)[0]
     want = reference(prompt)
     body = {
-        "model": soak.MODEL,
+        "model": soak_app.MODEL,
         "prompt": prompt,
         "max_tokens": TOKENS,
         "temperature": 0,
@@ -86,5 +86,5 @@ def test_a_stream_survives_its_replica_dying(app):
     while not healthy(app, 2):
         assert time.monotonic() < deadline, "the group did not return to two replicas"
         time.sleep(0.5)
-    blocks = soak.blocks_in_use("main", wait_s=30)
+    blocks = soak_app.blocks_in_use("main", wait_s=30)
     assert all(v == 0 for b in blocks.values() for v in b.values()), blocks

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from actors import fault_targets
-from bench import soak  # noqa: E402
+from bench import soak_app  # noqa: E402
 from bench.app_probe import healthy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,20 +25,20 @@ GROUP = {
     "engine": {"kv_cache_memory": 1 << 24},
     "store": {"dram_bytes": 1 << 24, "min_load_tokens": 32},
 }
-PHASE = soak.Phase("store", GROUP, [], {"ingress": 1, "router": 1, "replica": 1})
-POOL = f"{soak.APP}/main"
+PHASE = soak_app.Phase("store", GROUP, [], {"ingress": 1, "router": 1, "replica": 1})
+POOL = f"{soak_app.APP}/main"
 N = 8
 
 
 @pytest.fixture(scope="module")
 def app():
-    with soak.running_app(PHASE, num_cpus=2) as url:
+    with soak_app.running_app(PHASE, num_cpus=2) as url:
         yield url
 
 
 def complete(url: str, prompt: list[int]) -> dict:
     body = {
-        "model": soak.MODEL,
+        "model": soak_app.MODEL,
         "prompt": prompt,
         "max_tokens": N,
         "temperature": 0,
@@ -77,16 +77,16 @@ def test_a_replacement_replica_loads_what_the_dead_one_stored(app):
     out = complete(app, first)
     assert out["choices"][0]["token_ids"] == reference(first)
     stored(first, 6)
-    (old,) = soak.serve_replica_ids("main")
+    (old,) = soak_app.serve_replica_ids("main")
     (replica,) = [a for a in fault_targets.live_actors() if a.kind == "replica"]
     fault_targets.kill(replica)
     deadline = time.monotonic() + 300
-    while soak.serve_replica_ids("main") in ([], [old]) or not healthy(app, 1):
+    while soak_app.serve_replica_ids("main") in ([], [old]) or not healthy(app, 1):
         assert time.monotonic() < deadline, "no replacement replica"
         time.sleep(0.5)
     longer = first + [3 + (i * 53) % 500 for i in range(40)]
     out = complete(app, longer)
     assert out["choices"][0]["token_ids"] == reference(longer)
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * 16
-    blocks = soak.blocks_in_use("main")
+    blocks = soak_app.blocks_in_use("main")
     assert all(v == 0 for pools in blocks.values() for v in pools.values()), blocks
