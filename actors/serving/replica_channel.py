@@ -135,9 +135,11 @@ class ReplicaChannels:
         channel = self._channel(msg.ingress)
         ended_idle = False
         listener = await ChannelListener.open(self.host)
+        writer = None
         try:
             yield [("", listener.address)]
-            channel.attach(await listener.accept())
+            writer = await listener.accept()
+            channel.attach(writer)
             closed = asyncio.ensure_future(listener.wait_closed())
             try:
                 while True:
@@ -150,10 +152,11 @@ class ReplicaChannels:
             finally:
                 closed.cancel()
         finally:
-            channel.attach(None)
+            if writer is not None and channel.writer is writer:  # not a later call's
+                channel.attach(None)
             listener.close()
-            if not ended_idle:  # nobody reads this channel any more
-                for prompt in channel.prompts.values():
+            if not ended_idle and self._channels.get(msg.ingress) is channel:
+                for prompt in channel.prompts.values():  # nobody reads them any more
                     prompt.dropped = True
                     self.loop.abort(prompt.ids)
-                self._channels.pop(msg.ingress, None)
+                del self._channels[msg.ingress]
