@@ -17,14 +17,7 @@ import torch
 from torch import nn
 
 from kernels import layer_ops_cpu
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def rope_type_of(rope_scaling: Mapping[str, Any] | None) -> str:
-    if not rope_scaling:
-        return "default"
-    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+from kernels.rope_types import SUPPORTED_ROPE_TYPES, rope_type_of
 
 
 def inverse_frequencies(

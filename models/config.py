@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from errors import ModelLoadError
-from kernels.rope import SUPPORTED_ROPE_TYPES, rope_type_of
+from kernels.rope_types import SUPPORTED_ROPE_TYPES, rope_type_of
 from models.gguf_checkpoint import is_gguf, open_gguf
 from models.pretrained import resolve_model
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -31,11 +32,7 @@ _REQUIRED = (
     "num_hidden_layers",
     "num_attention_heads",
 )
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+DTYPES = ("float32", "float16", "bfloat16")  # the checkpoint dtypes read, by their torch name
 
 
 @dataclass
@@ -62,8 +59,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_local_experts: int = 0  # 0: dense SwiGLU MLP in every layer
     num_experts_per_tok: int = 0
-    torch_dtype: torch.dtype = torch.float32
+    dtype: str = "float32"  # one of DTYPES
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The checkpoint's dtype (torch loads here, not at import: the ingress reads
+        configs without it)."""
+        import torch
+
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
 
     @property
     def is_moe(self) -> bool:
@@ -115,9 +120,9 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else _opt_ids(eos)
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        if dtype_name not in _DTYPES:
+        if dtype_name not in DTYPES:
             raise ModelLoadError(
-                f"dtype {dtype_name!r} is not supported; use one of {list(_DTYPES)}"
+                f"dtype {dtype_name!r} is not supported; use one of {list(DTYPES)}"
             )
         return cls(
             architecture=arch,
@@ -140,7 +145,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             num_local_experts=experts,
             num_experts_per_tok=top_k,
-            torch_dtype=_DTYPES[dtype_name],
+            dtype=dtype_name,
             extra=raw,
         )
 

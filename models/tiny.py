@@ -18,13 +18,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from models.config import ModelConfig
 from models.tiny_tokenizer import write_tiny_tokenizer
+
+if TYPE_CHECKING:  # torch loads only to write weights: reading the model's folder needs none
+    import torch
 
 TINY_VERSION = "v1"
 _MODEL_TYPES = {
@@ -91,6 +91,8 @@ def tiny_config(kind: str = "dense", **overrides: Any) -> dict[str, Any]:
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Hugging Face-named float32 tensors, drawn in a fixed order from one generator."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -185,6 +187,8 @@ def tiny_model_dir(kind: str = "dense", num_key_value_heads: int | None = None) 
 
 
 def _write_weights(path: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    from safetensors.torch import save_file
+
     names = list(tensors)
     if num_shards <= 1:
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -213,7 +217,8 @@ def write_perturbed_copy(
     """Copy the model folder ``model_dir`` (one ``model.safetensors``) to ``dest`` with
     noise added to every weight (``scale`` times each tensor's mean magnitude): new weights
     of the same shapes, as a training step makes. Returns (those tensors, ``dest``)."""
-    from safetensors.torch import load_file
+    import torch
+    from safetensors.torch import load_file, save_file
 
     src, dest = Path(model_dir), Path(dest)
     gen = torch.Generator().manual_seed(seed)

@@ -146,11 +146,3 @@ def check_weights(expected: Mapping[str, tuple[int, ...]], weights: Mapping[str,
             raise InvalidRequestError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
             )
-
-
-WEIGHT_VERSION_MARK = "\x00weights-v"
-
-
-def weight_version_salt(salt: str | None, version: int) -> str:
-    """The block-hash salt of a request served by weights of ``version`` (>= 1)."""
-    return f"{salt or ''}{WEIGHT_VERSION_MARK}{version}"

@@ -47,3 +47,12 @@ def extend_block_hashes(
         parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+WEIGHT_VERSION_MARK = "\x00weights-v"
+
+
+def weight_version_salt(salt: str | None, version: int) -> str:
+    """The block-hash salt of a request of ``salt`` (its tenant's) served by weights of
+    ``version`` (>= 1): KV computed with other weights never matches its hashes."""
+    return f"{salt or ''}{WEIGHT_VERSION_MARK}{version}"

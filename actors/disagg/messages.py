@@ -12,11 +12,13 @@ again) is recognised and dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from actors.disagg.kv_stream import KVDestination
 from actors.engine.outputs import RequestOutput, StreamDelta
 from policies.request import Request
+
+if TYPE_CHECKING:  # the router and the ingress import these messages without torch
+    from actors.disagg.kv_stream import KVDestination
 
 
 @dataclass(frozen=True)

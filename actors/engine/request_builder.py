@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 from actors.engine.request_limits import RequestLimits
 from errors import InvalidRequestError
-from models.weight_update import WEIGHT_VERSION_MARK, weight_version_salt
 from policies.request import Request, SamplingParams
-from store.hashing import chained_block_hashes
+from store.hashing import WEIGHT_VERSION_MARK, chained_block_hashes, weight_version_salt
 
 
 class RequestBuilder:

@@ -42,9 +42,8 @@ from pydantic import (
 )
 
 from actors.engine.outputs import TokenLogprob
-from actors.engine.sampling import SamplingParams
 from errors import InvalidRequestError
-from policies.request import MAX_LOGPROBS
+from policies.request import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

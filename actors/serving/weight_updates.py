@@ -394,7 +394,7 @@ class VersionWatch:
         replicas hash it. A replica hashes a request of another version again at its own
         (``RequestBuilder.at_weight_version``), so a stale version here costs the router's
         prefix matches for a moment, never a wrong reuse of KV."""
-        from models.weight_update import weight_version_salt
+        from store.hashing import weight_version_salt
 
         return weight_version_salt(tenant, self.version) if self.version else tenant
 

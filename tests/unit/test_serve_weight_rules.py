@@ -11,9 +11,8 @@ from actors.engine.request_limits import RequestLimits
 from actors.serving import openai_protocol as oai
 from actors.serving.admin import UpdateWeightsBody, require_admin
 from actors.serving.config import ApiKeyConfig
-from models.weight_update import weight_version_salt
 from policies.request import SamplingParams
-from store.hashing import chained_block_hashes
+from store.hashing import chained_block_hashes, weight_version_salt
 
 TOKENS = list(range(3, 40))
 
