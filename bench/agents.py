@@ -69,22 +69,19 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from agent_setups import MODEL_NAME, SETUPS, app_config, expected_replicas, pd_kv_split  # noqa: E402
-from app_probe import free_port, wait_healthy  # noqa: E402
-from bench_model import MODEL, write_bench_model  # noqa: E402
-from serve_records import TokenClock, sse_chunks  # noqa: E402
-
-from sim.agent_trajectories import (  # noqa: E402
+from bench.agent_setups import MODEL_NAME, SETUPS, app_config, expected_replicas, pd_kv_split
+from bench.app_probe import free_port, wait_healthy
+from bench.bench_model import MODEL, write_bench_model
+from bench.serve_records import TokenClock, sse_chunks
+from sim.agent_trajectories import (
     AgentTrajectory,
     AgentTurn,
     build_trajectories,
     scaled,
     summary,
 )
-from sim.metrics import percentile  # noqa: E402
-from sim.traces import load_trace  # noqa: E402
+from sim.metrics import percentile
+from sim.traces import load_trace
 
 APP = "bench-agents"
 

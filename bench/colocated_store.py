@@ -31,11 +31,7 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODELS = {"tiny": None, "smollm2": "SmolLM2-135M-Instruct"}
 NEVER = 1 << 30  # min_load_tokens that turns loads off

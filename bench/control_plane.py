@@ -23,20 +23,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import ray  # noqa: E402
-
-from actors.engine.collectives import Layout  # noqa: E402
-from actors.engine.ray_executor import CHANNEL_BYTES, RayExecutor  # noqa: E402
-from actors.engine.step_plan import PlanEntry, StepPlan, StepResult  # noqa: E402
-from actors.engine.worker import StageOutput, WorkerSpec  # noqa: E402
+from actors.engine.collectives import Layout
+from actors.engine.ray_executor import CHANNEL_BYTES, RayExecutor
+from actors.engine.step_plan import PlanEntry, StepPlan, StepResult
+from actors.engine.worker import StageOutput, WorkerSpec
 
 HIDDEN = 64  # activation width handed between stages (the tiny model's)
 

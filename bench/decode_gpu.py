@@ -23,18 +23,14 @@ import cProfile
 import pstats
 import random
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from actors import LLM, SamplingParams  # noqa: E402
-from models.hf_reference import hf_generate, hf_pretrained  # noqa: E402
-from models.pretrained import resolve_model  # noqa: E402
+from actors import LLM, SamplingParams
+from models.hf_reference import hf_generate, hf_pretrained
+from models.pretrained import resolve_model
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:

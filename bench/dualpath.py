@@ -55,24 +55,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from real_prompts import add_model_options, chosen_model  # noqa: E402
-
-from actors.disagg.cluster import PDCluster  # noqa: E402
-from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig  # noqa: E402
-from actors.disagg.store_view import StoreConfig  # noqa: E402
-from actors.engine.config import EngineConfig  # noqa: E402
-from actors.engine.sampling import SamplingParams  # noqa: E402
-from store.transfer.links import EXEC, KV, Link, LinkBudget  # noqa: E402
+from actors.disagg.cluster import PDCluster
+from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
+from actors.disagg.store_view import StoreConfig
+from actors.engine.config import EngineConfig
+from actors.engine.sampling import SamplingParams
+from bench.real_prompts import add_model_options, chosen_model
+from store.transfer.links import EXEC, KV, Link, LinkBudget
 
 ENGINE = dict(block_size=16, num_blocks=1024, chunk_size=256, token_budget=512)
 
@@ -91,7 +86,7 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[list[
             for _ in range(args.conversations)
         ]
         return firsts, appends
-    from real_prompts import chat_ids, dialogues, tokenizer, turn_ids
+    from bench.real_prompts import chat_ids, dialogues, tokenizer, turn_ids
 
     tok = tokenizer(args.model)
     convs = dialogues(args.turns, args.conversations, args.seed)

@@ -19,19 +19,15 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_model import MODEL, write_bench_model  # noqa: E402
-
-from actors import LLM, SamplingParams  # noqa: E402
-from models.hf_reference import hf_generate, hf_pretrained  # noqa: E402
+from actors import LLM, SamplingParams
+from bench.bench_model import MODEL, write_bench_model
+from models.hf_reference import hf_generate, hf_pretrained
 
 
 def best_of(fn, repeats: int) -> float:

@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from store.shared_segment import SharedSegment  # noqa: E402
-from store.transfer import TransferEngine  # noqa: E402
+from store.shared_segment import SharedSegment
+from store.transfer import TransferEngine
 
 MiB = 1 << 20
 BLOCK = 256 * 1024

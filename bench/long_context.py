@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from actors.engine.replica_controller import ReplicaController  # noqa: E402
-from actors.engine.sampling import SamplingParams  # noqa: E402
-from models import write_tiny_model  # noqa: E402
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from models import write_tiny_model
 
 BLOCK = 16
 CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}

@@ -35,21 +35,18 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_model import MODEL  # noqa: E402
-from real_prompts import add_model_options, chosen_model  # noqa: E402
-
-from actors.engine.replica_controller import ReplicaController  # noqa: E402
-from actors.engine.sampling import SamplingParams  # noqa: E402
-from models import write_tiny_model  # noqa: E402
-from sim.metrics import percentile  # noqa: E402
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from bench.bench_model import MODEL
+from bench.real_prompts import add_model_options, chosen_model
+from models import write_tiny_model
+from sim.metrics import percentile
 
 WARMUP = 2  # interleaved pairs run first and not counted
 
@@ -67,8 +64,7 @@ def random_prompts(args: argparse.Namespace) -> list[list[int]]:
 def real_prompts(args: argparse.Namespace) -> list[list[int]]:
     """The long prompt (MT-bench's reference answers, a window from the start), then
     ShareGPT first turns in the model's chat template."""
-    from real_prompts import short_prompts, tokenizer
-
+    from bench.real_prompts import short_prompts, tokenizer
     from sim.datasets import mtbench_reference_text
 
     tok = tokenizer(args.model)

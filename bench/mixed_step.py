@@ -24,24 +24,20 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_model import MODEL, write_bench_model  # noqa: E402
-
-from actors.engine.step_plan import PlanEntry, StepPlan  # noqa: E402
-from actors.engine.worker_inputs import build_worker_inputs  # noqa: E402
-from kernels.attention_torch import TorchAttentionBackend  # noqa: E402
-from kernels.cpu_linear import can_pack, pack_linears  # noqa: E402
-from kernels.kv_cache import allocate_kv_cache  # noqa: E402
-from models import load_model  # noqa: E402
-from models.sharding import ModelShard  # noqa: E402
+from actors.engine.step_plan import PlanEntry, StepPlan
+from actors.engine.worker_inputs import build_worker_inputs
+from bench.bench_model import MODEL, write_bench_model
+from kernels.attention_torch import TorchAttentionBackend
+from kernels.cpu_linear import can_pack, pack_linears
+from kernels.kv_cache import allocate_kv_cache
+from models import load_model
+from models.sharding import ModelShard
 
 BLOCK = 16
 

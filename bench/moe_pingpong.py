@@ -34,24 +34,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ray
 
-import ray  # noqa: E402
-
-from actors.engine.replica_controller import ReplicaController  # noqa: E402
-from actors.engine.sampling import SamplingParams  # noqa: E402
-from actors.moe.executor import cost_spec  # noqa: E402
-from actors.moe.messages import StageTime  # noqa: E402
-from models import write_tiny_model  # noqa: E402
-from models.config import read_model_config  # noqa: E402
-from placement.gpus import get_gpu  # noqa: E402
-from placement.moe_plan import (  # noqa: E402
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from actors.moe.executor import cost_spec
+from actors.moe.messages import StageTime
+from models import write_tiny_model
+from models.config import read_model_config
+from placement.gpus import get_gpu
+from placement.moe_plan import (
     Efficiency,
     Hardware,
     attention_time,

@@ -8,12 +8,7 @@ paper's figures. The numbers and the table are ``sim/report_moe.py``'s, the sect
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from sim.report_moe import moe_section  # noqa: E402
+from sim.report_moe import moe_section
 
 
 def main() -> None:

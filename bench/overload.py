@@ -39,15 +39,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_model import MODEL, write_bench_model  # noqa: E402
-
-from actors.engine.events import Delta  # noqa: E402
-from actors.serving.colocated_engine import ColocatedEngine  # noqa: E402
-from actors.serving.engine_loop import EngineLoop  # noqa: E402
-from errors import OverloadedError  # noqa: E402
-from policies.request import SamplingParams  # noqa: E402
-from sim.metrics import percentile  # noqa: E402
+from actors.engine.events import Delta
+from actors.serving.colocated_engine import ColocatedEngine
+from actors.serving.engine_loop import EngineLoop
+from bench.bench_model import MODEL, write_bench_model
+from errors import OverloadedError
+from policies.request import SamplingParams
+from sim.metrics import percentile
 
 
 def rss_bytes() -> int:
@@ -264,7 +262,7 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if "--pd" in sys.argv[1:]:
-        from overload_pd import main as pd_main
+        from bench.overload_pd import main as pd_main
 
         pd_main([a for a in sys.argv[1:] if a != "--pd"])
         return

@@ -40,7 +40,6 @@ import argparse
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -50,28 +49,26 @@ from pathlib import Path
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_model import MODEL, write_bench_model  # noqa: E402
-
-from actors.disagg.cluster import PDCluster  # noqa: E402
-from actors.disagg.cluster_config import PDClusterConfig  # noqa: E402
-from actors.disagg.conductor import (  # noqa: E402
+from actors.disagg.cluster import PDCluster
+from actors.disagg.cluster_config import PDClusterConfig
+from actors.disagg.conductor import (
     ConductorOptions,
     RequestRejected,
     default_conductor,
 )
-from actors.engine.config import EngineConfig  # noqa: E402
-from actors.engine.sampling import SamplingParams  # noqa: E402
-from kernels.kv_cache import kv_cache_bytes_per_block  # noqa: E402
-from models.config import read_model_config  # noqa: E402
-from policies.conductor import (  # noqa: E402
+from actors.engine.config import EngineConfig
+from actors.engine.sampling import SamplingParams
+from bench.bench_model import MODEL, write_bench_model
+from kernels.kv_cache import kv_cache_bytes_per_block
+from models.config import read_model_config
+from policies.conductor import (
     Conductor,
     ConductorDecision,
     ConductorRequest,
     DecodeInstance,
     PrefillInstance,
 )
-from sim.metrics import percentile  # noqa: E402
+from sim.metrics import percentile
 
 MODES = ("baseline", "early", "predictive")
 ENGINE = dict(block_size=16, chunk_size=256, token_budget=512, max_num_seqs=64, num_blocks=1024)

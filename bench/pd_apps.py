@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from app_probe import free_port, wait_healthy
+from bench.app_probe import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 

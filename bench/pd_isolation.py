@@ -32,7 +32,6 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,17 +40,15 @@ from pathlib import Path
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_model import write_bench_model  # noqa: E402
-from real_prompts import add_model_options, chosen_model  # noqa: E402
-
-from actors.disagg.cluster import PDCluster  # noqa: E402
-from actors.disagg.cluster_config import PDClusterConfig  # noqa: E402
-from actors.engine.config import EngineConfig  # noqa: E402
-from actors.engine.replica_controller import ReplicaController  # noqa: E402
-from actors.engine.replica_loop import split_cores  # noqa: E402
-from actors.engine.sampling import SamplingParams  # noqa: E402
-from sim.metrics import percentile  # noqa: E402
+from actors.disagg.cluster import PDCluster
+from actors.disagg.cluster_config import PDClusterConfig
+from actors.engine.config import EngineConfig
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.replica_loop import split_cores
+from actors.engine.sampling import SamplingParams
+from bench.bench_model import write_bench_model
+from bench.real_prompts import add_model_options, chosen_model
+from sim.metrics import percentile
 
 ENGINE = dict(block_size=16, chunk_size=512, token_budget=1024, max_num_seqs=32)
 SHORT, SHORT_PROMPT, LONG_PROMPT = 8, 64, 3072
@@ -72,8 +69,7 @@ def random_prompts(seed: int) -> tuple[list[list[int]], list[int]]:
 def real_prompts(model: str) -> Prompts:
     """ShareGPT first turns (chat template) as the short prompts; a window of MT-bench's
     reference answers, starting where the seed says, as the long one."""
-    from real_prompts import short_prompts, tokenizer
-
+    from bench.real_prompts import short_prompts, tokenizer
     from sim.datasets import mtbench_reference_text
 
     tok = tokenizer(model)
@@ -159,7 +155,7 @@ def main() -> None:
     model_dir = chosen_model(ap, args) or write_bench_model(Path(tempfile.mkdtemp()) / "bench")
     prompts = real_prompts(args.model) if args.dataset != "random" else random_prompts
     if args.http:
-        from pd_isolation_http import run_http
+        from bench.pd_isolation_http import run_http
 
         limit = SHORT_PARAMS.max_tokens
         med = run_http(

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from pd_profile import GAP_X, Profiler, RunProfile, decode_step_times, print_table, split_gaps
-from serve_records import sse_chunks
+
+from bench.pd_profile import GAP_X, Profiler, RunProfile, decode_step_times, print_table, split_gaps
+from bench.serve_records import sse_chunks
 
 Prompts = Callable[[int], tuple[list[list[int]], list[int]]]
 Gaps = Callable[[list[list[float]], float, float], tuple[list[float], list[float]]]
@@ -136,7 +137,7 @@ def run_http(
     """Both apps up, warmed up, then ``repeats`` interleaved runs; the medians per app of
     (p50 before, p99 before, p50 during, p99 during), in seconds. ``profile``: the P/D
     app's runs are profiled (``bench/pd_profile.py``) and the readings printed."""
-    from serve_defaults import serve_run
+    from bench.serve_defaults import serve_run
 
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in GROUPS}
     profiled: list[tuple[RunProfile, list[list[float]], float, float, float]] = []

@@ -63,18 +63,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from pd_apps import model_name, running_apps, samples  # noqa: E402
-from serve_chat import ChatClient, load, mtbench_conversations  # noqa: E402
-
-from sim.metrics import percentile  # noqa: E402
+from bench.pd_apps import model_name, running_apps, samples
+from bench.serve_chat import ChatClient, load, mtbench_conversations
+from sim.metrics import percentile
 
 SIDES = ("islands", "shared")
 COLOCATED_SIDES = ("nostore", "store")  # --colocated: two colocated replicas, without / with
@@ -143,7 +138,7 @@ def workload(args: argparse.Namespace) -> list[list[Chat]]:
     alternating. ShareGPT chats are those whose user turns hold ``--min-chars`` or more in
     all (most ShareGPT turns are a line or two: a later turn's history would be mostly the
     model's answers)."""
-    from real_prompts import dialogues
+    from bench.real_prompts import dialogues
 
     n = args.conversations
     n_mt, n_sg = (n + 1) // 2, n // 2
@@ -373,7 +368,7 @@ async def run_all(args: argparse.Namespace, urls: dict[str, str]) -> list[Run]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import pd_pools_scale  # its own module (the --scale mode)
+    from bench import pd_pools_scale  # its own module (the --scale mode)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SMOLLM2, help="a .gguf, folder, packaged name, or tiny")

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from pd_apps import model_name, running_apps, samples
 
+from bench.pd_apps import model_name, running_apps, samples
 from sim.metrics import percentile
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from proc_table import descendants, processes, serve_process, stat_fields
+from bench.proc_table import descendants, processes, serve_process, stat_fields
 
 TICK = os.sysconf("SC_CLK_TCK")  # /proc/stat's units per second
 MACHINE = "machine"  # every core's CPU time, for the other-work row

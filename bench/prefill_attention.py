@@ -23,16 +23,13 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kernels import paged_attention_cpu  # noqa: E402
-from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.attention_torch import paged_attention, plan_attention  # noqa: E402
-from kernels.kv_cache import allocate_kv_cache  # noqa: E402
+from kernels import paged_attention_cpu
+from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_torch import paged_attention, plan_attention
+from kernels.kv_cache import allocate_kv_cache
 
 BLOCK, HQ, HKV, HEAD_DIM = 16, 8, 4, 64
 

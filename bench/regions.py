@@ -49,18 +49,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import MODEL, write_bench_model  # noqa: E402
-from real_prompts import add_model_options, chosen_model  # noqa: E402
-
-from actors.engine.worker_hooks import WorkerHooks  # noqa: E402
-from actors.regions.runtime import BalancerRuntime, LocalReplica  # noqa: E402
-from actors.serving.colocated_engine import ColocatedEngine  # noqa: E402
-from actors.serving.engine_loop import EngineLoop  # noqa: E402
-from policies.region_balancer import BalancerConfig, RegionBalancer  # noqa: E402
-from policies.request import SamplingParams  # noqa: E402
-from sim.metrics import percentile  # noqa: E402
+from actors.engine.worker_hooks import WorkerHooks
+from actors.regions.runtime import BalancerRuntime, LocalReplica
+from actors.serving.colocated_engine import ColocatedEngine
+from actors.serving.engine_loop import EngineLoop
+from bench.bench_model import MODEL, write_bench_model
+from bench.real_prompts import add_model_options, chosen_model
+from policies.region_balancer import BalancerConfig, RegionBalancer
+from policies.request import SamplingParams
+from sim.metrics import percentile
 
 REGIONS = ("us", "eu", "asia")
 DELAY = {("us", "eu"): 0.04, ("us", "asia"): 0.08, ("eu", "asia"): 0.1}
@@ -123,7 +120,7 @@ class Bench:
         self.questions: list[list[int]] = []
         self.thoughts: list[list[int]] = []
         if args.dataset != "random":
-            from real_prompts import dialogues, short_prompts, tokenizer, turn_ids
+            from bench.real_prompts import dialogues, short_prompts, tokenizer, turn_ids
 
             tok = tokenizer(args.model)
             self.questions = short_prompts(tok, 64, seed=0)

@@ -40,25 +40,20 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_model import MODEL, write_bench_model  # noqa: E402
-from regions import REGIONS, build_replica, connect_all, delay  # noqa: E402
-
-from actors.engine.worker_hooks import WorkerHooks  # noqa: E402
-from actors.regions.runtime import BalancerRuntime, LocalReplica  # noqa: E402
-from policies.region_balancer import BalancerConfig, RegionBalancer  # noqa: E402
-from policies.request import SamplingParams  # noqa: E402
-from sim.metrics import percentile  # noqa: E402
-from sim.regional_workload import diurnal_arrivals  # noqa: E402
+from actors.engine.worker_hooks import WorkerHooks
+from actors.regions.runtime import BalancerRuntime, LocalReplica
+from bench.bench_model import MODEL, write_bench_model
+from bench.regions import REGIONS, build_replica, connect_all, delay
+from policies.region_balancer import BalancerConfig, RegionBalancer
+from policies.request import SamplingParams
+from sim.metrics import percentile
+from sim.regional_workload import diurnal_arrivals
 
 # name -> (replicas per region, forwarding)
 SETUPS = {

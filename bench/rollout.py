@@ -36,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 GENERATED = re.compile(r"generated (\d+) tokens in ([0-9.]+) s")
 SIDES = ("job", "inproc", "vllm")
@@ -45,8 +43,7 @@ SIDES = ("job", "inproc", "vllm")
 
 def write_prompts(path: Path, count: int, max_output: int, seed: int = 0) -> int:
     """ShareGPT first turns as token ids with fixed output lengths; returns how many."""
-    from real_prompts import chat_ids, tokenizer
-
+    from bench.real_prompts import chat_ids, tokenizer
     from sim.datasets import sample_sharegpt
 
     tok = tokenizer("SmolLM2-135M-Instruct")
@@ -62,7 +59,7 @@ def write_prompts(path: Path, count: int, max_output: int, seed: int = 0) -> int
 
 def model_folder(name: str, work: Path) -> Path:
     if name == "qwen2-0.5b":
-        from bench_model import write_qwen2_05b
+        from bench.bench_model import write_qwen2_05b
 
         return write_qwen2_05b(work / "qwen2-0.5b")
     from models.gguf_convert import convert_gguf

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,10 +40,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from actors import LLM, SamplingParams  # noqa: E402
-from models.weight_update import SharedWeights  # noqa: E402
+from actors import LLM, SamplingParams
+from models.weight_update import SharedWeights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -101,7 +98,7 @@ def hf_folder(model: str | None, work: Path) -> Path:
 
 def prompt_ids(folder: Path, dataset: str, count: int, seed: int) -> list[list[int]]:
     if dataset == "sharegpt":
-        from real_prompts import short_prompts, tokenizer  # noqa: PLC0415
+        from bench.real_prompts import short_prompts, tokenizer  # noqa: PLC0415
 
         return short_prompts(tokenizer(str(folder)), count, seed)
     rng = random.Random(seed)
@@ -183,7 +180,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.dataset == "sharegpt" and not args.model:
         ap.error("--dataset sharegpt needs --model (a real tokenizer)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -57,17 +57,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from policies.cluster_view import ClusterView
+from policies.replica_stats import ReplicaStats
+from policies.routing import PrefixAware, RouteRequest
+from sim.tokens import prompt_tokens
+from sim.traces import load_mooncake
+from sim.workload import TraceRequest
+from store.hashing import chained_block_hashes
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from policies.cluster_view import ClusterView  # noqa: E402
-from policies.replica_stats import ReplicaStats  # noqa: E402
-from policies.routing import PrefixAware, RouteRequest  # noqa: E402
-from sim.tokens import prompt_tokens  # noqa: E402
-from sim.traces import load_mooncake  # noqa: E402
-from sim.workload import TraceRequest  # noqa: E402
-from store.hashing import chained_block_hashes  # noqa: E402
-
 TRACE = REPO.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 BLOCK = 512  # the trace's block size: one hash_id = 512 tokens
 CHARS_PER_TOKEN = 4

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serve_records import Sample, TokenClock
+from bench.serve_records import Sample, TokenClock
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def paired(runs_a: list[Any], runs_b: list[Any], value: Callable[[Any], float]) 
 async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
     """Every (streams, repeat) gets its own conversations, the same for every side; the
     sides take turns, the first rotating with the repeat."""
-    from serve_records import Run, median_metrics, print_table
+    from bench.serve_records import Run, median_metrics, print_table
 
     per_run: int = args.num_prompts
     runs = len(args.concurrency) * args.repeats

@@ -27,9 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from app_probe import free_port
-from serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
-from serve_profile import SERVING, VLLM_SERVER, CpuProfile
+
+from bench.app_probe import free_port
+from bench.serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
+from bench.serve_profile import SERVING, VLLM_SERVER, CpuProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 DIRECT_MIN = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"  # Ray Serve's direct-ingress port range

@@ -16,10 +16,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import httpx
-from bench_model import MODEL
-from cpu_hog import cpu_hog
-from serve_profile import CpuProfile
-from serve_records import Run, Sample, TokenClock, print_table, sse_chunks
+
+from bench.bench_model import MODEL
+from bench.cpu_hog import cpu_hog
+from bench.serve_profile import CpuProfile
+from bench.serve_records import Run, Sample, TokenClock, print_table, sse_chunks
 
 
 def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:

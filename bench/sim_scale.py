@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from sim.presets import ClusterConfig, build_cluster  # noqa: E402
-from sim.traces import load_trace  # noqa: E402
-from sim.workload import TraceRequest  # noqa: E402
+from sim.presets import ClusterConfig, build_cluster
+from sim.traces import load_trace
+from sim.workload import TraceRequest
 
 
 def tiled(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:

@@ -67,14 +67,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.soak_app import (  # noqa: E402
+from bench.soak_app import (
     Phase,
     blocks_in_use,
     colocated_phase,
@@ -83,10 +79,10 @@ from bench.soak_app import (  # noqa: E402
     reference_tokens,
     running_app,
 )
-from bench.soak_faults import RECOVERY_TIMEOUT_S, KindResult, fault_plan, inject  # noqa: E402
-from bench.soak_load import RETRY_FOR_S, Load, Tally, tally  # noqa: E402
-from bench.soak_memory import MemorySnapshot, memory_table  # noqa: E402
-from bench.soak_memory import snapshot as memory_snapshot  # noqa: E402
+from bench.soak_faults import RECOVERY_TIMEOUT_S, KindResult, fault_plan, inject
+from bench.soak_load import RETRY_FOR_S, Load, Tally, tally
+from bench.soak_memory import MemorySnapshot, memory_table
+from bench.soak_memory import snapshot as memory_snapshot
 
 
 @dataclass

@@ -36,7 +36,6 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,16 +43,14 @@ from typing import Any
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_model import MODEL  # noqa: E402
-
-from actors.engine.collectives import Layout  # noqa: E402
-from actors.engine.replica_controller import ReplicaController  # noqa: E402
-from actors.engine.sampling import SamplingParams  # noqa: E402
-from actors.engine.step_plan import StepPlan  # noqa: E402
-from actors.engine.worker_hooks import WorkerHooks  # noqa: E402
-from models import write_tiny_model  # noqa: E402
-from sim.metrics import percentile  # noqa: E402
+from actors.engine.collectives import Layout
+from actors.engine.replica_controller import ReplicaController
+from actors.engine.sampling import SamplingParams
+from actors.engine.step_plan import StepPlan
+from actors.engine.worker_hooks import WorkerHooks
+from bench.bench_model import MODEL
+from models import write_tiny_model
+from sim.metrics import percentile
 
 CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 

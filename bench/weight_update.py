@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_model import write_qwen2_05b  # noqa: E402
-
-from actors import LLM, SamplingParams  # noqa: E402
-from models.weight_update import SharedWeights  # noqa: E402
+from actors import LLM, SamplingParams
+from bench.bench_model import write_qwen2_05b
+from models.weight_update import SharedWeights
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3, 8, 1000, 2024], [7, 8, 9, 10, 11, 12]]

@@ -3,14 +3,9 @@ charged to, and how a long gap's excess is split between the decode engine and d
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import pd_profile as pp  # noqa: E402
+from bench import pd_profile as pp
 
 
 def test_rows_by_process_title_and_thread_name():
