@@ -70,9 +70,11 @@ from typing import Any
 import httpx
 
 from bench.agent_setups import MODEL_NAME, SETUPS, app_config, expected_replicas, pd_kv_split
-from bench.app_probe import free_port, wait_healthy
 from bench.bench_model import MODEL, write_bench_model
-from bench.serve_records import TokenClock, sse_chunks
+from bench.interleave import medians, turns
+from bench.local_serve import ServeHost, deploy, local_serve
+from bench.serve_records import TokenClock
+from bench.sse import sse_chunks
 from sim.agent_trajectories import (
     AgentTrajectory,
     AgentTurn,
@@ -373,15 +375,16 @@ WARM_UP = AgentTrajectory(
 
 
 def one_run(
-    setup: str, url: str, model_dir: str, trajs: list[AgentTrajectory], args: argparse.Namespace
+    setup: str,
+    host: ServeHost,
+    model_dir: str,
+    trajs: list[AgentTrajectory],
+    args: argparse.Namespace,
 ) -> AgentRun:
     from ray import serve
 
-    from serve_app import build_app
-
-    serve.run(build_app(app_config(setup, model_dir, args)), name=APP, route_prefix="/")
+    url = deploy(host, app_config(setup, model_dir, args), expected_replicas(setup), APP)
     try:
-        wait_healthy(url, expected_replicas(setup))
         asyncio.run(run_agents(url, setup, [WARM_UP], 1, seed=-1))  # compiles each path once
         before = metric_sums(url)
         run = asyncio.run(run_agents(url, setup, trajs, args.concurrency, args.seed, args.ramp))
@@ -419,7 +422,7 @@ def print_table(results: dict[str, list[AgentRun]], slo: float) -> dict[str, dic
     meds = {}
     for setup, runs in results.items():
         per = [r.metrics(slo) for r in runs]
-        meds[setup] = {k: statistics.median(m[k] for m in per) for k in per[0]}
+        meds[setup] = medians(per)
     print(f"{'median of runs':32s}" + "".join(f"{s:>13s}" for s in results))
     for label, key, fmt in ROWS:
         print(f"{label:32s}" + "".join(f"{fmt.format(meds[s][key]):>13s}" for s in results))
@@ -486,31 +489,15 @@ def main() -> None:
         f"{prefill_kv} / decode {decode_kv} tokens (longest prompt {longest})",
         flush=True,
     )
-    import ray
-    from ray import serve
-
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["RAY_CGRAPH_buffer_size_bytes"] = str(1 << 24)
-    os.environ.update(env)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        _system_config={"worker_niceness": 0},
-    )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
     results: dict[str, list[AgentRun]] = {s: [] for s in args.setups}
-    try:
+    with local_serve(env) as host:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = str(write_bench_model(Path(tmp) / "bench"))
             for rep in range(args.repeats):
-                k = rep % len(args.setups)  # the setup that goes first rotates
-                for setup in args.setups[k:] + args.setups[:k]:
-                    run = one_run(setup, url, model_dir, trajs, args)
+                for setup in turns(args.setups, rep):
+                    run = one_run(setup, host, model_dir, trajs, args)
                     results[setup].append(run)
                     m = run.metrics(args.ttft_slo)
                     print(
@@ -523,9 +510,6 @@ def main() -> None:
                         f"(load {os.getloadavg()[0]:.1f})",
                         flush=True,
                     )
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     print()
     print(f"{len(trajs)} trajectories x {args.turns} turns, {args.repeats} runs per setup")
     meds = print_table(results, args.ttft_slo)

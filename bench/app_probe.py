@@ -1,12 +1,18 @@
-"""What every bench that starts a Serve app asks of it: a free local port to put it on,
-whether ``/health`` answers 200 counting the expected replicas, and a wait for that."""
+"""What every bench asks of a server it started: a free local port to put it on, whether
+``/health`` answers 200 counting the expected replicas (``healthy``), which model it
+serves once it answers (``served_model``, for apps and peer servers alike), and a wait
+for any of these (``wait_for``, ``wait_healthy``)."""
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -24,12 +30,42 @@ def healthy(url: str, replicas: int) -> bool:
         return False
 
 
-def wait_healthy(url: str, replicas: int, timeout_s: float = 600.0) -> None:
-    """Poll ``healthy`` every half second; TimeoutError naming the URL after ``timeout_s``."""
+def served_model(url: str) -> str | None:
+    """The model id an OpenAI server serves, once it answers ``/health`` and
+    ``/v1/models``; None before."""
+    try:
+        if httpx.get(url + "/health", timeout=5).status_code != 200:
+            return None
+        r = httpx.get(url + "/v1/models", timeout=5)
+        return str(r.json()["data"][0]["id"]) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def wait_for(
+    probe: Callable[[], T | None],
+    what: str,
+    timeout_s: float = 600.0,
+    gone: Callable[[], str | None] = lambda: None,
+    every_s: float = 0.5,
+) -> T:
+    """``probe()`` every ``every_s`` until it answers (not None or False); TimeoutError
+    naming ``what`` after ``timeout_s``, RuntimeError with ``gone()``'s reason as soon as
+    that says the server is gone (its process exited)."""
     deadline = time.monotonic() + timeout_s
-    while not healthy(url, replicas):
+    while (answer := probe()) is None or answer is False:
+        if (reason := gone()) is not None:
+            raise RuntimeError(f"{what}: {reason}")
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{url} did not become healthy with {replicas} replicas in {timeout_s:g} s"
-            )
-        time.sleep(0.5)
+            raise TimeoutError(f"{what} within {timeout_s:g} s")
+        time.sleep(every_s)
+    return answer
+
+
+def wait_healthy(url: str, replicas: int, timeout_s: float = 600.0) -> None:
+    """Until ``healthy``; TimeoutError naming the URL after ``timeout_s``."""
+    wait_for(
+        lambda: healthy(url, replicas),
+        f"{url} did not become healthy with {replicas} replicas",
+        timeout_s,
+    )

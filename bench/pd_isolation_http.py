@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.pd_profile import GAP_X, Profiler, RunProfile, decode_step_times, print_table, split_gaps
-from bench.serve_records import sse_chunks
+from bench.sse import sse_chunks
 
 Prompts = Callable[[int], tuple[list[list[int]], list[int]]]
 Gaps = Callable[[list[list[float]], float, float], tuple[list[float], list[float]]]

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from bench.pd_apps import model_name, running_apps, samples
+from bench.sse import StreamCut, StreamError, sse_json
 from sim.metrics import percentile
 
 
@@ -108,12 +109,12 @@ def one(http: httpx.Client, model: str, tokens: list[int], max_tokens: int) -> S
         with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return Sample("", None, f"HTTP {r.status_code}")
-            for line in r.iter_lines():
-                if first is None and line.startswith("data: {"):
+            for _ in sse_json(r.iter_lines()):
+                if first is None:
                     first = time.monotonic()
-                if line.startswith("data: [DONE]"):
-                    break
     except httpx.HTTPError as e:
+        return Sample("", None, type(e).__name__)
+    except (StreamError, StreamCut) as e:
         return Sample("", None, type(e).__name__)
     return Sample("", None if first is None else first - sent, "" if first else "no token")
 

@@ -22,19 +22,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from bench.app_probe import free_port
+from bench.app_probe import free_port, served_model, wait_for
+from bench.local_serve import DIRECT_MAX, DIRECT_MIN
 from bench.serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
 from bench.serve_profile import SERVING, VLLM_SERVER, CpuProfile
 
 ROOT = Path(__file__).resolve().parent.parent
-DIRECT_MIN = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"  # Ray Serve's direct-ingress port range
-DIRECT_MAX = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
 
 
 def make_serve_env(makefile: Path = ROOT / "Makefile") -> dict[str, str]:
@@ -72,17 +68,6 @@ def defaults_yaml(model: str, port: int, group: str = "{name: main}") -> str:
     )
 
 
-def served_model(url: str) -> str | None:
-    """The model id the app serves, once it answers ``/health`` and ``/v1/models``."""
-    try:
-        if httpx.get(url + "/health", timeout=5).status_code != 200:
-            return None
-        r = httpx.get(url + "/v1/models", timeout=5)
-        return str(r.json()["data"][0]["id"]) if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
-        return None
-
-
 @contextlib.contextmanager
 def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, str, int]]:
     """``serve run`` in its own session on a defaults config; yields (URL, model id, its
@@ -112,13 +97,13 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clean = False
     try:
-        deadline = time.monotonic() + 900
-        while (name := served_model(url)) is None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve run exited with {proc.returncode}; see {log}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the app did not answer within 900 s; see {log}")
-            time.sleep(1.0)
+        name = wait_for(
+            lambda: served_model(url),
+            f"serve run's app did not answer (see {log})",
+            900,
+            gone=lambda: None if proc.poll() is None else f"exited with {proc.returncode}",
+            every_s=1.0,
+        )
         yield url, name, proc.pid
         clean = True
     finally:

@@ -19,8 +19,10 @@ import httpx
 
 from bench.bench_model import MODEL
 from bench.cpu_hog import cpu_hog
+from bench.interleave import median_ratio, turns
 from bench.serve_profile import CpuProfile
-from bench.serve_records import Run, Sample, TokenClock, print_table, sse_chunks
+from bench.serve_records import Run, Sample, TokenClock, print_table
+from bench.sse import sse_chunks
 
 
 def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
@@ -190,8 +192,7 @@ async def run_sides(
     results: dict[tuple[str, int], list[Run]] = {}
     for c in args.concurrency:
         for rep in range(args.repeats):
-            k = rep % len(sides)
-            for side in sides[k:] + sides[:k]:
+            for side in turns(sides, rep):
                 prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
                 run = Run(side.name, c, input_tokens=sum(map(len, prompts)))
                 before = await side.itl()
@@ -225,8 +226,9 @@ async def run_sides(
 
 def paired_ratio(results: dict[tuple[str, int], list[Run]], a: str, b: str, c: int) -> float:
     """The median over repeats of side a's req/s over side b's, runs paired by repeat."""
-    pairs = zip(results[(a, c)], results[(b, c)], strict=True)
-    return statistics.median(x.throughput / y.throughput for x, y in pairs)
+    return median_ratio(
+        (r.throughput for r in results[(a, c)]), (r.throughput for r in results[(b, c)])
+    )
 
 
 def median_rate(results: dict[tuple[str, int], list[Run]], side: str, c: int) -> float:

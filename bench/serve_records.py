@@ -9,12 +9,9 @@ carry the first turn and its answer as a prefix, which a prefix cache can skip."
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from sim.metrics import percentile
 
@@ -109,21 +106,6 @@ class Run:
             m["median_ttft_turn2"] = statistics.median(second)
             m["p99_ttft_turn2"] = percentile(second, 99)
         return m
-
-
-async def sse_chunks(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of an OpenAI server-sent-event stream, up to ``[DONE]``; a chunk
-    carrying ``error`` raises."""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {chunk['error']}")
-        yield chunk
 
 
 ROWS = [

@@ -5,7 +5,6 @@ local Ray cluster, and reading its replicas (ids, blocks in use)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -13,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.fault_targets import live_actors
-from bench.app_probe import free_port, wait_healthy
+from bench.local_serve import APP, deploy, local_serve
 
 MODEL = "meridian-tiny"
-APP = "meridian"
 MAX_TOKENS = 12
 USER_KEY, ADMIN_KEY = "sk-soak-user-0001", "sk-soak-admin-001"  # the clients', the updater's
 SCALE_DOWN, WEIGHTS = "scale-down", "weights"  # fault kinds that kill no actor
@@ -105,36 +103,9 @@ def reference_tokens(token_lists: list[list[int]]) -> list[list[int]]:
 def running_app(phase: Phase, num_cpus: int = 4) -> Iterator[str]:
     """Ray in this process, the Serve app of ``phase`` on a free port; yields its URL once
     ``/health`` counts every replica. Stops Serve and Ray afterwards."""
-    import ray
-    from ray import serve
-
     env = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
-    os.environ.update(env)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        "local",  # a new cluster, never one that `ray start` recorded on this machine
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-    )
-    try:
-        from serve_app import build_app
-
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(phase.app_args()), name=APP, route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, phase.replicas)
-        yield url
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        with contextlib.suppress(Exception):
-            from store.shared_segment import remove_stale_segments
-
-            remove_stale_segments()
+    with local_serve(env, num_cpus) as host:
+        yield deploy(host, phase.app_args(), phase.replicas, APP)
 
 
 # -- actors ---------------------------------------------------------------------------------------

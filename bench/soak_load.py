@@ -4,7 +4,6 @@ wrong) and tallied per fault window."""
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.soak_app import MAX_TOKENS, MODEL, USER_KEY
+from bench.sse import StreamCut, StreamError, sse_json
 
 REQUEST_TIMEOUT_S = 90.0
 RETRY_FOR_S = 300.0  # a client retries a request for this long (longer than a recovery)
@@ -57,23 +57,19 @@ def one_request(
                 r.read()
                 return classify_whole(r, want)
             got: list[int] = []
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    return ("ok", "") if got == want else ("wrong", f"{got} != {want}")
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    if got != want[: len(got)]:
-                        return "wrong", f"streamed {got} before the error; want {want}"
-                    message = chunk["error"].get("message", "")[:80]
-                    return "retriable", f"stream error: {message}"
-                for c in chunk.get("choices", []):
-                    got += c.get("token_ids") or []
-            if got != want[: len(got)]:
-                return "wrong", f"streamed {got}; want {want}"
-            return "lost", "stream ended without [DONE] or an error"
+            try:
+                for chunk in sse_json(r.iter_lines()):
+                    for c in chunk.get("choices", []):
+                        got += c.get("token_ids") or []
+            except StreamError as e:
+                if got != want[: len(got)]:
+                    return "wrong", f"streamed {got} before the error; want {want}"
+                return "retriable", f"stream error: {e.message[:80]}"
+            except StreamCut as e:
+                if got != want[: len(got)]:
+                    return "wrong", f"streamed {got}; want {want}"
+                return "lost", str(e)
+            return ("ok", "") if got == want else ("wrong", f"{got} != {want}")
     except httpx.TimeoutException:
         return "lost", "timed out"
     except httpx.HTTPError as e:  # the connection broke: the client sees the failure

@@ -1,0 +1,42 @@
+"""Sides measured in turns, so every side sees the same machine: repeat r runs the sides
+in order, the one that goes first rotating with r (A, B; B, A; ... or A, B, C; B, C, A;
+...), and a figure is reported as the median over repeats. The one interleaving every
+bench that compares sides uses."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+S = TypeVar("S")
+R = TypeVar("R")
+
+
+def turns(sides: Sequence[S], repeat: int, rotate: bool = True) -> list[S]:
+    """The order of ``sides`` in repeat ``repeat``: rotated by ``repeat`` places, or as
+    given every time without ``rotate`` (A, B, A, B, ...)."""
+    k = repeat % len(sides) if rotate and sides else 0
+    return [*sides[k:], *sides[:k]]
+
+
+def interleaved(
+    sides: Sequence[S], repeats: int, run: Callable[[S, int], R], rotate: bool = True
+) -> dict[S, list[R]]:
+    """``run(side, repeat)`` for every side, ``repeats`` times in ``turns``; each side's
+    results in repeat order."""
+    results: dict[S, list[R]] = {s: [] for s in sides}
+    for rep in range(repeats):
+        for side in turns(sides, rep, rotate):
+            results[side].append(run(side, rep))
+    return results
+
+
+def medians(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each key's median over ``rows`` (the keys of the first row; NaN where a row lacks it)."""
+    return {k: statistics.median(r.get(k, float("nan")) for r in rows) for k in rows[0]}
+
+
+def median_ratio(a: Iterable[float], b: Iterable[float]) -> float:
+    """The median over repeats of a / b, the two sides' figures paired by repeat."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))

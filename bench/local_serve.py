@@ -1,0 +1,113 @@
+"""Ray and Serve in the bench's own process, the one way benches start an app in process:
+``local_ray`` (a new local cluster whose workers see ``env`` and run at nice 0),
+``local_serve`` (that, plus Serve's proxy on a free port), ``deploy`` (one application
+from ``serve_app.build_app``'s arguments, returned once ``/health`` counts its replicas)
+and ``serve_app`` (all three as one context). Everything is stopped on the way out, the
+KV store's shared-memory segments included.
+
+Apps started as ``serve run`` in their own session (what a user types) are
+``bench/serve_defaults.py``'s; a multi-node local cluster is ``bench/pd_apps.py``'s."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from bench.app_probe import free_port, wait_healthy
+
+APP = "meridian"
+DIRECT_MIN = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"  # Ray Serve's direct-ingress port range
+DIRECT_MAX = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+
+
+@dataclass(frozen=True)
+class ServeHost:
+    """Where a started Serve answers: ``url`` is the direct-ingress replica's own port when
+    direct ingress is on (one ingress replica takes the first port of its range), else the
+    proxy's."""
+
+    url: str
+    proxy_url: str
+
+
+@contextlib.contextmanager
+def local_ray(env: dict[str, str] | None = None, num_cpus: int = 4) -> Iterator[None]:
+    """A new local Ray cluster (never one that ``ray start`` recorded on this machine),
+    ``env`` set here and in every worker; Ray starts workers at nice 15, these run at 0, the
+    priority of the bench client and of a peer server."""
+    import ray
+
+    env = dict(env or {})
+    os.environ.update(env)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        "local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+        _system_config={"worker_niceness": 0},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        with contextlib.suppress(Exception):
+            from store.shared_segment import remove_stale_segments
+
+            remove_stale_segments()
+
+
+@contextlib.contextmanager
+def local_serve(
+    env: dict[str, str] | None = None, num_cpus: int = 4, direct: bool = False
+) -> Iterator[ServeHost]:
+    """``local_ray`` and Serve's proxy on a free local port; with ``direct``, direct
+    ingress on a free port range. Serve is shut down before Ray."""
+    from ray import serve
+
+    env = dict(env or {})
+    direct_port = free_port()
+    if direct:
+        env |= {
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            DIRECT_MIN: str(direct_port),
+            DIRECT_MAX: str(direct_port + 50),
+        }
+    with local_ray(env, num_cpus):
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            proxy = f"http://127.0.0.1:{port}"
+            yield ServeHost(f"http://127.0.0.1:{direct_port}" if direct else proxy, proxy)
+        finally:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+
+
+def deploy(host: ServeHost, app_args: dict[str, Any], replicas: int, name: str = APP) -> str:
+    """The application of ``app_args`` (``serve_app.build_app``'s) at ``/`` of ``host``,
+    replacing one of the same name; its URL once ``/health`` counts ``replicas``."""
+    from ray import serve
+
+    from serve_app import build_app
+
+    serve.run(build_app(app_args), name=name, route_prefix="/", blocking=False)
+    wait_healthy(host.url, replicas)
+    return host.url
+
+
+@contextlib.contextmanager
+def serve_app(
+    app_args: dict[str, Any],
+    replicas: int,
+    env: dict[str, str] | None = None,
+    num_cpus: int = 4,
+    direct: bool = False,
+) -> Iterator[str]:
+    """``local_serve`` with one application deployed; yields its URL once healthy."""
+    with local_serve(env, num_cpus, direct) as host:
+        yield deploy(host, app_args, replicas)

@@ -1,0 +1,77 @@
+"""The bench harness (``bench.sse``, ``bench.interleave``, ``bench.app_probe``): one SSE
+parser that tells a complete stream from an error and from a cut one, one interleaving
+order, one wait; and the one percentile definition every bench reports
+(``sim.metrics.percentile``: numpy's default linear interpolation, q in 0-100)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from bench.app_probe import wait_for
+from bench.interleave import interleaved, median_ratio, medians, turns
+from bench.sse import StreamCut, StreamError, sse_chunks, sse_json
+from sim.metrics import percentile
+
+LINES = ["", ": keep-alive", 'data: {"choices": [{"text": "a"}]}', "", "data:[DONE]", "data: x"]
+
+
+def test_sse_json_reads_chunks_up_to_done():
+    assert list(sse_json(LINES)) == [{"choices": [{"text": "a"}]}]
+
+
+def test_sse_json_raises_on_an_error_chunk_and_on_a_cut_stream():
+    with pytest.raises(StreamError) as e:
+        list(sse_json(['data: {"error": {"message": "overloaded", "code": 429}}']))
+    assert e.value.message == "overloaded"
+    with pytest.raises(StreamCut):
+        list(sse_json(LINES[:3]))
+
+
+def test_sse_chunks_is_the_same_parser_async():
+    async def lines(xs: list[str]) -> AsyncIterator[str]:
+        for x in xs:
+            yield x
+
+    async def read(xs: list[str]) -> list[dict]:
+        return [c async for c in sse_chunks(lines(xs))]
+
+    assert asyncio.run(read(LINES)) == [{"choices": [{"text": "a"}]}]
+    with pytest.raises(StreamCut):
+        asyncio.run(read(LINES[:3]))
+
+
+def test_turns_rotate_and_results_keep_repeat_order():
+    assert [turns("AB", r) for r in range(3)] == [["A", "B"], ["B", "A"], ["A", "B"]]
+    assert turns("ABC", 4) == ["B", "C", "A"]
+    assert turns("AB", 1, rotate=False) == ["A", "B"]
+    order: list[tuple[str, int]] = []
+    out = interleaved("AB", 2, lambda s, r: order.append((s, r)) or f"{s}{r}")
+    assert order == [("A", 0), ("B", 0), ("B", 1), ("A", 1)]
+    assert out == {"A": ["A0", "A1"], "B": ["B0", "B1"]}
+
+
+def test_medians_and_paired_ratio():
+    assert medians([{"x": 1.0, "y": 5.0}, {"x": 3.0, "y": 1.0}, {"x": 2.0, "y": 2.0}]) == {
+        "x": 2.0,
+        "y": 2.0,
+    }
+    assert median_ratio([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0
+
+
+def test_percentile_is_numpys_default():
+    xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0]
+    for q in (0, 10, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_wait_for_answers_times_out_and_stops_when_gone():
+    answers = iter([None, False, "model"])
+    assert wait_for(lambda: next(answers), "the app", 5, every_s=0) == "model"
+    with pytest.raises(TimeoutError, match="the app"):
+        wait_for(lambda: None, "the app", 0, every_s=0)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        wait_for(lambda: None, "the app", 5, gone=lambda: "exited with 1", every_s=0)
