@@ -6,6 +6,7 @@ bench that compares sides uses."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -30,6 +31,20 @@ def interleaved(
         for side in turns(sides, rep, rotate):
             results[side].append(run(side, rep))
     return results
+
+
+def seconds_in_turns(
+    calls: Mapping[S, Callable[[], object]], repeats: int, rotate: bool = False
+) -> dict[S, list[float]]:
+    """Wall seconds of each call, ``repeats`` times in ``turns`` (A, B, A, B, ... unless
+    ``rotate``)."""
+
+    def timed(side: S, _repeat: int) -> float:
+        start = time.perf_counter()
+        calls[side]()
+        return time.perf_counter() - start
+
+    return interleaved(list(calls), repeats, timed, rotate)
 
 
 def medians(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:

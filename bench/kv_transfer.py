@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from bench.interleave import interleaved
 from store.shared_segment import SharedSegment
 from store.transfer import TransferEngine
 
@@ -61,11 +62,8 @@ def best(fn, n: int) -> float:
 
 def best_interleaved(fns: list, n: int) -> list[float]:
     """Best-of-n of each function, run in turns so all see the same machine load."""
-    times = [[] for _ in fns]
-    for _ in range(n):
-        for t, fn in zip(times, fns, strict=True):
-            t.append(timed(fn))
-    return [min(t) for t in times]
+    times = interleaved(range(len(fns)), n, lambda i, _: timed(fns[i]), rotate=False)
+    return [min(t) for t in times.values()]
 
 
 def holder(conn, total: int) -> None:

@@ -33,6 +33,7 @@ import torch
 from actors.engine.step_plan import PlanEntry, StepPlan
 from actors.engine.worker_inputs import build_worker_inputs
 from bench.bench_model import MODEL, write_bench_model
+from bench.interleave import interleaved
 from kernels.attention_torch import TorchAttentionBackend
 from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_cache import allocate_kv_cache
@@ -124,14 +125,11 @@ def main() -> None:
             shard(x.input_ids, x.positions, caches, meta)
             return time.perf_counter() - t0
 
-        times = {(b, n): [] for b in backends for n in "ABC"}
         for backend in backends.values():  # warm-up
             for name in "ABC":
                 step(name, backend)
-        for _ in range(args.repeats):
-            for bname, backend in backends.items():
-                for name in "ABC":
-                    times[bname, name].append(step(name, backend))
+        sides = [(b, n) for b in backends for n in "ABC"]
+        times = interleaved(sides, args.repeats, lambda s, _: step(s[1], backends[s[0]]), False)
 
         print(f"model: {MODEL}, block {BLOCK}, fp32")
         print(

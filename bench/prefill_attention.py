@@ -22,10 +22,11 @@ import argparse
 import random
 import statistics
 import sys
-import time
+from functools import partial
 
 import torch
 
+from bench.interleave import seconds_in_turns
 from kernels import paged_attention_cpu
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_torch import paged_attention, plan_attention
@@ -72,11 +73,12 @@ def main() -> None:
         plan = plan_attention(meta)
         outs = [paged_attention(q, k_cache, v_cache, meta, scale, plan, impl=i) for i in impls]
         torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-5)
-        for _ in range(args.repeats):
-            for impl in impls:  # A, B, A, B, ...
-                start = time.perf_counter()
-                paged_attention(q, k_cache, v_cache, meta, scale, plan, impl=impl)
-                times[name, impl].append(time.perf_counter() - start)
+        calls = {
+            i: partial(paged_attention, q, k_cache, v_cache, meta, scale, plan, impl=i)
+            for i in impls
+        }
+        for impl, seconds in seconds_in_turns(calls, args.repeats).items():  # A, B, A, B, ...
+            times[name, impl] = seconds
     print(f"{'step':<44}{'kernel ms':>11}{'flash ms':>10}{'ratio':>8}")
     label = {
         "prompts": f"{args.prompts} prompts of {args.prompt_len}",

@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from bench.interleave import medians
 from sim.metrics import percentile
 
 
@@ -147,8 +148,7 @@ WIDTH = 64
 
 
 def median_metrics(runs: list[Run]) -> dict[str, float]:
-    per_run = [r.metrics() for r in runs]
-    return {k: statistics.median(m.get(k, float("nan")) for m in per_run) for k in per_run[0]}
+    return medians([r.metrics() for r in runs])
 
 
 def print_table(title: str, columns: dict[str, list[Run]]) -> None:
