@@ -19,7 +19,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from bench.app_probe import free_port, served_model, wait_for
 from bench.local_serve import DIRECT_MAX, DIRECT_MIN
 from bench.serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
 from bench.serve_profile import SERVING, VLLM_SERVER, CpuProfile
+from bench.session import exited, start_session, stop_leftovers, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,15 +83,7 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
         url_port = free_port()
         env |= {DIRECT_MIN: str(url_port), DIRECT_MAX: str(url_port + 50)}
     serve = str(Path(sys.executable).parent / "serve")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [serve, "run", str(config)],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_session([serve, "run", str(config)], log, env, ROOT)
     url = f"http://127.0.0.1:{url_port}"
     # SIGTERM to the bench unwinds it (SystemExit), so the session below is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -101,7 +93,7 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
             lambda: served_model(url),
             f"serve run's app did not answer (see {log})",
             900,
-            gone=lambda: None if proc.poll() is None else f"exited with {proc.returncode}",
+            gone=lambda: exited(proc),
             every_s=1.0,
         )
         yield url, name, proc.pid
@@ -114,32 +106,6 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
         else:
             print(f"serve run's log: {log}; its last lines:", file=sys.stderr)
             print(log.read_text()[-3000:], file=sys.stderr)
-
-
-def stop_session(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT to ``serve run`` (it shuts Serve and its Ray cluster down), then SIGKILL to
-    whatever of its session is left."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def stop_leftovers(tmp: Path) -> None:
-    """SIGKILL to every process whose command line names ``tmp`` (Ray's processes of this
-    cluster name their session folder under it, whatever session they run in)."""
-    mark = str(tmp).encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if mark in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(int(pid), signal.SIGKILL)
 
 
 async def run_defaults(

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httpx
 
+from bench.app_probe import served_model, wait_for
 from bench.bench_model import MODEL
 from bench.cpu_hog import cpu_hog
 from bench.interleave import median_ratio, turns
@@ -168,6 +169,12 @@ async def run_with_peer(
     ``own`` and the peer's client after. Returns the results and whether a peer ran."""
     peer = None
     if args.peer_url:
+        await asyncio.to_thread(
+            wait_for,
+            lambda: served_model(args.peer_url),
+            f"the peer at {args.peer_url} did not answer",
+            60,
+        )
         token_ids = not args.no_token_ids
         peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
         sides = [*sides, Side("peer", peer.one, no_itl)]
