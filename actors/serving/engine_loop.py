@@ -46,7 +46,7 @@ from actors.engine.replica_loop import ReplicaLoop
 from actors.engine.request_limits import RequestLimits
 from actors.serving.loop_mailbox import LoopMailbox, mailbox_of
 from actors.serving.metrics import MetricsSnapshot, ReplicaMetrics
-from actors.serving.open_prompt import Item, OpenPrompt, Outlet
+from actors.serving.open_prompt import Entry, OpenPrompt, Outlet
 from errors import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -123,7 +123,7 @@ class EngineLoop:
         # engine thread only: each running choice's prompt and index
         self._open: dict[str, tuple[OpenPrompt, int]] = {}
         # what the outlets get at the end of this pass (engine thread only)
-        self._batches: dict[int, tuple[Outlet, list[Item]]] = {}
+        self._batches: dict[int, tuple[Outlet, dict[str, list[Event | None]]]] = {}
         # prompts added whose verdict the engine deferred (engine thread only); an engine
         # that defers provides ``waiting(id) -> bool`` and ``refusal(id) -> error | None``
         self._pending: list[OpenPrompt] = []
@@ -209,7 +209,7 @@ class EngineLoop:
         one ``Done`` or ``Failed`` per choice. Closing the iterator early aborts what is
         still running. Raises (before any yield) the refusal: InvalidRequestError,
         OverloadedError or EngineUnavailableError."""
-        q: asyncio.Queue[Verdict | list[Item]] = asyncio.Queue()
+        q: asyncio.Queue[Verdict | list[Entry]] = asyncio.Queue()
         box = mailbox_of(asyncio.get_running_loop())  # one loop wake-up per burst
         outlet = _QueueOutlet(box, q)
         prompt = OpenPrompt(list(requests), outlet, lambda v: box.post(q.put_nowait, v))
@@ -225,11 +225,12 @@ class EngineLoop:
             while not ended:
                 batch = await q.get()
                 assert isinstance(batch, list)  # one verdict, the first item
-                for _, item in batch:
-                    if item is None:
-                        ended = True
-                    else:
-                        yield item
+                for _, events in batch:  # this prompt's only
+                    for item in events:
+                        if item is None:
+                            ended = True
+                        else:
+                            yield item
         finally:
             if not ended:
                 prompt.dropped = True
@@ -350,16 +351,19 @@ class EngineLoop:
             return
         entry = self._batches.get(id(prompt.outlet))
         if entry is None:
-            entry = self._batches[id(prompt.outlet)] = (prompt.outlet, [])
-        entry[1].append((prompt.key, item))
+            entry = self._batches[id(prompt.outlet)] = (prompt.outlet, {})
+        events = entry[1].get(prompt.key)
+        if events is None:
+            events = entry[1][prompt.key] = []
+        events.append(item)
         if prompt.ended:
-            entry[1].append((prompt.key, None))
+            events.append(None)
 
     def _send_batches(self) -> None:
         batches, self._batches = self._batches, {}
-        for outlet, batch in batches.values():
+        for outlet, by_prompt in batches.values():
             try:
-                outlet.send(batch)
+                outlet.send(list(by_prompt.items()))
             except Exception:  # a bug in one outlet: its prompts' callers time out
                 log.exception("an outlet failed to take its batch")
 
@@ -558,5 +562,5 @@ class _QueueOutlet:
         self.box = box
         self.q = q
 
-    def send(self, batch: list[Item]) -> None:
+    def send(self, batch: list[Entry]) -> None:
         self.box.post(self.q.put_nowait, batch)

@@ -9,8 +9,8 @@ one ``events`` stream per replica this ingress has prompts on, split by prompt.
 
 ``first`` is the replica's ``Accepted`` or ``Refused``. A replica's frames come on its
 channel's socket (``channel_socket.py``); each frame is one engine step's batch for this
-ingress, and each prompt's events in it go to that prompt's queue as one list: the only
-queue between the socket and the HTTP response. When a replica's channel fails (the
+ingress, already one list per prompt, and each list goes to its prompt's queue as it
+came: the only queue between the socket and the HTTP response. When a replica's channel fails (the
 replica died, its socket broke, or Serve can no longer route to it), every open prompt on
 it raises ``ReplicaGone``, ``ChannelBroken`` or Ray's error, which the relay answers with a
 replay: ``open`` again with the same record, whose ledger spans the attempts.
@@ -155,15 +155,12 @@ class IngressChannels:
                 with fresh_serve_internal_request_id():
                     gen = self.replicas[group].options(stream=True).events.remote(msg)
                 async for batch in channel_batches(gen):
-                    per_prompt: dict[str, list[Event | None]] = {}
-                    for key, item in batch:
-                        if item == WRONG_REPLICA:
+                    for key, events in batch:  # one entry per prompt
+                        if events == WRONG_REPLICA:
                             raise ReplicaGone(f"replica {replica_id} is gone; retry the request")
-                        per_prompt.setdefault(key, []).append(item)
-                    for key, items in per_prompt.items():
                         stream = self._streams.get(key)
                         if stream is not None:
-                            stream.queue.put_nowait(items)
+                            stream.queue.put_nowait(events)
                 if not self._open_on(replica_id):  # no await since: atomic with open()
                     return
         except Exception as e:  # the replica died: each prompt on it replays

@@ -9,11 +9,13 @@ caller reads ``ended`` and sets ``dropped``.
     prompt = OpenPrompt(requests, outlet, answer)
     loop.submit(prompt)          # answer(Accepted | Refused) on the engine thread, once
     outlet.send(batch)           # the engine thread, at most once per step and outlet:
-                                 #   [(key, event), ..., (key, None) after a prompt's last]
+                                 #   [(key, [event, ...]), ...], one entry per prompt,
+                                 #   its list ending with None after the prompt's last
 
-Invariants: ``remaining`` and ``ended`` are written only on the engine thread; an accepted
-prompt's last event is followed by ``(key, None)`` in the same batch; a prompt ``dropped``
-by its caller (before the engine thread aborts it) sends nothing more.
+Invariants: ``remaining`` and ``ended`` are written only on the engine thread; a batch
+holds at most one entry per prompt, its events in order; an accepted prompt's last event
+is followed by None in the same list; a prompt ``dropped`` by its caller (before the
+engine thread aborts it) sends nothing more.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from typing import Protocol
 from actors.engine.events import Event, Verdict
 from policies.request import Request
 
-Item = tuple[str, Event | None]  # (prompt key, event); None after the prompt's last event
+Entry = tuple[str, list[Event | None]]  # (prompt key, its events); None after its last
 
 
 class Outlet(Protocol):
-    def send(self, batch: list[Item]) -> None:
-        """The engine thread: one step's events of this outlet's prompts, in order."""
+    def send(self, batch: list[Entry]) -> None:
+        """The engine thread: one step's events of this outlet's prompts, by prompt."""
         ...
 
 

@@ -9,9 +9,10 @@ so each engine step hands it one batch, which the engine thread pickles into one
 the event loop writes on the channel's socket as is.
 
     start(StartPrompt)  queue a prompt's choices; answers Accepted or Refused. Its events
-                        then go to the channel of its ``ingress``, tagged with the prompt's
-                        key (its first choice's request id), and its last event is
-                        followed by ``(key, None)``.
+                        then go to the channel of its ``ingress``: each frame holds
+                        ``(key, events)`` per prompt with events in that step (key: its
+                        first choice's request id), the list after its last event ending
+                        with None.
     events(OpenChannel) the channel: its frames on a socket of its own
                         (``channel_socket.py``: the call yields the socket's address, then
                         stays open while the frames go on the socket). It ends by itself
@@ -23,7 +24,7 @@ the event loop writes on the channel's socket as is.
 (The messages: ``messages.py``.)
 
 Invariants: each event of a started prompt is put on its channel exactly once, in order;
-``(key, None)`` follows its last; a prompt aborted here sends nothing made after the
+None follows its last; a prompt aborted here sends nothing made after the
 abort. The prompts'
 state is their ``OpenPrompt`` records; a channel only indexes them by key.
 """
@@ -39,7 +40,7 @@ from actors.serving.channel_socket import ChannelListener, frame
 from actors.serving.engine_loop import EngineLoop
 from actors.serving.loop_mailbox import LoopMailbox, mailbox_of
 from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
-from actors.serving.open_prompt import Item, OpenPrompt
+from actors.serving.open_prompt import Entry, OpenPrompt
 from errors import MeridianError
 
 IDLE_END_S = 2.0
@@ -56,7 +57,7 @@ class _Channel:
         self.writer: asyncio.StreamWriter | None = None
         self.wrote = False  # a frame came since the last ``live`` check
 
-    def send(self, batch: list[Item]) -> None:
+    def send(self, batch: list[Entry]) -> None:
         """The engine thread: one step's batch, pickled here, written on the loop."""
         self.box.post(self._write, frame(batch))
 

@@ -291,11 +291,12 @@ def test_a_draining_loop_finishes_what_it_holds_before_it_stops():
 
     class Outlet:
         def send(self, batch: list[Any]) -> None:
-            for _, item in batch:
-                if item is not None:
-                    got.append(item)
-                if isinstance(item, Done | Failed):
-                    finished.set()
+            for _, events in batch:
+                for item in events:
+                    if item is not None:
+                        got.append(item)
+                    if isinstance(item, Done | Failed):
+                        finished.set()
 
     def prompt(rid: str) -> OpenPrompt:
         return OpenPrompt([SimpleNamespace(request_id=rid)], Outlet(), got.append)  # type: ignore[list-item]

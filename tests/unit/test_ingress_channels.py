@@ -62,7 +62,7 @@ def test_a_channel_call_ending_abnormally_fails_its_open_prompts(end):
         a, b = PromptStream(1), PromptStream(1)
         await channels.open(a, "g", [request("a")], ["r0"])
         await channels.open(b, "g", [request("b")], ["r0"])
-        replica.feed.put_nowait([("a", "event-1")])
+        replica.feed.put_nowait([("a", ["event-1"])])
         first = await asyncio.wait_for(a.__anext__(), 5)
         replica.feed.put_nowait(end())  # the channel's call ends: cancelled, or failed
         outcomes = []

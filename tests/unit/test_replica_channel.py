@@ -1,8 +1,8 @@
 """A replica's event channel on the tiny CPU model: every started prompt's events arrive on
-its ingress's one stream, in order and ending with ``(key, None)``, with the tokens the
-same engine loop gives each prompt alone; an aborted prompt frees its blocks; a dropped
-stream aborts what it carried; an idle stream ends by itself; a call meant for another
-replica says so."""
+its ingress's one stream, one entry per prompt a frame, in order and ending with None, with
+the tokens the same engine loop gives each prompt alone; an aborted prompt frees its
+blocks; a dropped stream aborts what it carried; an idle stream ends by itself; a call
+meant for another replica says so."""
 
 from __future__ import annotations
 
@@ -69,15 +69,17 @@ def test_one_stream_carries_every_prompt_in_order(channels):
         stream = channel_batches(chans.events(OpenChannel(ingress="i1", replica_id="r1")))
         async for batch in stream:
             items += 1
-            for key, item in batch:
-                assert key not in ended, "an event after the prompt's end"
-                if item is None:
-                    ended.append(key)
-                elif isinstance(item, Delta):
-                    tokens[key] += item.delta.token_ids
-                else:
-                    assert isinstance(item, Done)
-                    assert item.output.token_ids == tokens[key]
+            assert len({key for key, _ in batch}) == len(batch)  # one entry per prompt
+            for key, events in batch:
+                for item in events:
+                    assert key not in ended, "an event after the prompt's end"
+                    if item is None:
+                        ended.append(key)
+                    elif isinstance(item, Delta):
+                        tokens[key] += item.delta.token_ids
+                    else:
+                        assert isinstance(item, Done)
+                        assert item.output.token_ids == tokens[key]
             if len(ended) == 4:
                 await stream.aclose()
         assert [tokens[r.request_id] for r in reqs] == expected
