@@ -89,22 +89,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from app_probe import free_port, wait_healthy  # noqa: E402
-from bench_model import MODEL, write_bench_model  # noqa: E402
-from serve_chat import ChatClient, run_chat  # noqa: E402
-from serve_http import (  # noqa: E402
+from bench.bench_model import MODEL, write_bench_model
+from bench.local_serve import serve_app
+from bench.serve_chat import ChatClient, run_chat
+from bench.serve_http import (
     HttpClient,
     Side,
     http_side,
@@ -116,9 +111,8 @@ from serve_http import (  # noqa: E402
     run_sides,
     run_with_peer,
 )
-from serve_records import Sample  # noqa: E402
+from bench.serve_records import Sample
 
-APP = "bench-serve"
 MODEL_NAME = "bench"
 
 
@@ -169,46 +163,6 @@ class InProcess:
 
 
 # -- the Serve app ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def serve_app(app_args: dict[str, Any], env: dict[str, str], direct: bool) -> Iterator[str]:
-    """Ray in this process and the Serve app on a free port; yields its URL once healthy:
-    the ingress replica's own port with ``direct`` (direct ingress), else the proxy's."""
-    import ray
-    from ray import serve
-
-    direct_port = free_port()
-    if direct:  # the one ingress replica takes the first port of its range
-        env = env | {
-            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(direct_port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(direct_port + 50),
-        }
-    os.environ.update(env)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        # Ray starts workers at nice 15; the replica engine runs at the same priority as the
-        # in-process engine and the peer server, not below the bench client.
-        _system_config={"worker_niceness": 0},
-    )
-    try:
-        from serve_app import build_app
-
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args), name=APP, route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{direct_port if direct else port}"
-        wait_healthy(url, 1)
-        yield url
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
 
 
 async def run_http_only(args: argparse.Namespace) -> None:
@@ -408,7 +362,7 @@ def main() -> None:
             f"{args.torch_threads}; engine cores {engine_cores or 'unpinned'}; {load()}",
             flush=True,
         )
-        with serve_app(app_args, env, direct=not args.via_proxy) as url:
+        with serve_app(app_args, 1, env, direct=not args.via_proxy) as url:
             asyncio.run(run_chat_sides(args, url, model_name))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -428,7 +382,7 @@ def main() -> None:
             f"{'the Serve proxy' if args.via_proxy else 'direct ingress'}; {load()}",
             flush=True,
         )
-        with serve_app(app_args, env, direct=not args.via_proxy) as url:
+        with serve_app(app_args, 1, env, direct=not args.via_proxy) as url:
             inproc = InProcess(model_dir, cfg, args.new_tokens)
             try:
                 asyncio.run(run_both(args, url, inproc))
@@ -439,8 +393,8 @@ def main() -> None:
 def main_defaults(args: argparse.Namespace, chat: bool) -> None:
     """``--defaults``: nothing of this bench's own tuning (cores, threads, budget, KV size)
     reaches the server; it runs as ``make serve`` runs it (``bench/serve_defaults.py``)."""
-    from serve_defaults import make_serve_env, run_defaults, serve_run
-    from serve_profile import CpuProfile
+    from bench.serve_defaults import make_serve_env, run_defaults, serve_run
+    from bench.serve_profile import CpuProfile
 
     with tempfile.TemporaryDirectory() as tmp:
         if chat:

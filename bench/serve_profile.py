@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proc_table import descendants, processes, serve_process, stat_fields
+from bench.proc_table import descendants, processes, serve_process, stat_fields
 
 TICK = os.sysconf("SC_CLK_TCK")  # utime / stime units per second
 ENGINE_THREAD = "meridian-engine"

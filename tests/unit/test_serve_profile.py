@@ -4,16 +4,13 @@ thread is charged to, and the CPU-time deltas between two snapshots of /proc."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import serve_profile as sp  # noqa: E402
-from proc_table import descendants  # noqa: E402
+from bench import serve_profile as sp
+from bench.proc_table import descendants
 
 linux = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 
