@@ -14,7 +14,7 @@ DOC = ROOT / "docs" / "architecture.md"
 RUNTIME = ("errors.py", "serve_app.py", "policies", "kernels", "store", "models", "placement")
 RUNTIME += ("sim", "actors")
 WHOLE_REPO = (*RUNTIME, "bench", "tests")
-SCRIPT_DIRS = ("bench.", "tests.")  # run with their own folder on sys.path
+SCRIPT_DIRS = ("tests.",)  # run with their own folder on sys.path
 
 # -- reading the rules ---------------------------------------------------------------------
 
@@ -107,8 +107,8 @@ def imports(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
                     base = ".".join([*up, base] if base else up)
                 targets = [f"{base}.{a.name}" for a in node.names]
             for t in targets:
-                # a bench script or a test imports its neighbours by bare name (its folder
-                # is on sys.path): ``from serve_http import x`` in bench/ is bench.serve_http
+                # a test imports its neighbours by bare name (its folder is on sys.path):
+                # ``from conftest import x`` in tests/unit is tests.unit.conftest
                 r = _resolve(t, modules)
                 neighbour = f"{package}.{t.split('.')[0]}"
                 if r is None and module.startswith(SCRIPT_DIRS) and neighbour in modules:
@@ -224,6 +224,33 @@ def test_no_import_cycles():
     )
 
 
+def bare_neighbour_imports(package: str, modules: dict[str, Path]) -> list[str]:
+    """Imports in ``package`` of a sibling module by its bare name (``from serve_http import
+    x`` in bench/), which work only while the script's folder is on sys.path."""
+    siblings = {m.rpartition(".")[2] for m in modules if m.startswith(package + ".")}
+    out = []
+    for module, path in modules.items():
+        if not module.startswith(package + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[0] in siblings:
+                    out.append(f"{module} (line {node.lineno}) imports {name}")
+    return out
+
+
+def test_benches_import_each_other_as_the_bench_package():
+    """Every bench runs as ``python bench/NAME.py`` and is importable as ``bench.NAME``: it
+    names what it shares with other benches ``bench.<module>``, never by bare name."""
+    found = bare_neighbour_imports("bench", module_files(["bench"]))
+    assert not found, "use `from bench.<module> import ...`:\n" + "\n".join(found)
+
+
 def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path):
     (tmp_path / "low").mkdir()
     (tmp_path / "high").mkdir()
@@ -240,3 +267,6 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(tmp_path):
     assert graph["high.c"] == {"high.b": 1}
     assert set(upward_imports(graph, rules, extra)) == {("low.a", "high.b")}
     assert cycles(graph) == [frozenset({"low.a", "high.b"})]
+    (tmp_path / "high" / "d.py").write_text("def f():\n    from c import x\n")
+    found = bare_neighbour_imports("high", module_files(["high"], tmp_path))
+    assert found == ["high.d (line 2) imports c"]
