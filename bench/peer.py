@@ -1,12 +1,13 @@
 """The peer a serving bench compares against: vLLM's OpenAI API server (its CPU backend,
 installed in a venv of its own) on the same weights, started as docs/benchmarks.md's
 commands start it, on a free local port; ``vllm_server`` yields its URL and served model
-name once ``/v1/models`` answers, and stops it after (its log is printed if it failed)."""
+name once ``/v1/models`` answers, and stops it after (its log is kept and printed if it failed)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -52,6 +53,8 @@ def vllm_server(
         clean = True
     finally:
         stop_session(proc, grace_s=30)
-        if not clean:
+        if clean:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
             print(f"vLLM's log: {log}; its last lines:", file=sys.stderr)
             print(log.read_text()[-3000:], file=sys.stderr)

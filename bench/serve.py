@@ -37,11 +37,14 @@ than through Serve's proxy; ``--via-proxy`` drives the proxy's port instead.
     python bench/serve.py --base-url http://host:8000 --model NAME   # any OpenAI server
     python bench/serve.py --write-model DIR        # the bench weights, for a peer server
     python bench/serve.py --model-dir DIR --peer-url http://host:8001 --peer-model NAME
+    python bench/serve.py --model-dir DIR --peer-python VLLM_VENV/bin/python
 
 With ``--peer-url`` a third side joins the interleaving (HTTP, in process, peer, ...): a
 peer OpenAI server (vLLM's CPU server, say) started on the same weights (``--write-model``
 writes them; ``--model-dir`` serves that folder), driven by the same HTTP client and
 workload; one more line before the last gives ``http/peer`` per concurrency.
+``--peer-python`` starts that server itself (``bench/peer.py``: vLLM's API server from
+that interpreter's venv, fp32, on a free port) and stops it at the end.
 
 Last line: ``http/in-process at 32 streams: <ratio>`` (the median of the per-repeat ratios
 of request throughput; targets: >= 0.85, and HTTP throughput at 32 >= at 8).
@@ -89,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
@@ -98,6 +102,7 @@ from typing import Any
 
 from bench.bench_model import MODEL, write_bench_model
 from bench.local_serve import serve_app
+from bench.peer import vllm_server
 from bench.serve_chat import ChatClient, run_chat
 from bench.serve_http import (
     HttpClient,
@@ -282,6 +287,11 @@ def main() -> None:
     ap.add_argument("--model-dir", help="serve the bench model from this folder")
     ap.add_argument("--peer-url", help="a peer OpenAI server on the same weights, interleaved")
     ap.add_argument("--peer-model", default="bench", help="the model name the peer serves")
+    ap.add_argument(
+        "--peer-python",
+        help="start vLLM's CPU server on --model-dir with this interpreter (its venv's python) "
+        "as the peer, instead of --peer-url (the random dataset)",
+    )
     ap.add_argument("--peer-name", default="vllm", help="the peer's column (chat datasets)")
     ap.add_argument(
         "--defaults",
@@ -316,12 +326,28 @@ def main() -> None:
             ap.error(f"--dataset {args.dataset} needs --model-path (or --base-url and --model)")
         if args.dataset == "sharegpt" and not (args.tokenizer or args.model_path):
             ap.error("--dataset sharegpt with --base-url needs --tokenizer")
-    elif args.peer_url and not args.model_dir:
-        ap.error("--peer-url needs --model-dir: the folder the peer serves")
+    elif (args.peer_url or args.peer_python) and not args.model_dir:
+        ap.error("--peer-url and --peer-python need --model-dir: the folder the peer serves")
+    if args.peer_python and (chat or args.peer_url or args.base_url):
+        ap.error("--peer-python: the random dataset, without --peer-url or --base-url")
     if args.cpu_hog and (chat or not args.defaults):
         ap.error("--cpu-hog needs --defaults and the random dataset")
     if args.cpu_profile and (chat or not args.defaults):
         ap.error("--cpu-profile needs --defaults and the random dataset")
+    peer: contextlib.AbstractContextManager[tuple[str, str] | None] = contextlib.nullcontext()
+    if args.peer_python:
+        model_dir = Path(args.model_dir)
+        if not (model_dir / "config.json").exists():
+            write_bench_model(model_dir)
+        peer = vllm_server(args.peer_python, str(model_dir), args.peer_model)
+    with peer as started:
+        if started is not None:
+            args.peer_url, args.peer_model = started
+        dispatch(args, chat, ap)
+
+
+def dispatch(args: argparse.Namespace, chat: bool, ap: argparse.ArgumentParser) -> None:
+    """The run ``args`` ask for, once they are checked and the peer (if any) answers."""
     if args.defaults:
         main_defaults(args, chat)
         return

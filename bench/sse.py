@@ -42,7 +42,7 @@ def _chunk(data: str) -> dict[str, Any]:
     chunk = json.loads(data)
     if "error" in chunk:
         raise StreamError(chunk["error"])
-    return chunk  # type: ignore[no-any-return]
+    return chunk
 
 
 def sse_json(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
