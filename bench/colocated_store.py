@@ -28,10 +28,11 @@ instance is started).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
+
+from bench.local_serve import local_ray
 
 MODELS = {"tiny": None, "smollm2": "SmolLM2-135M-Instruct"}
 NEVER = 1 << 30  # min_load_tokens that turns loads off
@@ -123,12 +124,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="A/B pairs per size")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance
-    import ray
-
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     summary = []
-    try:
+    with local_ray(num_cpus=1):
         for name in args.models:
             print(f"{name}: {args.repeats} interleaved pairs per N", flush=True)
             rows = measure(MODELS[name], args.sizes, args.repeats, args.seed)
@@ -140,8 +137,6 @@ def main() -> None:
             even = break_even(rows)
             print(f"break-even N ({name}): {even if even is not None else 'none measured'}\n")
             summary.append(f"{name} {even if even is not None else 'none'}")
-    finally:
-        ray.shutdown()
     print("colocated_store break-even N: " + ", ".join(summary))
 
 

@@ -66,6 +66,7 @@ from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
 from actors.disagg.store_view import StoreConfig
 from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams
+from bench.local_serve import local_ray
 from bench.real_prompts import add_model_options, chosen_model
 from store.transfer.links import EXEC, KV, Link, LinkBudget
 
@@ -222,20 +223,18 @@ def main() -> None:
     args = p.parse_args()
     chosen = chosen_model(p, args)
     args.model_dir = None if chosen is None else str(chosen)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-
-    times: dict[str, list[float]] = {"prefill": [], "dual": []}
-    reference: list | None = None
-    for r in range(args.repeats):
-        for path in ("prefill", "dual"):  # interleaved: A, B, A, B, ...
-            seconds, answers, counters = conversation_run(args, path)
-            if reference is None:
-                reference = answers
-            if answers != reference:
-                raise SystemExit(f"tokens differ on the {path} path (repeat {r})")
-            times[path].append(seconds)
-            print(f"repeat {r} {path:7s}: {seconds:6.2f} s  {counters}", flush=True)
-    ray.shutdown()
+    with local_ray(num_cpus=2):
+        times: dict[str, list[float]] = {"prefill": [], "dual": []}
+        reference: list | None = None
+        for r in range(args.repeats):
+            for path in ("prefill", "dual"):  # interleaved: A, B, A, B, ...
+                seconds, answers, counters = conversation_run(args, path)
+                if reference is None:
+                    reference = answers
+                if answers != reference:
+                    raise SystemExit(f"tokens differ on the {path} path (repeat {r})")
+                times[path].append(seconds)
+                print(f"repeat {r} {path:7s}: {seconds:6.2f} s  {counters}", flush=True)
     pp, dp = statistics.median(times["prefill"]), statistics.median(times["dual"])
     if args.skew is not None:
         report_skewed(args, times)

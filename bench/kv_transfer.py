@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from bench.interleave import interleaved
+from bench.local_serve import local_ray
 from store.shared_segment import SharedSegment
 from store.transfer import TransferEngine
 
@@ -118,36 +119,35 @@ def puller(conn, endpoint, sizes: list[int]) -> None:
 def ray_times(sizes: list[int]) -> dict[int, float]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with local_ray(num_cpus=2):
 
-    @ray.remote(num_cpus=0)
-    class Producer:
-        def __init__(self, total: int) -> None:
-            self.data = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+        @ray.remote(num_cpus=0)
+        class Producer:
+            def __init__(self, total: int) -> None:
+                self.data = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
 
-        def emit(self, size: int) -> np.ndarray:
-            return self.data[:size]
+            def emit(self, size: int) -> np.ndarray:
+                return self.data[:size]
 
-    @ray.remote(num_cpus=0)
-    class Consumer:
-        def __init__(self, total: int) -> None:
-            self.pool = np.ones(total, dtype=np.uint8)
+        @ray.remote(num_cpus=0)
+        class Consumer:
+            def __init__(self, total: int) -> None:
+                self.pool = np.ones(total, dtype=np.uint8)
 
-        def take(self, arr: np.ndarray) -> int:
-            np.copyto(self.pool[: arr.size], arr)
-            return int(arr.size)
+            def take(self, arr: np.ndarray) -> int:
+                np.copyto(self.pool[: arr.size], arr)
+                return int(arr.size)
 
-    total = max(sizes) * MiB
-    prod, cons = Producer.remote(total), Consumer.remote(total)
-    ray.get([prod.emit.remote(1), cons.take.remote(np.zeros(1, np.uint8))])  # warm up
-    out = {}
-    for size_mib in sizes:
-        size = size_mib * MiB
-        out[size_mib] = best(
-            lambda s=size: ray.get(cons.take.remote(prod.emit.remote(s))),
-            max(3, repeats(size_mib) // 4),
-        )
-    ray.shutdown()
+        total = max(sizes) * MiB
+        prod, cons = Producer.remote(total), Consumer.remote(total)
+        ray.get([prod.emit.remote(1), cons.take.remote(np.zeros(1, np.uint8))])  # warm up
+        out = {}
+        for size_mib in sizes:
+            size = size_mib * MiB
+            out[size_mib] = best(
+                lambda s=size: ray.get(cons.take.remote(prod.emit.remote(s))),
+                max(3, repeats(size_mib) // 4),
+            )
     return out
 
 

@@ -16,7 +16,6 @@ Last line: ``ttft single/spp<S>xkvp<K>: <ratio>``.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
+from bench.local_serve import local_ray
 from models import write_tiny_model
 
 BLOCK = 16
@@ -67,11 +67,7 @@ def main() -> None:
     ap.add_argument("--spp", type=int, default=2)
     ap.add_argument("--kvp", type=int, default=2)
     args = ap.parse_args()
-    import ray
-
-    os.environ.update(CHANNEL_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
-    try:
+    with local_ray(CHANNEL_ENV, num_cpus=2):
         with tempfile.TemporaryDirectory() as tmp:
             positions = 1 << (args.tokens + args.new).bit_length()
             folder = write_tiny_model(Path(tmp) / "m", max_position_embeddings=positions)
@@ -86,8 +82,6 @@ def main() -> None:
                 raise SystemExit(f"{layout}: tokens differ from the single process")
             print(f"tokens identical; {time.monotonic() - t0:.0f}s in all")
             print(f"ttft single/{layout}: {ttft_ref / ttft:.2f}")
-    finally:
-        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from actors import LLM, SamplingParams
+from bench.local_serve import local_ray
 from models.weight_update import SharedWeights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -180,18 +181,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.dataset == "sharegpt" and not args.model:
         ap.error("--dataset sharegpt needs --model (a real tokenizer)")
-    import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = hf_folder(args.model, Path(tmp))
-        print(
-            f"rollout-logprobs: {folder.name}; {args.prompts} prompts ({args.dataset}), "
-            f"{args.max_tokens} tokens each, {args.updates} updates, {args.replicas} replicas",
-            flush=True,
-        )
-        results = {dtype: run(args, folder, dtype) for dtype in args.dtypes}
-    ray.shutdown()
+    with local_ray(num_cpus=4):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = hf_folder(args.model, Path(tmp))
+            print(
+                f"rollout-logprobs: {folder.name}; {args.prompts} prompts ({args.dataset}), "
+                f"{args.max_tokens} tokens each, {args.updates} updates, {args.replicas} replicas",
+                flush=True,
+            )
+            results = {dtype: run(args, folder, dtype) for dtype in args.dtypes}
     print("\n| dtype | round | max abs diff | mean abs diff | update before it (s) |")
     print("|---|---|---|---|---|")
     for dtype, rows in results.items():

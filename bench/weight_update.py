@@ -25,6 +25,7 @@ import torch
 
 from actors import LLM, SamplingParams
 from bench.bench_model import write_qwen2_05b
+from bench.local_serve import local_ray
 from models.weight_update import SharedWeights
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -93,14 +94,12 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen2-0.5b"])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            rows[name] = measure(name, folder_of(name, Path(tmp)), args.repeats)
-    ray.shutdown()
+    with local_ray(num_cpus=4):
+        rows = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.models:
+                rows[name] = measure(name, folder_of(name, Path(tmp)), args.repeats)
     print(
         "\n| model | weights (MB) | update_weights, 2 replicas (s, median) | sleep(1) frees (MB) "
         "| wake (s) | sleep(2) frees (MB) | wake (s) | same tokens after |"
