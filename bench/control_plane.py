@@ -21,7 +21,6 @@ the 2 cores; they are reported, not targeted.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -32,6 +31,7 @@ from actors.engine.collectives import Layout
 from actors.engine.ray_executor import CHANNEL_BYTES, RayExecutor
 from actors.engine.step_plan import PlanEntry, StepPlan, StepResult
 from actors.engine.worker import StageOutput, WorkerSpec
+from bench.local_serve import local_ray
 
 HIDDEN = 64  # activation width handed between stages (the tiny model's)
 
@@ -98,30 +98,30 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=200)
     args = parser.parse_args()
     env = {"RAY_CGRAPH_buffer_size_bytes": str(CHANNEL_BYTES)}
-    os.environ.update(env)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
-    shapes = [
-        ("fan-out", 1, Layout(1, 1, 1)),
-        ("fan-out", 2, Layout(2, 1, 1)),
-        ("chain", 2, Layout(1, 2, 1)),
-        ("fan-out", 4, Layout(4, 1, 1)),
-        ("chain", 4, Layout(1, 4, 1)),
-    ]
-    print(f"per-iteration round trip, median of {args.iterations} (ms)")
-    print(f"{'shape':8} {'workers':>7} {'plain calls':>12} {'compiled':>9} {'ratio':>6}")
-    for shape, workers, layout in shapes:
-        spec = WorkerSpec("-", "float32", "cpu", "torch", 16, 1, layout)
-        medians = {}
-        for compiled in (False, True):
-            executor = RayExecutor(spec, use_compiled_graph=compiled, worker_cls=ControlPlaneWorker)
-            executor.depth = 1  # one step at a time: the round trip, not pipelining
-            try:
-                medians[compiled] = statistics.median(measure(executor, args.iterations))
-            finally:
-                executor.shutdown()
-        plain, comp = medians[False] * 1e3, medians[True] * 1e3
-        print(f"{shape:8} {workers:>7} {plain:>12.2f} {comp:>9.2f} {plain / comp:>5.1f}x")
-    ray.shutdown()
+    with local_ray(env, num_cpus=2):
+        shapes = [
+            ("fan-out", 1, Layout(1, 1, 1)),
+            ("fan-out", 2, Layout(2, 1, 1)),
+            ("chain", 2, Layout(1, 2, 1)),
+            ("fan-out", 4, Layout(4, 1, 1)),
+            ("chain", 4, Layout(1, 4, 1)),
+        ]
+        print(f"per-iteration round trip, median of {args.iterations} (ms)")
+        print(f"{'shape':8} {'workers':>7} {'plain calls':>12} {'compiled':>9} {'ratio':>6}")
+        for shape, workers, layout in shapes:
+            spec = WorkerSpec("-", "float32", "cpu", "torch", 16, 1, layout)
+            medians = {}
+            for compiled in (False, True):
+                executor = RayExecutor(
+                    spec, use_compiled_graph=compiled, worker_cls=ControlPlaneWorker
+                )
+                executor.depth = 1  # one step at a time: the round trip, not pipelining
+                try:
+                    medians[compiled] = statistics.median(measure(executor, args.iterations))
+                finally:
+                    executor.shutdown()
+            plain, comp = medians[False] * 1e3, medians[True] * 1e3
+            print(f"{shape:8} {workers:>7} {plain:>12.2f} {comp:>9.2f} {plain / comp:>5.1f}x")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ class ServeHost:
 
 
 @contextlib.contextmanager
-def local_ray(env: dict[str, str] | None = None, num_cpus: int = 4) -> Iterator[None]:
+def local_ray(env: dict[str, str] | None = None, num_cpus: int | None = 4) -> Iterator[None]:
     """A new local Ray cluster (never one that ``ray start`` recorded on this machine),
     ``env`` set here and in every worker; Ray starts workers at nice 15, these run at 0, the
-    priority of the bench client and of a peer server."""
+    priority of the bench client and of a peer server. ``num_cpus`` None: the machine's."""
     import ray
 
     env = dict(env or {})

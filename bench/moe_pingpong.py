@@ -45,6 +45,7 @@ from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from actors.moe.executor import cost_spec
 from actors.moe.messages import StageTime
+from bench.local_serve import local_ray
 from models import write_tiny_model
 from models.config import read_model_config
 from placement.gpus import get_gpu
@@ -201,26 +202,24 @@ def main() -> None:
     ms = [int(x) for x in args.m.split(",")]
     wanted = args.layouts.split(",")
     sides = {k: v for k, v in layouts(args.expert_workers).items() if k in wanted}
-    os.environ.update(CHANNEL_ENV)
-    ray.init(include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
-    model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "moe", kind="moe", **MODEL)
-    layers = read_model_config(model_dir).num_hidden_layers
-    print(f"cores {sorted(os.sched_getaffinity(0))}, load {os.getloadavg()[0]:.1f}; layouts:")
-    for name, cores in sides.items():
-        print(f"  {name}: {cores or 'every worker on every core'}")
-    results: dict[tuple[str, int], list[Run]] = {(s, m): [] for s in sides for m in ms}
-    for r in range(args.runs):
-        for side, cores in sides.items():
-            for m in ms:
-                res = run(model_dir, m, args, cores)
-                results[(side, m)].append(res)
-                print(
-                    f"run {r} {side} m={m}: step {res.step * 1e3:.1f} ms, T_a "
-                    f"{res.t_a * 1e3:.2f} ms, T_e {res.t_e * 1e3:.2f} ms, idle / CPU "
-                    f"{shares(res)}, overlap {res.overlap:.2f}",
-                    flush=True,
-                )
-    ray.shutdown()
+    with local_ray(CHANNEL_ENV, num_cpus=None):
+        model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "moe", kind="moe", **MODEL)
+        layers = read_model_config(model_dir).num_hidden_layers
+        print(f"cores {sorted(os.sched_getaffinity(0))}, load {os.getloadavg()[0]:.1f}; layouts:")
+        for name, cores in sides.items():
+            print(f"  {name}: {cores or 'every worker on every core'}")
+        results: dict[tuple[str, int], list[Run]] = {(s, m): [] for s in sides for m in ms}
+        for r in range(args.runs):
+            for side, cores in sides.items():
+                for m in ms:
+                    res = run(model_dir, m, args, cores)
+                    results[(side, m)].append(res)
+                    print(
+                        f"run {r} {side} m={m}: step {res.step * 1e3:.1f} ms, T_a "
+                        f"{res.t_a * 1e3:.2f} ms, T_e {res.t_e * 1e3:.2f} ms, idle / CPU "
+                        f"{shares(res)}, overlap {res.overlap:.2f}",
+                        flush=True,
+                    )
     med = {
         k: Run(
             statistics.median(x.step for x in v),

@@ -33,7 +33,6 @@ Last line: ``spp-adaptive tbt-p99/slo adaptive fixed: <a> <f>``.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import tempfile
@@ -41,14 +40,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from actors.engine.collectives import Layout
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from actors.engine.step_plan import StepPlan
 from actors.engine.worker_hooks import WorkerHooks
 from bench.bench_model import MODEL
+from bench.local_serve import local_ray
 from models import write_tiny_model
 from sim.metrics import percentile
 
@@ -137,83 +135,81 @@ def main() -> None:
     shorts = [[rng.randrange(3, vocab) for _ in range(args.short)] for _ in range(args.decodes)]
     long = [rng.randrange(3, vocab) for _ in range(args.long)]
     common = dict(block_size=16, enable_prefix_caching=False, num_blocks=1024)
-    os.environ.update(CHANNEL_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
-    with tempfile.TemporaryDirectory() as tmp:
-        model = dict(MODEL, max_position_embeddings=max(8192, 2 * args.long))
-        folder = write_tiny_model(Path(tmp) / "m", kind="dense", seed=0, **model)
-        t0 = time.monotonic()
-        single = ReplicaController.build(folder, chunk_size=256, token_budget=512, **common)
-        ref = run_once(single, args, shorts, long)["tokens"]
-        single.shutdown()
-        print(f"single-process reference: {time.monotonic() - t0:.0f}s", flush=True)
+    with local_ray(CHANNEL_ENV, num_cpus=2):
+        with tempfile.TemporaryDirectory() as tmp:
+            model = dict(MODEL, max_position_embeddings=max(8192, 2 * args.long))
+            folder = write_tiny_model(Path(tmp) / "m", kind="dense", seed=0, **model)
+            t0 = time.monotonic()
+            single = ReplicaController.build(folder, chunk_size=256, token_budget=512, **common)
+            ref = run_once(single, args, shorts, long)["tokens"]
+            single.shutdown()
+            print(f"single-process reference: {time.monotonic() - t0:.0f}s", flush=True)
 
-        target = args.margin * args.slo
-        engines = {
-            "adaptive": ReplicaController.build(
+            target = args.margin * args.slo
+            engines = {
+                "adaptive": ReplicaController.build(
+                    folder,
+                    spp=2,
+                    token_budget=4096,
+                    target_batch_time=target,
+                    worker_hooks=chunk_hooks,
+                    **common,
+                )
+            }
+            warm = run_once(engines["adaptive"], args, shorts, long)
+            warm = run_once(engines["adaptive"], args, shorts, long)  # on the refitted predictor
+            start = warm["chunks"][0]
+            print(f"adaptive warm-up chunks: {warm['chunks']}", flush=True)
+            engines["fixed"] = ReplicaController.build(
                 folder,
                 spp=2,
-                token_budget=4096,
-                target_batch_time=target,
+                chunk_size=start,
+                token_budget=start + args.decodes,
                 worker_hooks=chunk_hooks,
                 **common,
             )
-        }
-        warm = run_once(engines["adaptive"], args, shorts, long)
-        warm = run_once(engines["adaptive"], args, shorts, long)  # on the refitted predictor
-        start = warm["chunks"][0]
-        print(f"adaptive warm-up chunks: {warm['chunks']}", flush=True)
-        engines["fixed"] = ReplicaController.build(
-            folder,
-            spp=2,
-            chunk_size=start,
-            token_budget=start + args.decodes,
-            worker_hooks=chunk_hooks,
-            **common,
-        )
-        run_once(engines["fixed"], args, shorts, long)  # warm-up
-        results: dict[str, list[dict]] = {name: [] for name in engines}
-        for rep in range(args.repeats):
-            for name, engine in engines.items():
-                r = run_once(engine, args, shorts, long)
-                results[name].append(r)
-                print(
-                    f"repeat {rep + 1} {name}: TBT p50 {r['p50'] * 1e3:.0f}ms "
-                    f"p99 {r['p99'] * 1e3:.0f}ms over {r['gaps']} gaps, long TTFT "
-                    f"{r['ttft']:.2f}s, chunks {r['chunks']}",
-                    flush=True,
-                )
-                tokens = r["tokens"]
-                if tokens[-1] != ref[-1]:
-                    raise SystemExit(
-                        f"{name}: the long prompt's tokens differ from the single process"
+            run_once(engines["fixed"], args, shorts, long)  # warm-up
+            results: dict[str, list[dict]] = {name: [] for name in engines}
+            for rep in range(args.repeats):
+                for name, engine in engines.items():
+                    r = run_once(engine, args, shorts, long)
+                    results[name].append(r)
+                    print(
+                        f"repeat {rep + 1} {name}: TBT p50 {r['p50'] * 1e3:.0f}ms "
+                        f"p99 {r['p99'] * 1e3:.0f}ms over {r['gaps']} gaps, long TTFT "
+                        f"{r['ttft']:.2f}s, chunks {r['chunks']}",
+                        flush=True,
                     )
-                for got, want in zip(tokens[:-1], ref[:-1], strict=True):
-                    if got != want[: len(got)]:
+                    tokens = r["tokens"]
+                    if tokens[-1] != ref[-1]:
                         raise SystemExit(
-                            f"{name}: a decode's tokens differ from the single process"
+                            f"{name}: the long prompt's tokens differ from the single process"
                         )
-        pred = engines["adaptive"].predictor
-        assert pred is not None
-        print(
-            f"adaptive predictor: {pred.describe()} ({pred.fitter.num_fits['prefill']} fits), "
-            f"measured / predicted p90 {pred.overrun(0.9):.2f}"
-        )
-        for engine in engines.values():
-            engine.shutdown()
-        print(f"greedy tokens equal the single process; {time.monotonic() - t0:.0f}s")
-        med = {
-            name: {k: statistics.median(r[k] for r in rs) for k in ("p99", "p50", "ttft")}
-            for name, rs in results.items()
-        }
-        for name, m in med.items():
+                    for got, want in zip(tokens[:-1], ref[:-1], strict=True):
+                        if got != want[: len(got)]:
+                            raise SystemExit(
+                                f"{name}: a decode's tokens differ from the single process"
+                            )
+            pred = engines["adaptive"].predictor
+            assert pred is not None
             print(
-                f"{name}: decode TBT p50 {m['p50'] * 1e3:.0f}ms p99 {m['p99'] * 1e3:.0f}ms "
-                f"(SLO {args.slo * 1e3:.0f}ms), long TTFT {m['ttft']:.2f}s (medians)"
+                f"adaptive predictor: {pred.describe()} ({pred.fitter.num_fits['prefill']} fits), "
+                f"measured / predicted p90 {pred.overrun(0.9):.2f}"
             )
-        a, f = med["adaptive"]["p99"] / args.slo, med["fixed"]["p99"] / args.slo
-        print(f"spp-adaptive tbt-p99/slo adaptive fixed: {a:.2f} {f:.2f}")
-    ray.shutdown()
+            for engine in engines.values():
+                engine.shutdown()
+            print(f"greedy tokens equal the single process; {time.monotonic() - t0:.0f}s")
+            med = {
+                name: {k: statistics.median(r[k] for r in rs) for k in ("p99", "p50", "ttft")}
+                for name, rs in results.items()
+            }
+            for name, m in med.items():
+                print(
+                    f"{name}: decode TBT p50 {m['p50'] * 1e3:.0f}ms p99 {m['p99'] * 1e3:.0f}ms "
+                    f"(SLO {args.slo * 1e3:.0f}ms), long TTFT {m['ttft']:.2f}s (medians)"
+                )
+            a, f = med["adaptive"]["p99"] / args.slo, med["fixed"]["p99"] / args.slo
+            print(f"spp-adaptive tbt-p99/slo adaptive fixed: {a:.2f} {f:.2f}")
 
 
 if __name__ == "__main__":
