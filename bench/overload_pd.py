@@ -46,7 +46,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
 import torch
 
 from actors.disagg.cluster import PDCluster
@@ -59,6 +58,7 @@ from actors.disagg.conductor import (
 from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams
 from bench.bench_model import MODEL, write_bench_model
+from bench.local_serve import local_ray
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models.config import read_model_config
 from policies.conductor import (
@@ -303,83 +303,83 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     model_dir = write_bench_model(Path(tempfile.mkdtemp()) / "bench")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    engine = EngineConfig(dtype=torch.float32, **ENGINE)
-    spec = read_model_config(model_dir)
-    block_bytes = kv_cache_bytes_per_block(
-        spec.num_hidden_layers,
-        engine.block_size,
-        spec.num_key_value_heads,
-        spec.head_dim,
-        torch.float32,
-    )
-    d = default_conductor(block_bytes, ConductorOptions())
-    conductor = TracingConductor(
-        d.prefill_time, d.decode_tbt, d.transfer_time, d.ttft_slo, d.tbt_slo
-    )
-    conductor.decisions = {}
-    config = PDClusterConfig(str(model_dir), engine, conductor=conductor, pin_cores=True)
-    pd = PDCluster(config)
-    bench = Bench(args, pd)
-    try:
-        bench.set_mode("baseline")
-        bench.pd.conductor.admission = "none"
-        idle_ttft, idle_tbt = bench.idle()
-        bench.ttft_slo = args.ttft_slo or args.ttft_slo_x * idle_ttft
-        bench.tbt_slo = args.tbt_slo or args.tbt_slo_x * idle_tbt
-        rate = bench.calibrate()
-        bench.settle()
-        offered = args.overload * rate
-        print(f"model: {MODEL}, fp32, torch {torch.__version__}; 1 prefill + 1 decode replica")
-        print(
-            f"prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_tokens} new; idle "
-            f"TTFT {idle_ttft * 1e3:.0f} ms, TBT {idle_tbt * 1e3:.1f} ms; SLOs TTFT "
-            f"{bench.ttft_slo * 1e3:.0f} ms, TBT {bench.tbt_slo * 1e3:.1f} ms"
+    with local_ray(num_cpus=2):
+        engine = EngineConfig(dtype=torch.float32, **ENGINE)
+        spec = read_model_config(model_dir)
+        block_bytes = kv_cache_bytes_per_block(
+            spec.num_hidden_layers,
+            engine.block_size,
+            spec.num_key_value_heads,
+            spec.head_dim,
+            torch.float32,
         )
-        print(
-            f"sustained {rate:.2f} req/s ({args.clients} closed-loop clients); offered "
-            f"{offered:.2f} req/s (x{args.overload:g}, Poisson) for {args.duration:.0f}s"
+        d = default_conductor(block_bytes, ConductorOptions())
+        conductor = TracingConductor(
+            d.prefill_time, d.decode_tbt, d.transfer_time, d.ttft_slo, d.tbt_slo
         )
-        runs: dict[str, list[Run]] = {m: [] for m in MODES}
-        for i in range(args.repeats):
-            order = MODES if i % 2 == 0 else MODES[::-1]
-            for mode in order:
-                r = bench.run(mode, offered, seed=100 + i)
-                runs[mode].append(r)
-                print(
-                    f"  run {i + 1} {mode:>10}: offered {r.offered}, rejected {r.rejected} "
-                    f"{r.reasons or ''} + "
-                    f"{r.refused_at_decode} at decode, wasted prefill {r.wasted_prefill_tokens} "
-                    f"tokens, finished {r.finished} (good {r.good}), aborted {r.aborted}, "
-                    f"TTFT p90 {percentile(r.ttft, 90):.2f}s, "
-                    f"TBT p90 {percentile(r.tbt, 90) * 1e3:.1f} ms"
-                )
-        print()
-        print(
-            f"{'admission':>10} {'offered':>8} {'rejected':>9} {'at decode':>10} "
-            f"{'wasted prefill':>15} {'good':>5} {'goodput':>9}   (medians over runs)"
-        )
-        med: dict[str, dict[str, float]] = {}
-        for mode in MODES:
-            rs = runs[mode]
-
-            def m(key: str, rs: list[Run] = rs) -> float:
-                return statistics.median(float(getattr(r, key)) for r in rs)
-
-            med[mode] = {k: m(k) for k in ("wasted_prefill_tokens", "goodput")}
+        conductor.decisions = {}
+        config = PDClusterConfig(str(model_dir), engine, conductor=conductor, pin_cores=True)
+        pd = PDCluster(config)
+        bench = Bench(args, pd)
+        try:
+            bench.set_mode("baseline")
+            bench.pd.conductor.admission = "none"
+            idle_ttft, idle_tbt = bench.idle()
+            bench.ttft_slo = args.ttft_slo or args.ttft_slo_x * idle_ttft
+            bench.tbt_slo = args.tbt_slo or args.tbt_slo_x * idle_tbt
+            rate = bench.calibrate()
+            bench.settle()
+            offered = args.overload * rate
+            print(f"model: {MODEL}, fp32, torch {torch.__version__}; 1 prefill + 1 decode replica")
             print(
-                f"{mode:>10} {m('offered'):>8.0f} {m('rejected'):>9.0f} "
-                f"{m('refused_at_decode'):>10.0f} {m('wasted_prefill_tokens'):>15.0f} "
-                f"{m('good'):>5.0f} {m('goodput'):>7.2f}/s"
+                f"prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_tokens} new; idle "
+                f"TTFT {idle_ttft * 1e3:.0f} ms, TBT {idle_tbt * 1e3:.1f} ms; SLOs TTFT "
+                f"{bench.ttft_slo * 1e3:.0f} ms, TBT {bench.tbt_slo * 1e3:.1f} ms"
             )
-        base, pred = med["baseline"], med["predictive"]
-        waste = pred["wasted_prefill_tokens"] / max(1.0, base["wasted_prefill_tokens"])
-        print(f"wasted prefill predictive/baseline: {waste:.2f}")
-        ratio = pred["goodput"] / base["goodput"] if base["goodput"] > 0 else float("inf")
-        print(f"pd-overload goodput predictive/baseline: {ratio:.2f}")
-    finally:
-        pd.shutdown()
-        ray.shutdown()
+            print(
+                f"sustained {rate:.2f} req/s ({args.clients} closed-loop clients); offered "
+                f"{offered:.2f} req/s (x{args.overload:g}, Poisson) for {args.duration:.0f}s"
+            )
+            runs: dict[str, list[Run]] = {m: [] for m in MODES}
+            for i in range(args.repeats):
+                order = MODES if i % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    r = bench.run(mode, offered, seed=100 + i)
+                    runs[mode].append(r)
+                    print(
+                        f"  run {i + 1} {mode:>10}: offered {r.offered}, rejected {r.rejected} "
+                        f"{r.reasons or ''} + "
+                        f"{r.refused_at_decode} at decode, wasted prefill "
+                        f"{r.wasted_prefill_tokens} "
+                        f"tokens, finished {r.finished} (good {r.good}), aborted {r.aborted}, "
+                        f"TTFT p90 {percentile(r.ttft, 90):.2f}s, "
+                        f"TBT p90 {percentile(r.tbt, 90) * 1e3:.1f} ms"
+                    )
+            print()
+            print(
+                f"{'admission':>10} {'offered':>8} {'rejected':>9} {'at decode':>10} "
+                f"{'wasted prefill':>15} {'good':>5} {'goodput':>9}   (medians over runs)"
+            )
+            med: dict[str, dict[str, float]] = {}
+            for mode in MODES:
+                rs = runs[mode]
+
+                def m(key: str, rs: list[Run] = rs) -> float:
+                    return statistics.median(float(getattr(r, key)) for r in rs)
+
+                med[mode] = {k: m(k) for k in ("wasted_prefill_tokens", "goodput")}
+                print(
+                    f"{mode:>10} {m('offered'):>8.0f} {m('rejected'):>9.0f} "
+                    f"{m('refused_at_decode'):>10.0f} {m('wasted_prefill_tokens'):>15.0f} "
+                    f"{m('good'):>5.0f} {m('goodput'):>7.2f}/s"
+                )
+            base, pred = med["baseline"], med["predictive"]
+            waste = pred["wasted_prefill_tokens"] / max(1.0, base["wasted_prefill_tokens"])
+            print(f"wasted prefill predictive/baseline: {waste:.2f}")
+            ratio = pred["goodput"] / base["goodput"] if base["goodput"] > 0 else float("inf")
+            print(f"pd-overload goodput predictive/baseline: {ratio:.2f}")
+        finally:
+            pd.shutdown()
 
 
 if __name__ == "__main__":
