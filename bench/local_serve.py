@@ -1,4 +1,4 @@
-"""Ray and Serve in the bench's own process, the one way benches start an app in process:
+"""Ray and Serve in the bench's own process, the one way benches start either:
 ``local_ray`` (a new local cluster whose workers see ``env`` and run at nice 0),
 ``local_serve`` (that, plus Serve's proxy on a free port), ``deploy`` (one application
 from ``serve_app.build_app``'s arguments, returned once ``/health`` counts its replicas)
