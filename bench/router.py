@@ -60,6 +60,7 @@ from pathlib import Path
 from policies.cluster_view import ClusterView
 from policies.replica_stats import ReplicaStats
 from policies.routing import PrefixAware, RouteRequest
+from sim.metrics import percentile
 from sim.tokens import prompt_tokens
 from sim.traces import load_mooncake
 from sim.workload import TraceRequest
@@ -287,9 +288,9 @@ class RayTree:
 
 def summary(lat: list[int], overhead: int = 0) -> tuple[float, float, float, float]:
     """(decisions per second, p50 us, p99 us, max us), less ``overhead`` ns per sample."""
-    s = sorted(max(0, x - overhead) for x in lat)
-    n = len(s)
-    return n / (sum(s) / 1e9), s[n // 2] / 1e3, s[min(n - 1, int(n * 0.99))] / 1e3, s[-1] / 1e3
+    s = [max(0, x - overhead) for x in lat]
+    rate = len(s) / (sum(s) / 1e9)
+    return rate, percentile(s, 50) / 1e3, percentile(s, 99) / 1e3, max(s) / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

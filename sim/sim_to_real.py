@@ -46,6 +46,7 @@ from placement.fitted import SplitFittedCostModel
 from policies.routing import RoundRobin
 from sim.cluster import InstanceSpec
 from sim.colocated import ColocatedCluster
+from sim.metrics import percentile
 from sim.step_grid import run_step_grid
 from sim.traces import load_trace
 from sim.workload import TraceRequest
@@ -341,11 +342,6 @@ def replay_sim(reqs: list[TraceRequest], cost: CostModel) -> dict[str, tuple[flo
     return {s.request_id: (s.ttft or 0.0, s.tpot or 0.0) for s in stats}
 
 
-def _p90(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[int(0.9 * (len(xs) - 1))]
-
-
 def _errors(
     live: dict[str, tuple[float, float]], pred: dict[str, tuple[float, float]]
 ) -> dict[str, float]:
@@ -357,8 +353,8 @@ def _errors(
     return {
         "ttft_median_rel_err": statistics.median(ttft),
         "tpot_median_rel_err": statistics.median(tpot),
-        "ttft_p90_rel_err": _p90(ttft),
-        "tpot_p90_rel_err": _p90(tpot),
+        "ttft_p90_rel_err": percentile(ttft, 90),
+        "tpot_p90_rel_err": percentile(tpot, 90),
         "measured_ttft_median_s": statistics.median(v[0] for v in live.values()),
         "predicted_ttft_median_s": statistics.median(v[0] for v in pred.values()),
         "measured_tpot_median_s": statistics.median(live[k][1] for k in keys),
