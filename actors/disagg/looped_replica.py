@@ -28,6 +28,7 @@ class LoopedReplica:
     loop: ReplicaLoop
     stats: PrefillStats | DecodeStats  # replaced (never mutated) by the loop thread
     leaving = False  # asked to leave its pool (``drain``); never set back
+    weight_loads = 0  # weight updates loaded since its start (each version once)
 
     def ping(self) -> str:
         return self.replica_id
@@ -49,8 +50,13 @@ class LoopedReplica:
         return Report(self.replica_id, events, self.stats, self.leaving)
 
     def weight_version(self) -> int:
-        """The weight version the replica runs (updates loaded since its start)."""
+        """The weight version the replica runs."""
         return int(self.controller.weight_version)
+
+    def loads(self) -> int:
+        """Weight updates loaded since its start (a Conductor that attaches to it loads
+        none it runs already)."""
+        return self.weight_loads
 
     def report_stats(self) -> PrefillStats | DecodeStats:
         return self.stats
@@ -60,7 +66,9 @@ class LoopedReplica:
         ref) as weight version ``version``, on the loop thread; the replica holds no
         request (its cluster holds none). Returns the bytes received."""
         (source,) = weights
-        return int(self.loop.call(lambda: self.controller.update_weights(source, version)).result())
+        got = int(self.loop.call(lambda: self.controller.update_weights(source, version)).result())
+        self.weight_loads += 1
+        return got
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1) and the weights too (level 2), on the loop thread,

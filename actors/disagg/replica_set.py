@@ -116,6 +116,7 @@ class ReplicaSet:
         self.failed_starts: list[str] = []  # ids whose ``begin_start`` actor died starting
         # every weight update (object refs), oldest first: update i is weight version i + 1
         self.weight_updates: list[Any] = []
+        self.loaded: dict[str, int] = {}  # replica id -> the weight version it runs
         self.sleep_level: int | None = None  # every replica sleeps at it; None: awake
 
     def start_all(self) -> None:
@@ -145,7 +146,8 @@ class ReplicaSet:
         node = ray.get(handle.node.remote())
         self.plan.record(rid, node, replica_spec(self.config, rid, self._on_gpu).needs)
         cached = ray.get(handle.reset.remote())
-        self._register(rid, handle, node, set(cached or ()))
+        loaded = int(ray.get(handle.weight_version.remote()))  # not loaded again
+        self._register(rid, handle, node, set(cached or ()), loaded)
 
     # -- starting, replacing, growing and shrinking -----------------------------------------
     def start(self, rid: str) -> None:
@@ -196,6 +198,7 @@ class ReplicaSet:
         self.prefill_reports.pop(rid, None)
         self.local_cached.pop(rid, None)
         self.prefill_nodes.pop(rid, None)
+        self.loaded.pop(rid, None)
         self.draining.discard(rid)
         for ids in (self.prefill_ids, self.decode_ids):
             if rid in ids:
@@ -239,10 +242,16 @@ class ReplicaSet:
 
     def update_weights(self, ref: Any) -> None:
         """Every replica loads the checked weights in ``ref`` as the next weight version
-        (none holds a request); a replica started later loads every update at start."""
+        (none holds a request), but one that runs it already (attached from a previous
+        Conductor, which loaded it); a replica started later loads every update at start."""
         version = len(self.weight_updates) + 1
-        handles = [*self.prefills.values(), *self.decodes.values()]
-        ray.get([h.update_weights.remote([ref], version) for h in handles])
+        behind = {
+            rid: h
+            for rid, h in [*self.prefills.items(), *self.decodes.items()]
+            if self.loaded.get(rid, 0) < version
+        }
+        ray.get([h.update_weights.remote([ref], version) for h in behind.values()])
+        self.loaded.update(dict.fromkeys(behind, version))
         self.weight_updates.append(ref)
 
     def sleep(self, level: int) -> int:
@@ -261,8 +270,11 @@ class ReplicaSet:
     def _store_placement(self) -> str:
         return self.store.cfg.placement if self.store else "local"
 
-    def _register(self, rid: str, handle: Any, node: str, cached: set[int]) -> None:
-        """Count a running replica in: its view, its state as it reports it, its poll."""
+    def _register(
+        self, rid: str, handle: Any, node: str, cached: set[int], loaded: int = 0
+    ) -> None:
+        """Count a running replica in: its view, its state as it reports it, its poll;
+        ``loaded``: the weight version it runs (0: a fresh actor)."""
         if rid[0] == "p":
             self.prefills[rid] = handle
             self.prefill_views[rid] = PrefillInstance(rid)
@@ -275,8 +287,11 @@ class ReplicaSet:
             ids = self.decode_ids
         if rid not in ids:
             ids.append(rid)
+        self.loaded[rid] = loaded
         for version, ref in enumerate(self.weight_updates, start=1):  # started after them
-            ray.get(handle.update_weights.remote([ref], version))
+            if version > self.loaded[rid]:
+                ray.get(handle.update_weights.remote([ref], version))
+                self.loaded[rid] = version
         if self.sleep_level is not None:
             ray.get(handle.sleep.remote(self.sleep_level))
         report = ray.get(handle.report.remote(0.0))
