@@ -72,14 +72,21 @@ def checked_weights(expected: Mapping[str, tuple[int, ...]], source: Any) -> Wei
     return weights
 
 
+def resolve_ref(source: Any) -> Any:
+    """``source``, or the value of a Ray ``ObjectRef`` (zero-copy for tensors in the node's
+    object store): kept after its owner's process may have died."""
+    if is_object_ref(source):
+        import ray
+
+        return ray.get(source)
+    return source
+
+
 def read_weights(source: Any) -> Weights:
     """The tensors of ``source``: a name -> tensor mapping, a safetensors file, a folder
     of them, a ``SharedWeights``, or a Ray ``ObjectRef`` to one of these. Raises
     InvalidRequestError."""
-    if is_object_ref(source):
-        import ray
-
-        source = ray.get(source)
+    source = resolve_ref(source)
     if isinstance(source, SharedWeights):
         return source.tensors()
     if isinstance(source, Mapping):

@@ -28,7 +28,7 @@ from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_parallel_attention import KVParallelAttention
 from models import load_model
 from models.sharding import ModelShard
-from models.weight_update import read_weights
+from models.weight_update import read_weights, resolve_ref
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,9 @@ class Worker:
         self.collectives: Collectives | None = None
         self.shard: ModelShard | None = None
         self.kv_caches: list = []
-        # every weight update since load, oldest first, as sent (object refs stay in the
-        # object store, shared by the node's replicas, until the shard is built again)
+        # every weight update since load, oldest first: as sent, but an object ref as its
+        # value (zero-copy from the node's object store), since the process that put it
+        # (a Conductor) may die before the shard is built again
         self.updates: list[Any] = []
 
     # -- set-up ---------------------------------------------------------------------------
@@ -157,11 +158,18 @@ class Worker:
         """Load new weights (each source as ``models.weight_update.read_weights`` takes it,
         already checked by the controller; later ones win) in place of the current ones,
         building the shard once. The KV cache is kept (its contents are stale: the
-        controller forgets them)."""
-        self.updates.extend(sources)
+        controller forgets them). If building fails, the weights before the update are
+        built again and the error raised: the worker never stays without weights."""
+        before = list(self.updates)
+        self.updates.extend(resolve_ref(source) for source in sources)
         if self.shard is not None:  # asleep at level 2: built on wake_up
             self.shard = None  # free the old weights before the new ones are built
-            self.shard = self._build_shard()
+            try:
+                self.shard = self._build_shard()
+            except BaseException:
+                self.updates = before
+                self.shard = self._build_shard()
+                raise
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1), and the weights too (level 2); ``wake_up`` brings

@@ -115,3 +115,7 @@ def test_a_conductor_after_weight_updates_attaches_without_loading_them_again(ap
     report, table = soak_once(app, ["replica"], cases)
     assert_nothing_lost(report, ["replica"], table)
     assert versions_and_loads() == before, table  # the same actors, nothing loaded again
+    # the update the dead Conductor sent lived in its process's objects: a later update
+    # still builds the replicas' weights (each keeps what it loaded, not a dead ref)
+    report, table = soak_once(app, [soak_app.WEIGHTS], cases)
+    assert_nothing_lost(report, [soak_app.WEIGHTS], table)
