@@ -168,24 +168,35 @@ def inject(
         serving = whole_again(kind, phase)
         took, gap = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S, serving)
         windows.append((kind, start, time.monotonic()))
-        if took is None:
-            results[kind].not_recovered += 1
-            log(f"  {what}: NOT back in {RECOVERY_TIMEOUT_S:.0f}s: {gap}")
+        back = _record(results[kind], results[kind].recovery_s, took, start, gap, log, what, "back")
+        if not back or not serving:
             continue
-        results[kind].recovery_s.append(time.monotonic() - start)
-        log(f"  {what}: full strength after {results[kind].recovery_s[-1]:.1f}s")
-        if not serving:
-            continue
-        took, gap = None, f"{what}: still alive"
+        took, gap = None, "still alive"
         if victim is None or wait_dead(victim, start + RECOVERY_TIMEOUT_S):
             took, gap = wait_full_strength(url, phase, probe, RECOVERY_TIMEOUT_S)
-        if took is None:
-            results[kind].not_recovered += 1
-            log(f"  {what}: NOT whole again: {gap}")
-            continue
-        results[kind].whole_s.append(time.monotonic() - start)
-        log(f"  {what}: whole again after {results[kind].whole_s[-1]:.1f}s")
+        _record(results[kind], results[kind].whole_s, took, start, gap, log, what, "whole again")
     return results, windows
+
+
+def _record(
+    result: KindResult,
+    samples: list[float],
+    took: float | None,
+    start: float,
+    gap: str,
+    log: Callable[[str], None],
+    what: str,
+    state: str,
+) -> bool:
+    """Record (and log) the seconds since ``start`` in ``samples`` when the app reached
+    ``state`` (``took`` not None), else count the fault not recovered; says which."""
+    if took is None:
+        result.not_recovered += 1
+        log(f"  {what}: NOT {state} within {RECOVERY_TIMEOUT_S:.0f}s: {gap}")
+        return False
+    samples.append(time.monotonic() - start)
+    log(f"  {what}: {state} after {samples[-1]:.1f}s")
+    return True
 
 
 class FaultFailed(Exception):
