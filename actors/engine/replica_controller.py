@@ -12,7 +12,9 @@ request from its tokens, so no request is lost and no token changes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
@@ -88,6 +90,8 @@ class ReplicaController:
         self.weight_version = 0  # weight updates applied since load
         self.asleep = False  # sleep() freed the KV cache (and maybe the weights)
         self._expected: dict[str, tuple[int, ...]] | None = None  # expected_tensors()
+        # ready before the first update: its meta build imports torch._dynamo (~1 s)
+        threading.Thread(target=self._warm_expected, daemon=True, name="meridian-ex").start()
 
     @classmethod
     def build(
@@ -445,6 +449,10 @@ class ReplicaController:
         if self._expected is None:
             self._expected = expected_tensors(self.model_dir)
         return self._expected
+
+    def _warm_expected(self) -> None:
+        with contextlib.suppress(Exception):  # raised to the update that needs it
+            self.expected_tensors()
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level 1), and the weights too (level 2), with no request

@@ -3,11 +3,13 @@
 One owner for the whole app: the ingress replicas (however many) and every replica of
 every group ask it, so all of them agree on the order and number of updates.
 
-- ``WeightUpdateLog.update`` reads and checks an update (``models.weight_update``: a bad
-  tensor is refused, naming it, before anything changes), puts it in Ray's object store
-  once as ``SharedWeights`` (put by the router, owned by the log's store below, so the
+- ``WeightUpdateLog.update`` has the log's store (below) read and check an update
+  (``models.weight_update``: a bad tensor is refused, naming it, before anything changes)
+  and put it in Ray's object store once as ``SharedWeights`` (owned by the store, so the
   data outlives the caller and the router), appends it as the next version, wakes every
-  watcher, and returns once every live replica has loaded it.
+  watcher, and returns once every live replica has loaded it. The router does not read or
+  check weights: the store's process does, warmed when it starts (``warm``: torch and the
+  model's meta build, ~10 s cold under load), and it outlives a killed router.
 - Replicas (``replica_weights.py``) long-poll ``next_version``, fetch the updates they lack
   with ``since`` and say ``loaded``. A replica that starts later loads every update of the
   log before it serves (its first request waits for that).
@@ -21,8 +23,8 @@ every group ask it, so all of them agree on the order and number of updates.
 
 - What must outlive the router (``LogState``: the updates and the sleep state) is saved,
   before anyone sees it, in a ``WeightLogStore``: under Serve a detached named actor of the
-  app (``RemoteLogStore``), which also owns every update's tensors (it puts them in the
-  object store itself, ``keep``: a copy made once per update), so Serve's replacement of a
+  app (``RemoteLogStore``), which also owns every update's tensors (it reads, checks and
+  puts them in the object store itself, ``keep``), so Serve's replacement of a
   dead router reads the log back whole and goes on from its version and sleep state. The
   rest (which replica loaded or slept what) is rebuilt from the replicas' next reports.
   The store dies with the app: the router's graceful shutdown kills it when Serve is
@@ -42,8 +44,10 @@ starts an empty store whose versions the replicas already hold: deploy the app a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +88,7 @@ class WeightLogStore:
 
     def __init__(self, model: str | None = None) -> None:
         self.state = LogState(model)
+        self._expected: dict[str, tuple[int, ...]] | None = None
 
     def read(self) -> LogState:
         return self.state
@@ -91,12 +96,42 @@ class WeightLogStore:
     async def save(self, state: LogState) -> None:
         self.state = state
 
-    async def keep(self, weights: Any) -> list[Any]:
-        """``weights`` as the log keeps them, in a one-item list: in the object store, put
-        by this process (which owns them from then on), or themselves outside Ray."""
+    def warm(self) -> None:
+        """Make ``keep``'s first check fast: in a thread (``read`` and ``save`` answer
+        meanwhile), import torch and build the model on the meta device (``expected``)."""
+        threading.Thread(target=self._warm, daemon=True, name="meridian-log-warm").start()
+
+    def _warm(self) -> None:
+        with contextlib.suppress(Exception):  # raised to the update that needs it
+            self.expected()
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor name of the log's model with its shape (what an update may name)."""
+        if self._expected is None:
+            from models import tiny_model_dir
+            from models.loader import expected_tensors
+
+            model = Path(self.state.model) if self.state.model else tiny_model_dir("dense")
+            self._expected = expected_tensors(model)
+        return self._expected
+
+    async def keep(self, source: Any) -> list[Any]:
+        """``source`` (``read_weights``' sources; a Ray object ref comes wrapped in a
+        one-item list so it reaches here as a ref) read and checked as the log keeps it, in
+        a one-item list: a ``SharedWeights`` in the object store, put by this process
+        (which owns it from then on), or itself outside Ray. Raises InvalidRequestError
+        (a bad tensor, named). Off the event loop: a checkpoint read takes seconds."""
+        return [await asyncio.to_thread(self._checked, source)]
+
+    def _checked(self, source: Any) -> Any:
         import ray
 
-        return [ray.put(weights)] if ray.is_initialized() else [weights]
+        from models.weight_update import SharedWeights, checked_weights
+
+        if isinstance(source, list) and len(source) == 1:
+            source = source[0]
+        shared = SharedWeights.of(checked_weights(self.expected(), source))
+        return ray.put(shared) if ray.is_initialized() else shared
 
 
 STORE_NAMESPACE = "meridian-weights"
@@ -125,7 +160,7 @@ class RemoteLogStore:
         import ray
 
         actor: Any = ray.remote(WeightLogStore)
-        return actor.options(
+        owner = actor.options(
             name=self.name,
             namespace=STORE_NAMESPACE,
             lifetime="detached",
@@ -133,6 +168,8 @@ class RemoteLogStore:
             num_cpus=0,
             max_concurrency=1,
         ).remote(model)
+        owner.warm.remote()  # a restarted router's store is warm already: a no-op thread
+        return owner
 
     def read(self) -> LogState:
         return self.state
@@ -141,10 +178,18 @@ class RemoteLogStore:
         await self.owner.save.remote(state)
         self.state = state
 
-    async def keep(self, weights: Any) -> list[Any]:
-        """``weights`` (a ref, resolved by Ray for the store) put by the store, which owns
-        them from then on (a ref owned by the router would die with it)."""
-        return list(await self.owner.keep.remote(weights))
+    async def keep(self, source: Any) -> list[Any]:
+        """``WeightLogStore.keep`` in the store's process, which owns the tensors from then
+        on (a ref owned by the router would die with it). A refused update raises its own
+        MeridianError here."""
+        import ray
+
+        try:
+            return list(await self.owner.keep.remote(source))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, MeridianError):
+                raise e.cause from None
+            raise
 
     def release(self) -> None:
         """The router stops gracefully: kill the store if Serve is deleting the app (kept
@@ -203,9 +248,10 @@ class WeightUpdateLog:
         async with self._lock:
             if self.sleep_level is not None:
                 raise InvalidRequestError("the app is asleep; call wake_up() before an update")
-            checked = await asyncio.to_thread(self._checked, source)
             try:
-                (ref,) = await self.store.keep(checked)
+                (ref,) = await self.store.keep(source)
+            except MeridianError:
+                raise
             except Exception as e:
                 raise EngineUnavailableError(f"the app's weight log is unreachable: {e}") from e
             version = self.version + 1
@@ -216,24 +262,6 @@ class WeightUpdateLog:
                 self._changed.notify_all()
             await self._wait_loaded(version)
             return version
-
-    def _checked(self, source: Any) -> Any:
-        """The checked tensors of ``source``: in the object store for the store's ``keep``
-        (in process, themselves). Off the event loop: a checkpoint read takes seconds and
-        routing goes on meanwhile."""
-        import ray
-
-        from models import tiny_model_dir
-        from models.loader import expected_tensors
-        from models.weight_update import SharedWeights, checked_weights
-
-        if isinstance(source, list) and len(source) == 1:
-            source = source[0]
-        model = Path(self.model_dir) if self.model_dir else tiny_model_dir("dense")
-        shared = SharedWeights.of(checked_weights(expected_tensors(model), source))
-        if not ray.is_initialized():
-            return shared  # in process: the log keeps the tensors
-        return ray.put(shared)  # for the store, which keeps its own copy (``keep``)
 
     async def _save(self, **changes: Any) -> None:
         """Save the log's state with ``changes`` before anyone sees them (a restarted
