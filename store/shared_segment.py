@@ -81,7 +81,7 @@ class SharedSegment:
             raise
         seg = cls(name, nbytes, mm, path, owner_fd=fd)
         if prefault:
-            seg.array[:: mmap.PAGESIZE] = 0  # one write per page allocates it
+            seg.prefault()
         return seg
 
     @classmethod
@@ -108,6 +108,23 @@ class SharedSegment:
     @property
     def closed(self) -> bool:
         return self._mmap is None
+
+    def prefault(self) -> None:
+        """Allocate every page now (one write per page), so later copies do not fault."""
+        self.array[:: mmap.PAGESIZE] = 0
+
+    def release_pages(self) -> int:
+        """Give the segment's memory back to the node (the owner only): its pages are
+        freed in every process that maps it (``MADV_REMOVE``) and read as zeros when
+        touched again; the name and every mapping stay valid. Returns the bytes freed."""
+        mm, fd = self._mmap, self._owner_fd
+        if mm is None or fd is None:
+            raise TransferError(f"segment {self.name!r}: only its live owner frees its pages")
+        if not hasattr(mmap, "MADV_REMOVE"):
+            raise TransferError("freeing shared-memory pages needs Linux (MADV_REMOVE)")
+        before = os.fstat(fd).st_blocks
+        mm.madvise(mmap.MADV_REMOVE)
+        return 512 * (before - os.fstat(fd).st_blocks)  # st_blocks counts 512-byte units
 
     def close(self) -> None:
         """Unmap (and unlink, in the owner). Views of ``array`` must be dropped first; if

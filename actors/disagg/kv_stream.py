@@ -64,7 +64,9 @@ def blocks_to_stream(first_block: int, end: int, block_size: int) -> range:
 class SharedKVCache:
     """A ``KVCacheProvider`` whose paged KV cache lives in a shared-memory segment served
     by a transfer engine: a decode worker's. The segment is made at the first ``allocate``
-    and handed out again after a worker restart in the same process."""
+    and handed out again after a worker restart in the same process. ``release`` (the
+    worker sleeps) frees the segment's memory but keeps its name, mapping and endpoint, so
+    prefill workers reach the same cache after the wake."""
 
     def __init__(
         self,
@@ -86,11 +88,15 @@ class SharedKVCache:
         self.kv_caches: KVCaches = []
         self.segment: SharedSegment | None = None
         self.engine: TransferEngine | None = None
+        self.released = False  # the segment's pages are freed until the next allocate
 
     def allocate(self, geometry: CacheGeometry) -> KVCaches:
         if self.geometry is not None:
             if geometry != self.geometry:
                 raise ValueError("the shared cache does not match the worker's cache geometry")
+            if self.released and self.segment is not None:
+                self.segment.prefault()
+                self.released = False
             return self.kv_caches
         g = geometry
         if (g.num_layers, g.num_kv_heads) != (
@@ -116,6 +122,12 @@ class SharedKVCache:
         ]
         self.geometry = geometry
         return self.kv_caches
+
+    def release(self) -> int:
+        if self.segment is None or self.released:
+            return 0
+        self.released = True
+        return self.segment.release_pages()
 
     def describe(self) -> KVTarget:
         """How a prefill worker reaches this cache."""

@@ -78,6 +78,7 @@ class Worker:
         self.collectives: Collectives | None = None
         self.shard: ModelShard | None = None
         self.kv_caches: list = []
+        self.kv_provider = self.hooks.kv_cache or PrivateKVCache()  # allocates kv_caches
         # every weight update since load, oldest first: as sent, but an object ref as its
         # value (zero-copy from the node's object store), since the process that put it
         # (a Conductor) may die before the shard is built again
@@ -151,7 +152,7 @@ class Worker:
             self.dtype,
             self.device,
         )
-        return (self.hooks.kv_cache or PrivateKVCache()).allocate(geometry)
+        return self.kv_provider.allocate(geometry)
 
     # -- weights and memory between rollout phases ------------------------------------------
     def update_weights(self, *sources: Any) -> None:
@@ -174,26 +175,14 @@ class Worker:
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1), and the weights too (level 2); ``wake_up`` brings
         them back (the weights as last updated). A KV cache shared with a transfer layer
-        (a P/D replica's: its memory is registered there) is kept, so such a worker sleeps
-        only at level 2, freeing its weights. Returns the bytes freed."""
+        (a P/D decode worker's) frees its memory and keeps its address
+        (``SharedKVCache.release``). Returns the bytes freed."""
         if level not in (1, 2):
             raise ValueError(
                 f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level}"
             )
-        shared = self.hooks.kv_cache is not None and not isinstance(
-            self.hooks.kv_cache, PrivateKVCache
-        )
-        if shared and level == 1:
-            raise ValueError(
-                "this worker's KV cache is registered with a transfer layer and stays; "
-                "sleep(2) frees its weights"
-            )
-        freed = 0
-        if not shared:
-            freed = _nbytes(self.kv_caches)
-            self.kv_caches = []
-            if isinstance(self.hooks.kv_cache, PrivateKVCache):
-                self.hooks.kv_cache.release()
+        self.kv_caches = []
+        freed = self.kv_provider.release()
         if level == 2 and self.shard is not None:
             freed += _nbytes(_shard_tensors(self.shard))
             self.shard = None

@@ -43,6 +43,10 @@ class CacheGeometry:
 class KVCacheProvider(Protocol):
     def allocate(self, geometry: CacheGeometry) -> KVCaches: ...
 
+    def release(self) -> int:
+        """Free the memory of the caches it allocated (the worker sleeps; it drops its
+        own references); the next ``allocate`` brings it back. Returns the bytes freed."""
+
     def describe(self) -> Any:
         """What the provider's owner needs to reach the cache (``Executor.hook_info``)."""
 
@@ -70,9 +74,11 @@ class PrivateKVCache:
         )
         return self.kv_caches
 
-    def release(self) -> None:
+    def release(self) -> int:
         """Drop the tensors it allocated (the worker sleeps)."""
+        freed = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
         self.kv_caches = []
+        return freed
 
     def describe(self) -> None:
         return None  # private: nobody else reaches it

@@ -78,6 +78,28 @@ def test_segment_is_a_real_shared_file_and_goes_away():
     assert seg.name not in remove_stale_segments()
 
 
+def test_released_pages_go_back_to_the_node_and_the_mapping_stays():
+    """A sleeping decode worker's cache: its memory is freed in every process that maps
+    it, the name and mappings stay, and the pages read as zeros once touched again."""
+    seg = SharedSegment.create(SEG)
+    other = SharedSegment.attach(seg.name, SEG)
+    try:
+        seg.array[:] = payload(SEG, 4)
+        assert os.stat(seg.path).st_blocks * 512 >= SEG
+        assert seg.release_pages() >= SEG
+        assert os.stat(seg.path).st_blocks == 0
+        assert not other.array.any()
+        with pytest.raises(TransferError, match="owner"):
+            other.release_pages()
+        seg.prefault()
+        assert os.stat(seg.path).st_blocks * 512 >= SEG
+        other.array[:4] = [5, 6, 7, 8]
+        assert list(seg.array[:4]) == [5, 6, 7, 8]
+    finally:
+        other.close()
+        seg.close()
+
+
 def test_a_killed_owners_segment_is_removed_by_the_next_create(tmp_path):
     code = (
         "import os, signal, sys; from store.shared_segment import SharedSegment; "
