@@ -13,8 +13,9 @@
 registered ``LocalMemory`` are integer arithmetic, which is what the runtime's KV moves
 (store loads and stores, prefill -> decode streaming) use. Both merge contiguous runs.
 
-Backends (``backend.py``): ``shm`` (same node), ``tcp`` (across nodes), and slots for
-``nccl``, ``mooncake`` and ``nixl`` on GPU clusters.
+Backends (``backend.py``): ``shm`` (same node), ``tcp`` (across nodes), ``nixl`` (UCX),
+``gloo``/``nccl`` (paired sends and receives in a 2-rank torch.distributed group; NCCL has
+not run), and a slot for ``mooncake``.
 """
 
 from store.transfer.backend import (

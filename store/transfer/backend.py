@@ -11,7 +11,8 @@ where it runs.
 
     shm       same node: one memcpy between shared-memory mappings
     tcp       across nodes: plain sockets to the remote's TcpServer
-    nccl      GPU clusters (slot)
+    gloo      a 2-rank torch.distributed group per pair, CPU tensors (the tested form of nccl)
+    nccl      the same code on CUDA tensors, one GPU per process (has not run)
     mooncake  Mooncake transfer engine, RDMA (slot)
     nixl      NVIDIA NIXL over UCX (RDMA on a cluster); used across nodes when installed
 """
@@ -64,7 +65,8 @@ TRANSFER_BACKENDS: Registry[type[TransferBackend]] = Registry(
 for _name, _module, _cls in (
     ("shm", "store.transfer.shm_backend", "ShmBackend"),
     ("tcp", "store.transfer.tcp_backend", "TcpBackend"),
-    ("nccl", "store.transfer.gpu_backends", "NcclBackend"),
+    ("gloo", "store.transfer.collective_backend", "GlooBackend"),
+    ("nccl", "store.transfer.collective_backend", "NcclBackend"),
     ("mooncake", "store.transfer.gpu_backends", "MooncakeBackend"),
     ("nixl", "store.transfer.nixl_backend", "NixlBackend"),
 ):

@@ -50,6 +50,17 @@ _U8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True)
+class CollectiveAddress:
+    """Where a ``CollectiveServer`` serves a segment through ``kind`` ("gloo" or "nccl")
+    process groups (``collective_backend.py``)."""
+
+    host: str
+    port: int  # its control socket
+    token: str
+    kind: str
+
+
+@dataclass(frozen=True)
 class Endpoint:
     endpoint_id: str
     node_id: str
@@ -60,6 +71,7 @@ class Endpoint:
     token: str = ""  # the TcpServer's shared secret
     nixl_meta: bytes | None = None  # the owner's NIXL agent metadata, if it serves NIXL
     nixl_base: int = 0  # the segment's address in the owner's process (NIXL descriptors)
+    collective: CollectiveAddress | None = None  # where a CollectiveServer serves it, if any
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:

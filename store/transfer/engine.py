@@ -2,7 +2,8 @@
 other endpoints through the backend that fits where the two ends are.
 
     engine = TransferEngine(endpoint_id, node_id, segment=None, serve_tcp=False,
-                            tcp_host="127.0.0.1", advertise_host=None, prefer=())
+                            tcp_host="127.0.0.1", advertise_host=None, prefer=(),
+                            serve_collective=None)
     engine.endpoint -> Endpoint              # send this on the control path
     engine.backend_for(remote) -> str        # "shm" | "tcp" | a preferred backend
     engine.read(remote, ops) -> int          # local buffers <- remote segment ranges
@@ -22,12 +23,15 @@ else ``shm`` when the remote is on the same node and its segment can be mapped h
 ``nixl`` when the remote serves NIXL and NIXL is installed here; else ``tcp`` when the
 remote serves TCP; else a clear error. An endpoint that owns a ``segment``
 serves it over TCP only with ``serve_tcp=True`` (shards do; a worker that only pulls and
-pushes does not need to).
+pushes does not need to), and through paired sends and receives of torch.distributed groups
+only with ``serve_collective="gloo"`` (CPU) or ``"nccl"`` (GPU); a peer reaches that with
+``prefer=("gloo",)`` or ``("nccl",)`` (``collective_backend.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from store.kv_store_errors import BackendUnavailableError, TransferError
 from store.shared_segment import DEFAULT_SHM_DIR, SharedSegment
@@ -51,9 +55,11 @@ class TransferEngine:
         prefer: Sequence[str] = (),
         shm_dir: str = DEFAULT_SHM_DIR,
         serve_nixl: bool | None = None,
+        serve_collective: str | None = None,
     ) -> None:
         """``serve_nixl``: also serve the segment through a NIXL agent (None: when
-        ``serve_tcp`` and NIXL is installed); peers on other nodes then use NIXL."""
+        ``serve_tcp`` and NIXL is installed); peers on other nodes then use NIXL.
+        ``serve_collective``: also serve it to peers that prefer "gloo" or "nccl"."""
         if not endpoint_id or not node_id:
             raise ValueError("endpoint_id and node_id must be non-empty")
         if serve_tcp and segment is None:
@@ -68,6 +74,17 @@ class TransferEngine:
         if serve_nixl and segment is None:
             raise ValueError("serve_nixl=True needs a segment to serve")
         self._nixl = NixlServer(segment.array, endpoint_id) if serve_nixl and segment else None
+        self._collective = None
+        if serve_collective is not None:
+            if segment is None:
+                raise ValueError("serve_collective needs a segment to serve")
+            # imported here: torch loads only where a collective server runs
+            from store.transfer.collective_backend import CollectiveServer
+
+            self._collective = CollectiveServer(segment.array, serve_collective, tcp_host)
+        collective = self._collective.address if self._collective else None
+        if collective is not None and advertise_host:
+            collective = replace(collective, host=advertise_host)
         self.endpoint = Endpoint(
             endpoint_id=endpoint_id,
             node_id=node_id,
@@ -78,6 +95,7 @@ class TransferEngine:
             token=server.token if server else "",
             nixl_meta=self._nixl.metadata if self._nixl else None,
             nixl_base=self._nixl.base if self._nixl else 0,
+            collective=collective,
         )
         self._backends: dict[str, TransferBackend] = {}
         self._choice: dict[str, str] = {}  # remote endpoint id -> backend name
@@ -158,7 +176,7 @@ class TransferEngine:
             backend.forget(remote)
 
     def close(self) -> None:
-        """Close backends and the TCP server; the segment stays with its owner."""
+        """Close backends and the servers; the segment stays with its owner."""
         for backend in self._backends.values():
             backend.close()
         self._backends.clear()
@@ -168,3 +186,6 @@ class TransferEngine:
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None
+        if self._collective is not None:
+            self._collective.close()
+            self._collective = None

@@ -1,5 +1,5 @@
-"""Slots for GPU-cluster backends: NCCL and Mooncake's transfer engine (NIXL is wired:
-``nixl_backend.py``).
+"""Slots for GPU-cluster backends: Mooncake's transfer engine (NIXL is wired:
+``nixl_backend.py``; NCCL, and gloo on CPU, are ``collective_backend.py``).
 
 Each is registered under its name so a deployment config can ask for it; constructing one
 checks its package first and raises ``BackendUnavailableError`` saying what to install, or,
@@ -8,8 +8,7 @@ implementing ``read``/``write`` of ``(remote offset, local buffer)`` ops and
 ``read_ranges``/``write_ranges`` of ``(remote offset, local offset, nbytes)`` ranges of a
 registered ``LocalMemory`` against the remote endpoint's registered memory (Mooncake:
 ``TransferEngine.register_memory`` on the shard's segment and on the local memory, then
-``batch_transfer_sync_read``/``batch_transfer_sync_write``; NCCL: paired ``send``/``recv`` between
-the two processes, which needs both sides to take part). The same-node ``shm`` and
+``batch_transfer_sync_read``/``batch_transfer_sync_write``). The same-node ``shm`` and
 cross-node ``tcp`` backends need nothing beyond the standard library.
 """
 
@@ -61,29 +60,6 @@ class _SlotBackend(TransferBackend):
         self, remote: Endpoint, local: LocalMemory, ranges: Ranges
     ) -> int:
         raise BackendUnavailableError(f"{self.name} backend is a slot")
-
-
-class NcclBackend(_SlotBackend):
-    name = "nccl"
-    package = "torch"
-    install_hint = "a CUDA build of torch with NCCL, on a GPU node"
-
-    @classmethod
-    def available(cls) -> bool:
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError:
-            return False
-        return bool(torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available())
-
-    def __init__(self, **_: object) -> None:
-        if not self.available():
-            raise BackendUnavailableError(
-                "transfer backend 'nccl' needs a CUDA build of torch with NCCL and a visible "
-                "GPU; none here. Use 'shm' between processes on one node or 'tcp' across nodes"
-            )
-        super().__init__()
 
 
 class MooncakeBackend(_SlotBackend):
