@@ -46,6 +46,12 @@ Faults (``actors.disagg.cluster_faults``): a dead store shard drops out of the m
 ``refresh_store`` replaces it with an empty one; a dead prefill or decode replica is
 replaced by a fresh actor and its requests run again from their prompt, never streaming a
 token twice.
+
+Superseded (a shared pool, ``config.pool``): another Conductor attached to the pool while
+this one still runs (Serve starts a replacement while an unhealthy Conductor drains). The
+replicas serve the new one only (``LoopedReplica.claim``); once a poll says so, this one
+ends every request it holds (their callers replay them on the new Conductor), aborts their
+attempts, and from then on places, polls, restarts and kills nothing of the pool.
 """
 
 from __future__ import annotations
@@ -85,11 +91,12 @@ from actors.disagg.request_table import RequestTable
 from actors.disagg.store_view import PDStore
 from actors.engine.controller_builder import _num_blocks as pool_blocks
 from actors.engine.outputs import RequestOutput, StreamDelta
+from actors.engine.replica_loop import Superseded
 from actors.engine.request_builder import RequestBuilder
 from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams
 from actors.kvstore.shard import KVStoreClient
-from errors import InvalidRequestError
+from errors import EngineUnavailableError, InvalidRequestError
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models import load_tokenizer, tiny_model_dir
 from models.config import ModelConfig, read_model_config
@@ -164,6 +171,7 @@ class PDCluster:
         self.pools = ElasticPools(self.replicas, self.table, config.prefill, config.decode)
         self.limits = self._limits(model, config.engine.torch_dtype(on_gpu))
         self.builder = RequestBuilder(self.block_size, self.limits)
+        self.superseded = False  # another Conductor claimed the pool's replicas
 
     # -- set-up -----------------------------------------------------------------------------
     def _conductor(self) -> Conductor:
@@ -257,6 +265,7 @@ class PDCluster:
         cannot be met now or the wait queue is full."""
         if request.block_size != self.block_size:
             raise ValueError(f"the request was hashed in blocks of {request.block_size}")
+        self._check_owner()
         if self.replicas.sleep_level is not None:
             raise InvalidRequestError("the cluster is asleep; call wake_up() first")
         request = RequestBuilder.at_weight_version(request, self.weight_version)
@@ -330,6 +339,8 @@ class PDCluster:
     def poll(self, timeout: float = REPORT_WAIT_S) -> list[StreamDelta]:
         """Wait up to ``timeout`` s for replica reports, apply every one that arrived, place
         requests waiting for a retry; returns the tokens streamed meanwhile."""
+        if self.superseded:
+            return []
         polls = self.replicas.polls
         refs = list(polls)
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
@@ -340,11 +351,17 @@ class PDCluster:
             rid, handle = polls.pop(ref)
             try:
                 report = ray.get(ref)
+            except Superseded:  # alive, and another Conductor's now
+                self.superseded = True
+                continue
             except Exception:  # the actor died, or its loop failed
                 self.recovery.replica_died(rid, handle)
                 continue
             self.replicas.watch(rid, handle)
             deltas += self._apply(report)
+        if self.superseded:
+            self._leave_pool()
+            return deltas
         self._retry_pending()
         self.waits.place_waiting()
         self.pools.step(time.monotonic())
@@ -386,6 +403,30 @@ class PDCluster:
         if report.leaving:
             self.pools.leave(rid, time.monotonic())
         return deltas
+
+    def _leave_pool(self) -> None:
+        """Superseded: end every request here with the tokens streamed so far (finish reason
+        ``"abort"``: its caller replays it), abort its attempt, poll no replica again."""
+        for req in self.table:
+            self.abort(req.request_id)
+        self.replicas.polls.clear()
+
+    def _owns_replicas(self) -> bool:
+        """Whether no live replica was claimed by another Conductor."""
+        for handle in self.replicas.all_handles():
+            try:
+                ray.get(handle.report.remote(0.0, self.replicas.owner))
+            except Superseded:
+                return False
+            except Exception:  # dead, or its loop failed: stopped here all the same
+                continue
+        return True
+
+    def _check_owner(self) -> None:
+        if self.superseded:
+            raise EngineUnavailableError(
+                "another Conductor serves this pool now; retry the request"
+            )
 
     def _retry_pending(self) -> None:
         """Place the requests waiting to run again, in order; one turned away waits on."""
@@ -466,6 +507,7 @@ class PDCluster:
         changed), put in the object store once. Requests submitted after it hash their
         blocks with the new version, so no prefix cached, stored or streamed under the old
         weights is used again."""
+        self._check_owner()
         if self.has_unfinished():
             raise RuntimeError("requests are in flight; update the weights between calls")
         tensors = checked_weights(expected_tensors(self.model_dir), weights)
@@ -482,12 +524,14 @@ class PDCluster:
                 "caches are registered with the KV transfer layer and stay; sleep(2) frees "
                 "every replica's weights"
             )
+        self._check_owner()
         if self.has_unfinished():
             raise RuntimeError("requests are in flight; sleep between calls")
         return self.replicas.sleep(level)
 
     def wake_up(self) -> None:
         """Restore what ``sleep`` freed: the weights as last updated, empty KV caches."""
+        self._check_owner()
         self.replicas.wake_up()
 
     # -- observation and faults -------------------------------------------------------------
@@ -527,9 +571,15 @@ class PDCluster:
     def refresh_store(self) -> list[str]:
         """Apply shard events to the Conductor's map; dead shards are replaced by empty
         ones (``Recovery.refresh_store``); returns their ids."""
-        return self.recovery.refresh_store()
+        return [] if self.superseded else self.recovery.refresh_store()
 
     def shutdown(self) -> None:
+        """Stop every replica and shard; a superseded Conductor (found so now, if it has
+        not polled since) leaves them to the pool's new one."""
+        if self.config.pool is not None and not self.superseded:
+            self.superseded = not self._owns_replicas()
+        if self.superseded:
+            return
         starting = [h for h, _ in self.replicas.starting.values()]
         for handle in [*self.replicas.all_handles(), *starting]:
             call_replica(handle.shutdown)

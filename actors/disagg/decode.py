@@ -173,15 +173,15 @@ class DecodeReplica(LoopedReplica):
         """Drop a reserved or decoding request and free its blocks (unknown keys: no-op)."""
         self.loop.post(lambda: self._abort(key))
 
-    def reset(self) -> None:
-        """A new Conductor attaches (``actors.disagg.pool_actors``): abort every reservation
-        and running request the old one placed, and drop the events not yet taken."""
+    def reset(self, owner: str) -> None:
+        """Conductor ``owner`` attaches (``actors.disagg.pool_actors``): abort every
+        reservation and running request the old one placed, and ``claim`` the replica."""
 
         def reset() -> None:
             for key in {*self.controller.request_ids(), *self._reserved_blocks}:
                 self._abort(key)
             self.stats = self._stats()
-            self.loop.take(0)
+            self.loop.claim(owner)
 
         self.loop.call(reset).result()
 

@@ -1,6 +1,12 @@
 """What prefill and decode replicas share: a replica controller that only its own loop
 thread touches (``ReplicaLoop``), the stats that thread publishes after every iteration,
-and the Conductor's long poll; in its own actor process, every thread at nice 0."""
+and the Conductor's long poll; in its own actor process, every thread at nice 0.
+
+A replica serves one Conductor at a time, the last that claimed it (``claim``, or ``reset``
+when it attaches to a shared pool's replica): only that one's long poll takes the events,
+another's raises ``Superseded``. Two Conductors of one pool can run at once (Serve starts
+a replacement while an unhealthy one drains), and a report taken by the one that did not
+place the request would drop its tokens."""
 
 from __future__ import annotations
 
@@ -41,10 +47,17 @@ class LoopedReplica:
         size starts a replacement at once."""
         self.leaving = True
 
-    def report(self, timeout: float) -> Report:
-        """The Conductor's long poll: events since the last report (waiting up to
-        ``timeout`` s for one), then the replica's state. Raises once the loop failed."""
-        events = self.loop.take(timeout)
+    def claim(self, owner: str) -> Report:
+        """Conductor ``owner`` serves this replica from now on: the reports of any other
+        raise ``Superseded``. Returns the replica's state (events left unread dropped)."""
+        self.loop.claim(owner)
+        return self.report(0.0, owner)
+
+    def report(self, timeout: float, owner: str | None = None) -> Report:
+        """The long poll of Conductor ``owner``: events since the last report (waiting up
+        to ``timeout`` s for one), then the replica's state. Raises once the loop failed,
+        and ``Superseded`` when another Conductor claimed the replica."""
+        events = self.loop.take(timeout, owner)
         if self.loop.error is not None:
             raise RuntimeError(f"replica {self.replica_id} failed") from self.loop.error
         return Report(self.replica_id, events, self.stats, self.leaving)

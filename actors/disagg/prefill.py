@@ -197,16 +197,16 @@ class PrefillReplica(LoopedReplica):
     def abort(self, key: str) -> None:
         self.loop.post(lambda: self._drop(key))
 
-    def reset(self) -> list[int]:
-        """A new Conductor attaches (``actors.disagg.pool_actors``): drop every prefill the
-        old one queued and the events not yet taken; returns the hashes this replica's
+    def reset(self, owner: str) -> list[int]:
+        """Conductor ``owner`` attaches (``actors.disagg.pool_actors``): drop every prefill
+        the old one queued and ``claim`` the replica; returns the hashes this replica's
         prefix cache holds (kept: they are the pool's cache)."""
 
         def reset() -> list[int]:
             for key in list(self._tasks):
                 self._drop(key)
             self.kv.drain_events()
-            self.loop.take(0)
+            self.loop.claim(owner)
             return self.kv.cached_hashes()
 
         return list(self.loop.call(reset).result())

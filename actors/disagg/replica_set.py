@@ -3,7 +3,9 @@
 ``ReplicaSet`` owns, per replica id (``p<i>``, ``d<j>``): the actor handle, the Conductor's
 view of it (``PrefillInstance`` / ``DecodeInstance``, updated from its reports), a prefill
 replica's node and the block hashes its own prefix cache holds, and one outstanding long
-poll (``report``) on every live replica. ``start`` starts a replica under its id, or a
+poll (``report``) on every live replica. Each replica is claimed for this set's ``owner``
+(one per Conductor) when it is registered; a poll raises ``Superseded`` once another
+Conductor claimed the replica. ``start`` starts a replica under its id, or a
 fresh actor in place of a dead one (``forget`` drops the old one first); a pool grows by
 ``begin_start`` / ``poll_starting`` (never waited on) and shrinks by ``draining`` a replica
 (no new work) and then ``retire``-ing it.
@@ -89,6 +91,7 @@ class ReplicaSet:
         """``decode_reads_store``: decode replicas read stored prefixes (DualPath's decode
         read path), so they get the store shards even without write-back."""
         self.config, self.model_dir, self.plan, self.store = config, model_dir, plan, store
+        self.owner = uuid.uuid4().hex  # the Conductor its replicas serve (``claim``)
         self.prefill_engine = config.side_engine(config.prefill)
         self.decode_engine = config.side_engine(config.decode)
         self._prefill_cls = self._actor_class(PrefillReplica, self.prefill_engine, on_gpu)
@@ -141,11 +144,12 @@ class ReplicaSet:
 
     def attach(self, rid: str, handle: Any) -> None:
         """Take over a live replica of the shared pool: it drops what the previous
-        Conductor placed on it (those requests are replayed by their callers); its
+        Conductor placed on it (those requests are replayed by their callers) and is
+        claimed for this one (a previous Conductor still running is ``Superseded``); its
         prefix cache and its stats are read back."""
         node = ray.get(handle.node.remote())
         self.plan.record(rid, node, replica_spec(self.config, rid, self._on_gpu).needs)
-        cached = ray.get(handle.reset.remote())
+        cached = ray.get(handle.reset.remote(self.owner))
         loaded = int(ray.get(handle.weight_version.remote()))  # not loaded again
         self._register(rid, handle, node, set(cached or ()), loaded)
 
@@ -294,13 +298,13 @@ class ReplicaSet:
                 self.loaded[rid] = version
         if self.sleep_level is not None:
             ray.get(handle.sleep.remote(self.sleep_level))
-        report = ray.get(handle.report.remote(0.0))
+        report = ray.get(handle.claim.remote(self.owner))
         self.apply_stats(rid, report.stats)
         self.watch(rid, handle)
 
     def watch(self, rid: str, handle: Any) -> None:
         """Keep one long poll outstanding on a live replica."""
-        self.polls[handle.report.remote(REPORT_WAIT_S)] = (rid, handle)
+        self.polls[handle.report.remote(REPORT_WAIT_S, self.owner)] = (rid, handle)
 
     def forget(self, handle: Any) -> None:
         """Stop watching a replica and kill its actor (if it still runs)."""

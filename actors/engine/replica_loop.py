@@ -10,7 +10,10 @@ Other threads talk to the engine only through the loop:
   threads;
 - ``emit(event)`` (loop thread) appends to the outbox, and ``take(timeout)`` (any thread)
   returns what accumulated, waiting up to ``timeout`` for something to arrive: the
-  Conductor's long poll.
+  Conductor's long poll. The outbox has one reader at a time, its owner: ``claim(owner)``
+  hands it to another (a new Conductor attached to a shared pool's replica), and from then
+  on a ``take`` by any other owner raises ``Superseded`` and takes nothing, so no event
+  goes to a reader that does not know its request.
 
 Invariants: a step that raises ends the loop (``error``). Once the loop ends, ``stopping``
 is true; with an ``on_exit`` (the engine's shutdown) the loop thread then runs what was
@@ -42,6 +45,10 @@ from actors.engine.thread_priority import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class Superseded(Exception):
+    """A ``take`` by a reader that no longer owns the outbox (another claimed it)."""
 
 
 def pin_this_thread(cpu_cores: Sequence[int] | None, torch_threads: int | None) -> None:
@@ -106,6 +113,7 @@ class ReplicaLoop:
         self._wake = threading.Event()
         self._out: list[Any] = []
         self._out_cond = threading.Condition()
+        self._owner: str | None = None  # who may take from the outbox (``claim``)
         self._stop = False
         self._pin = (list(cpu_cores) if cpu_cores else None, torch_threads)
         self.error: BaseException | None = None
@@ -137,13 +145,23 @@ class ReplicaLoop:
         """End an idle wait now (the next pass runs at once)."""
         self._wake.set()
 
-    def take(self, timeout: float) -> list[Any]:
-        """Events emitted since the last take; waits up to ``timeout`` s for the first."""
+    def take(self, timeout: float, owner: str | None = None) -> list[Any]:
+        """Events emitted since the last take; waits up to ``timeout`` s for the first.
+        Raises ``Superseded`` (taking nothing) when ``owner`` does not own the outbox, also
+        when another claimed it during the wait."""
         with self._out_cond:
-            if not self._out:
+            if not self._out and owner == self._owner:
                 self._out_cond.wait(timeout)
+            if owner != self._owner:
+                raise Superseded(f"the events are {self._owner!r}'s, not {owner!r}'s")
             out, self._out = self._out, []
         return out
+
+    def claim(self, owner: str | None) -> None:
+        """``owner`` alone takes events from now on; what the last owner left is dropped."""
+        with self._out_cond:
+            self._owner, self._out = owner, []
+            self._out_cond.notify_all()
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the loop and wait for its thread (``on_exit`` included). Idempotent."""

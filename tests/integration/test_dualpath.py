@@ -27,16 +27,12 @@ def second_turn_cached(write_back: bool) -> tuple[int, list[int], int]:
     try:
         (out1,) = pd.generate(prompt_token_ids=[first], sampling_params=ANSWER)
         assert out1.token_ids == colocated([first], ANSWER)[0]
-        written = sum(
-            ray.get(h.report.remote(0.0)).stats.stored_blocks for h in pd.decodes.values()
-        )
+        written = sum(ray.get(h.report_stats.remote()).stored_blocks for h in pd.decodes.values())
         second = first + out1.token_ids + tokens(102, 7)
         ray.get([h.drop_local_cache.remote() for h in pd.prefills.values()])
         (out2,) = pd.generate(prompt_token_ids=[second], sampling_params=ANSWER)
         assert out2.token_ids == colocated([second], ANSWER)[0]
-        written2 = sum(
-            ray.get(h.report.remote(0.0)).stats.stored_blocks for h in pd.decodes.values()
-        )
+        written2 = sum(ray.get(h.report_stats.remote()).stored_blocks for h in pd.decodes.values())
         if write_back:  # turn 2's answer too: 49 + 11 computed tokens, 15 full blocks
             assert written2 - written == 15 - 12
         assert set(pd.check_blocks().values()) == {0}
@@ -115,7 +111,7 @@ def run_on_path(read_path: str, prompt: list[int]) -> tuple[list[int], int, list
         stats = pd.prefill_stats()["p0"]
         counters = {
             "prefill_loaded": stats.loaded_blocks,
-            "decode_loaded": ray.get(d0.report.remote(0.0)).stats.loaded_blocks,
+            "decode_loaded": ray.get(d0.report_stats.remote()).loaded_blocks,
             "streamed": stats.bytes_streamed - streamed,
             "paths": dict(pd.path_counts),
         }
@@ -231,7 +227,7 @@ def test_store_writes_pay_the_storage_links():
         (p0,) = pd.prefills.values()
         (d0,) = pd.decodes.values()
         prefill_stored = pd.prefill_stats()["p0"].stored_blocks
-        decode_stored = ray.get(d0.report.remote(0.0)).stats.stored_blocks
+        decode_stored = ray.get(d0.report_stats.remote()).stored_blocks
         assert (prefill_stored, decode_stored) == (7, 3)  # the prompt's, then the answer's
         prefill_links = ray.get(p0.link_bytes.remote())
         assert prefill_links["storage"] == {"exec": 0, "kv": 7 * pd.block_bytes}
@@ -295,6 +291,6 @@ def test_with_skewed_storage_links_the_dual_path_reads_on_the_faster_side():
         assert out2.num_cached_tokens > 0
         assert pd.path_counts == {"prefill": 0, "decode": 1}
         (d0,) = pd.decodes.values()
-        assert ray.get(d0.report.remote(0.0)).stats.loaded_blocks > 0
+        assert ray.get(d0.report_stats.remote()).loaded_blocks > 0
     finally:
         pd.shutdown()

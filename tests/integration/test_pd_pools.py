@@ -6,10 +6,12 @@ nodes, one KV store shard per node, one Conductor.
   tokens equal the single-process engine's.
 - The prefill pool grows under a load step and shrinks after it; the replica it drains
   still holds prefills, finishes them, and only then leaves: every request ends exactly.
-- A shared pool (``PDClusterConfig.pool``) outlives its Conductor's process: a Conductor
-  killed while requests run leaves the replicas and shards alive, the next Conductor
-  attaches to those same actors, keeps the pool's cache, and serves exactly; shutting it
-  down removes the pool.
+- A shared pool (``PDClusterConfig.pool``) outlives its Conductor: a Conductor replaced
+  while its requests run and it still polls (Serve starts a new one while an unhealthy one
+  drains) is superseded: the next Conductor attaches to those same actors, which report to
+  it alone, keeps the pool's cache and serves exactly; the old one ends its requests with
+  what they streamed, and its shutdown and its process's death leave the pool alive;
+  shutting the new one down removes the pool.
 """
 
 from __future__ import annotations
@@ -92,10 +94,24 @@ class ConductorHost:
         return [(o.token_ids, o.num_cached_tokens) for o in outs]
 
     def start_load(self, prompts: list[list[int]]) -> None:
-        """Submit ``prompts`` and keep polling in a thread (the load a kill interrupts)."""
+        """Submit ``prompts`` and poll in a thread until ``end_of_load``, as a Serve
+        replica's engine thread polls (idle too) until it stops."""
         ids = [self.pd.submit(p, PARAMS) for p in prompts]
-        threading.Thread(target=drain, args=(self.pd,), daemon=True).start()
+        self._stop = threading.Event()
+        self._load = threading.Thread(target=self._poll, daemon=True)
+        self._load.start()
         self._ids = ids
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.pd.poll()
+
+    def end_of_load(self) -> list[tuple[list[int], str | None]]:
+        """Stop polling; each request of the load (ended by now): tokens, finish reason."""
+        self._stop.set()
+        self._load.join()
+        outs = [self.pd.release(rid) for rid in self._ids]
+        return [(o.token_ids, o.finish_reason) for o in outs]
 
     def tokens_streamed(self) -> int:
         return sum(len(self.pd.token_times(rid)) for rid in self._ids)
@@ -107,7 +123,7 @@ class ConductorHost:
         self.pd.shutdown()
 
 
-def test_a_new_conductor_attaches_to_the_pool_it_left_and_keeps_its_cache():
+def test_a_new_conductor_supersedes_the_running_one_and_keeps_the_pool_and_its_cache():
     pool = "test/pool"
     config = pd_config(2, store=StoreConfig(dram_bytes=4 << 20), fit_costs=False, pool=pool)
     shared = tokens(10, 16)
@@ -118,15 +134,20 @@ def test_a_new_conductor_attaches_to_the_pool_it_left_and_keeps_its_cache():
     ray.get(host.start_load.remote(load))
     while ray.get(host.tokens_streamed.remote()) == 0:
         pass  # requests are decoding now
-    ray.kill(host)  # the Conductor's process dies mid-load; its pool must not
-    assert set(pool_actors.find(pool)) == set(before)
 
+    # a new Conductor while the first still polls: the replicas report to the new one only
     again: Any = ConductorHost.remote(config)
     assert ray.get(again.actor_ids.remote()) == before  # the same actors, attached
     prompts = [shared + tokens(12, 5), *load]
     outs = ray.get(again.generate.remote(prompts))
-    assert [t for t, _ in outs] == colocated(prompts)
+    assert [t for t, _ in outs] == colocated(prompts)  # no token taken by the first
     assert outs[0][1] == len(shared)  # the prefix the first Conductor's request left
+    ended = ray.get(host.end_of_load.remote())  # done, or given up when superseded
+    for (got, reason), want in zip(ended, colocated(load), strict=True):
+        assert got == want[: len(got)] and reason in ("abort", "length")
+    ray.get(host.shutdown.remote())  # as Serve stops it: the pool is the new one's
+    ray.kill(host)
+    assert set(pool_actors.find(pool)) == set(before)
     assert set(ray.get(again.check_blocks.remote()).values()) == {0}
     ray.get(again.shutdown.remote())
     assert pool_actors.find(pool) == {}

@@ -1,7 +1,7 @@
 """A replica's own loop: commands run on the loop thread between steps, in order; the
-long poll returns what was emitted, waiting only while nothing was; a failing step stops
-the loop and is reported; ``on_exit`` runs on the loop thread once it ends; ``cpu_cores``
-pins the loop thread and no other."""
+long poll returns what was emitted, waiting only while nothing was, and only to the
+outbox's owner; a failing step stops the loop and is reported; ``on_exit`` runs on the
+loop thread once it ends; ``cpu_cores`` pins the loop thread and no other."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from actors.engine.replica_loop import ReplicaLoop, split_cores
+from actors.engine.replica_loop import ReplicaLoop, Superseded, split_cores
 
 
 def test_commands_run_in_order_on_the_loop_thread_between_steps():
@@ -45,6 +45,41 @@ def test_commands_run_in_order_on_the_loop_thread_between_steps():
     finally:
         loop.stop()
     assert not loop.is_alive()
+
+
+def test_only_the_owner_takes_events_and_a_claim_supersedes_a_waiting_reader():
+    loop = ReplicaLoop(lambda: False, "owned", idle_wait_s=0.01)
+    try:
+        loop.claim("a")
+        loop.emit(1)
+        assert loop.take(0, "a") == [1]
+        waiting = threading.Event()
+        got: list[object] = []
+
+        def old_reader() -> None:
+            waiting.set()
+            try:
+                got.append(loop.take(30.0, "a"))  # a's long poll, waiting for events
+            except Superseded as e:
+                got.append(e)
+
+        reader = threading.Thread(target=old_reader)
+        reader.start()
+        waiting.wait()
+        loop.claim("b")  # another Conductor attached: a's poll ends, taking nothing
+        reader.join(timeout=10)
+        assert len(got) == 1 and isinstance(got[0], Superseded)
+        loop.emit(2, 3)
+        with pytest.raises(Superseded):
+            loop.take(0, "a")
+        with pytest.raises(Superseded):
+            loop.take(0)  # nor a reader without an owner
+        assert loop.take(0, "b") == [2, 3]  # left to the owner, in order
+        loop.emit(4)
+        loop.claim("c")  # what the last owner left unread is dropped
+        assert loop.take(0, "c") == []
+    finally:
+        loop.stop()
 
 
 def test_a_failing_step_stops_the_loop_and_fails_later_calls():
