@@ -514,16 +514,13 @@ class PDCluster:
         self.replicas.update_weights(ray.put(SharedWeights.of(tensors)))
 
     def sleep(self, level: int = 1) -> int:
-        """Free every replica's weights (level 2, the only level here: the KV caches are
-        registered with the transfer layer and stay), with no request in flight;
-        ``submit`` refuses until ``wake_up``. The KV store's shards keep their blocks (keyed
-        by weight version, so valid after the wake). Returns the bytes freed."""
-        if level != 2:
-            raise InvalidRequestError(
-                f"a P/D deployment sleeps at level 2 only (got {level}): its replicas' KV "
-                "caches are registered with the KV transfer layer and stay; sleep(2) frees "
-                "every replica's weights"
-            )
+        """Free every replica's KV cache (level 1), and its weights too (level 2), with no
+        request in flight; ``submit`` refuses until ``wake_up``. A decode replica's cache
+        keeps its shared-memory address (its pages are freed), so prefill workers reach it
+        after the wake. The KV store's shards keep their blocks (keyed by weight version,
+        so valid after the wake). Returns the bytes freed."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
         self._check_owner()
         if self.has_unfinished():
             raise RuntimeError("requests are in flight; sleep between calls")

@@ -133,7 +133,7 @@ class PDEngine:
         self.cluster.update_weights(weights)
 
     def sleep(self, level: int) -> int:
-        """Every replica of the cluster frees its weights (level 2 only: ``PDCluster.sleep``)."""
+        """Every replica of the cluster frees its KV cache (and weights: ``PDCluster.sleep``)."""
         return self.cluster.sleep(level)
 
     def wake_up(self) -> None:

@@ -205,7 +205,7 @@ class Ingress:
     async def sleep(self, level: int = 1) -> int:
         """Every replica frees its KV cache (level 1) or also its weights (level 2) once
         its running requests finish; requests sent while asleep wait for ``wake_up``.
-        Returns the bytes freed by all. A P/D group sleeps at level 2 only."""
+        Returns the bytes freed by all, P/D groups' too."""
         return await self.weights.set_sleep(level)
 
     async def wake_up(self) -> None:

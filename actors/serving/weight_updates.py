@@ -318,7 +318,7 @@ class WeightUpdateLog:
         """Put every replica to sleep at ``level`` (1: KV cache, 2: and weights) or wake
         them (None), once each finishes what it runs; returns the bytes freed by all (0 for
         a wake) once every live replica followed. EngineUnavailableError names the
-        replicas that failed (a P/D group sleeps at level 2 only) or did not follow in
+        replicas that failed or did not follow in
         ``LOAD_TIMEOUT_S``; the app's state stays as set, replicas retry on their next
         change."""
         if level not in (1, 2, None):

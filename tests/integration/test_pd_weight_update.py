@@ -6,6 +6,8 @@ the update loads it too."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 from pd_common import OPTS, PARAMS, cluster, pd_config, tokens  # noqa: F401
@@ -17,6 +19,7 @@ from errors import InvalidRequestError
 from models import write_tiny_model
 from models.hf_reference import hf_greedy
 from models.tiny import write_perturbed_copy
+from store.shared_segment import DEFAULT_SHM_DIR, PREFIX
 
 pytestmark = pytest.mark.timeout(600)
 NEW = PARAMS.max_tokens
@@ -72,6 +75,11 @@ def test_pd_update_keys_the_store_by_weight_version(tmp_path):
         pd.shutdown()
 
 
+def shm_blocks() -> dict[str, int]:
+    """Each Meridian shared-memory segment's allocated 512-byte blocks."""
+    return {p.name: p.stat().st_blocks for p in Path(DEFAULT_SHM_DIR).glob(PREFIX + "*")}
+
+
 def test_llm_pd_update_weights_gives_the_new_weights_tokens(tmp_path):
     base = write_tiny_model(tmp_path / "base")
     tensors, noisy = write_perturbed_copy(base, tmp_path / "noisy", seed=6)
@@ -85,12 +93,24 @@ def test_llm_pd_update_weights_gives_the_new_weights_tokens(tmp_path):
         want = hf_greedy(noisy, prompts, NEW)
         assert [o.token_ids for o in outs] == want
 
-        # sleep(2) frees every replica's weights (the KV caches, registered with the
-        # transfer layer, stay: level 1 is refused); generate is refused until wake_up,
-        # which brings back the updated weights
-        with pytest.raises(InvalidRequestError, match="level 2 only"):
-            llm.sleep(1)
-        assert llm.sleep(2) > 0
+        # sleep(1) frees every replica's KV cache: the decode worker's shared-memory
+        # segment gives its pages back (its name stays, for the prefill workers) and gets
+        # them again on the wake; the tokens after it are exact
+        before = shm_blocks()
+        freed = llm.sleep(1)
+        asleep = shm_blocks()
+        released = [n for n, b in before.items() if b > 0 and asleep.get(n) == 0]
+        assert released and freed >= 512 * sum(before[n] for n in released)
+        with pytest.raises(InvalidRequestError, match="asleep"):
+            llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        llm.wake_up()
+        assert all(shm_blocks().get(n, 0) > 0 for n in released)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        assert [o.token_ids for o in outs] == want
+
+        # sleep(2) frees the weights too; generate is refused until wake_up, which brings
+        # back the updated weights
+        assert llm.sleep(2) > freed
         with pytest.raises(InvalidRequestError, match="asleep"):
             llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
         llm.wake_up()
