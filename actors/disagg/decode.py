@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from actors.disagg.kv_routes import KVTarget
 from actors.disagg.kv_stream import KVDestination, SharedCacheWorkers
 from actors.disagg.looped_replica import LoopedReplica, run_actor_process_at_normal_priority
@@ -156,9 +158,11 @@ class DecodeReplica(LoopedReplica):
         return self.targets[0].endpoint.node_id
 
     # -- the Conductor and the prefill side (any thread: through the loop) -------------------
+    @ray.method(enable_task_events=False)  # once per request: no record in the GCS
     def reserve(self, key: str, request: Request) -> KVDestination | None:
         return self.loop.call(lambda: self._reserve(key, request)).result()
 
+    @ray.method(enable_task_events=False)  # once per request: no record in the GCS
     def admit(
         self, key: str, first_token: int, first_logprob: Any = None, cached_tokens: int = 0
     ) -> None:

@@ -51,12 +51,16 @@ class LoopedReplica:
         """Conductor ``owner`` serves this replica from now on: the reports of any other
         raise ``Superseded``. Returns the replica's state (events left unread dropped)."""
         self.loop.claim(owner)
-        return self.report(0.0, owner)
+        return self._report(0.0, owner)
 
+    @ray.method(enable_task_events=False)  # the hottest call: no record in the GCS
     def report(self, timeout: float, owner: str | None = None) -> Report:
         """The long poll of Conductor ``owner``: events since the last report (waiting up
         to ``timeout`` s for one), then the replica's state. Raises once the loop failed,
         and ``Superseded`` when another Conductor claimed the replica."""
+        return self._report(timeout, owner)
+
+    def _report(self, timeout: float, owner: str | None) -> Report:
         events = self.loop.take(timeout, owner)
         if self.loop.error is not None:
             raise RuntimeError(f"replica {self.replica_id} failed") from self.loop.error

@@ -190,6 +190,7 @@ class PrefillReplica(LoopedReplica):
         return self.stages.kv_caches if self.stages is not None else self.cache.kv_caches
 
     # -- the Conductor (any thread: through the loop) ---------------------------------------
+    @ray.method(enable_task_events=False)  # once per request: no record in the GCS
     def submit(self, task: PrefillTask) -> None:
         """Queue a request's prefill; its new full blocks go to ``task.store_shard``."""
         self.loop.post(lambda: self._start(task))

@@ -199,6 +199,7 @@ class KVStoreShard:
     def remove(self, hashes: list[int]) -> int:
         return sum(self.store.remove(h) for h in hashes if not self.store.is_pinned(int(h)))
 
+    @ray.method(enable_task_events=False)  # polled by every Conductor: no record in the GCS
     def events_since(self, cursor: int) -> tuple[int, list[tuple[str, int]], list[int] | None]:
         """Changes since ``cursor`` for any number of readers: ``(new cursor, events,
         None)``, or ``(new cursor, [], every hash held)`` when ``cursor`` fell out of the
@@ -213,6 +214,7 @@ class KVStoreShard:
             return end, [], sorted(self.store.held())
         return end, self._log[cursor - self._log_base :], None
 
+    @ray.method(enable_task_events=False)  # polled: no record in the GCS
     def stats(self) -> dict[str, int]:
         return self.store.stats()
 
