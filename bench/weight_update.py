@@ -2,15 +2,18 @@
 ``LLM.update_weights`` takes, and what ``sleep`` frees and ``wake_up`` costs.
 
 For each model (SmolLM2-135M-Instruct, written out as a Hugging Face folder, and a
-random-weight model of Qwen2-0.5B's shape), ``LLM(folder, num_replicas=2)`` on a local Ray
-cluster; a full set of new weights (every tensor plus noise, fp32) is put in the object
-store once, as a trainer hands it over (not timed), and ``update_weights(ref)`` is timed
-from the call until both replicas serve the new weights, ``--repeats`` times (median).
-Then ``sleep(1)`` (KV cache), ``wake_up``, ``sleep(2)`` (KV cache and weights),
-``wake_up``: bytes freed over both replicas and seconds each; greedy tokens after the last
-wake equal those before the sleeps (checked, printed).
+random-weight model of Qwen2-0.5B's shape) and layout (``replicas``: ``LLM(folder,
+num_replicas=2)``; ``pd``: ``LLM(folder, num_prefill=1, num_decode=1)``, whose decode
+worker's KV cache is a shared-memory segment) on a local Ray cluster: a full set of new
+weights (every tensor plus noise, fp32) is put in the object store once, as a trainer
+hands it over (not timed), and ``update_weights(ref)`` is timed from the call until every
+replica serves the new weights, ``--repeats`` times (median). Then ``sleep(1)`` (KV
+cache), ``wake_up``, ``sleep(2)`` (KV cache and weights), ``wake_up``: bytes freed over
+the replicas and seconds each; greedy tokens after the last wake equal those before the
+sleeps (checked, printed).
 
-    python bench/weight_update.py [--models smollm2 qwen2-0.5b] [--repeats 3]
+    python bench/weight_update.py [--models smollm2 qwen2-0.5b] [--layouts replicas pd]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ def noisy_weights(folder: Path, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def measure(name: str, folder: Path, repeats: int) -> dict[str, float]:
+def measure(name: str, folder: Path, layout: str, repeats: int) -> dict[str, float]:
     import ray
 
-    llm = LLM(folder, num_replicas=2, kv_cache_memory=1 << 28)
+    replicas = {"num_prefill": 1, "num_decode": 1} if layout == "pd" else {"num_replicas": 2}
+    llm = LLM(folder, kv_cache_memory=1 << 28, **replicas)
     row: dict[str, float] = {}
     try:
         times = []
@@ -92,6 +96,7 @@ def measure(name: str, folder: Path, repeats: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen2-0.5b"])
+    ap.add_argument("--layouts", nargs="+", default=["replicas", "pd"], choices=["replicas", "pd"])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
@@ -99,15 +104,18 @@ def main() -> None:
         rows = {}
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.models:
-                rows[name] = measure(name, folder_of(name, Path(tmp)), args.repeats)
+                folder = folder_of(name, Path(tmp))
+                for layout in args.layouts:
+                    rows[name, layout] = measure(name, folder, layout, args.repeats)
     print(
-        "\n| model | weights (MB) | update_weights, 2 replicas (s, median) | sleep(1) frees (MB) "
+        "\n| model | layout | weights (MB) | update_weights (s, median) | sleep(1) frees (MB) "
         "| wake (s) | sleep(2) frees (MB) | wake (s) | same tokens after |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in rows.items():
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (name, layout), r in rows.items():
         print(
-            f"| {name} | {r['update_mb']:.0f} | {r['update_s']:.2f} | {r['sleep1_mb']:.0f} | "
+            f"| {name} | {layout} | {r['update_mb']:.0f} | {r['update_s']:.2f} | "
+            f"{r['sleep1_mb']:.0f} | "
             f"{r['wake1_s']:.2f} | {r['sleep2_mb']:.0f} | {r['wake2_s']:.2f} | "
             f"{'yes' if r['same_tokens'] else 'NO'} |"
         )
