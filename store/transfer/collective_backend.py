@@ -65,7 +65,8 @@ from store.transfer.endpoint import (
     normalize_ops,
     normalize_ranges,
 )
-from store.transfer.tcp_backend import TOKEN_LEN, _recv_exact, _tune
+from store.transfer.socket_server import SocketServer, tune
+from store.transfer.tcp_backend import TOKEN_LEN, _recv_exact, read_status, refusal
 
 READ, WRITE = 1, 2
 HELLO = struct.Struct("<I16s")  # after status 0: store port, pair key
@@ -162,23 +163,6 @@ def _host_tensor(view: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(view if view.flags.writeable else view.copy())
 
 
-def _status(sock: socket.socket) -> None:
-    """Read one status byte; a refusal raises ``TransferError`` with the owner's message."""
-    status = bytearray(1)
-    _recv_exact(sock, memoryview(status))
-    if status[0] != 0:
-        size = bytearray(4)
-        _recv_exact(sock, memoryview(size))
-        msg = bytearray(struct.unpack("<I", size)[0])
-        _recv_exact(sock, memoryview(msg))
-        raise TransferError(f"remote refused the transfer: {msg.decode(errors='replace')}")
-
-
-def _refusal(message: str) -> bytes:
-    data = message.encode()
-    return b"\x01" + struct.pack("<I", len(data)) + data
-
-
 class CollectiveServer:
     """Serves ``segment`` (flat uint8: a numpy array, or a tensor on the group's device) to
     callers that present the token, through ``kind`` ("gloo" or "nccl") groups."""
@@ -203,24 +187,9 @@ class CollectiveServer:
         self._store: TCPStore | None = TCPStore(
             host, 0, None, True, self.timeout, wait_for_workers=False
         )
-        self._listener = socket.create_server((host, 0))
-        self.host, self.port = self._listener.getsockname()[:2]
+        self._server = SocketServer(host, 0, self._serve, "kv-coll-accept")
+        self.host, self.port = self._server.host, self._server.port
         self.address = CollectiveAddress(self.host, self.port, self.token, kind)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._accept_loop, name="kv-coll-accept", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            _tune(conn)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         group = None
@@ -230,7 +199,7 @@ class CollectiveServer:
             token = bytearray(TOKEN_LEN)
             _recv_exact(conn, memoryview(token))
             if not hmac.compare_digest(bytes(token), self.token.encode()):
-                conn.sendall(_refusal("bad token"))
+                conn.sendall(refusal("bad token"))
                 return
             key = secrets.token_hex(8)
             conn.sendall(b"\x00" + HELLO.pack(self._store_port(), key.encode()))
@@ -245,14 +214,14 @@ class CollectiveServer:
                 conn.settimeout(timeout_s)
                 op, count = CALL.unpack(head)
                 if count > MAX_COPIES:  # its ranges are not read: the stream is lost
-                    conn.sendall(_refusal(f"{count} copies in one call, over {MAX_COPIES}"))
+                    conn.sendall(refusal(f"{count} copies in one call, over {MAX_COPIES}"))
                     return
                 body = bytearray(COPY.size * count)
                 _recv_exact(conn, memoryview(body))
                 copies = [COPY.unpack_from(body, i * COPY.size) for i in range(count)]
                 problem = self._check(op, copies)
                 if problem:
-                    conn.sendall(_refusal(problem))
+                    conn.sendall(refusal(problem))
                     continue
                 conn.sendall(b"\x00")
                 views = [self.segment[o : o + n] for o, n in copies]
@@ -262,9 +231,6 @@ class CollectiveServer:
             pass  # the caller left or failed: it sees a closed connection
         finally:
             _close_group(group)
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     def _store_port(self) -> int:
         if self._store is None:
@@ -283,15 +249,7 @@ class CollectiveServer:
 
     def close(self) -> None:
         """Stop serving; callers' next transfers fail with ``TransferError``."""
-        self._closed = True
-        with suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            with suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-            c.close()
+        self._server.close()
         self._store = None
 
 
@@ -334,9 +292,9 @@ class CollectiveBackend(TransferBackend):
         timeout_s = self.timeout.total_seconds()
         sock = socket.create_connection((addr.host, addr.port), timeout=timeout_s)
         try:
-            _tune(sock)
+            tune(sock)
             sock.sendall(addr.token.encode().ljust(TOKEN_LEN, b"\x00")[:TOKEN_LEN])
-            _status(sock)
+            read_status(sock)
             hello = bytearray(HELLO.size)
             _recv_exact(sock, memoryview(hello))
             store_port, key = HELLO.unpack(hello)
@@ -373,10 +331,10 @@ class CollectiveBackend(TransferBackend):
             try:
                 pair = self._pair(remote)
                 pair.sock.sendall(head)
-                _status(pair.sock)  # accepted; a refusal leaves the pair usable
+                read_status(pair.sock)  # accepted; a refusal leaves the pair usable
                 buffers = [_host_tensor(v) for _, v in copies]
                 _move(pair.group, OWNER, self.device, op == WRITE, buffers, self.timeout)
-                _status(pair.sock)  # done on the owner's side
+                read_status(pair.sock)  # done on the owner's side
             except KVStoreError:  # a refusal (the pair stays) or no address to reach
                 raise
             except (OSError, ConnectionError, RuntimeError) as e:

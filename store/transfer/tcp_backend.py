@@ -42,12 +42,12 @@ from store.transfer.endpoint import (
     normalize_ops,
     normalize_ranges,
 )
+from store.transfer.socket_server import SocketServer, tune
 
 REQUEST = struct.Struct("<BQQ")
 READ, WRITE = 1, 2
 TOKEN_LEN = 32
 BATCH = 64
-SOCK_BUF = 4 << 20
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -58,11 +58,22 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    with suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+def read_status(sock: socket.socket) -> None:
+    """Read one status byte; a refusal raises ``TransferError`` with the owner's message."""
+    status = bytearray(1)
+    _recv_exact(sock, memoryview(status))
+    if status[0] != 0:
+        size = bytearray(4)
+        _recv_exact(sock, memoryview(size))
+        msg = bytearray(struct.unpack("<I", size)[0])
+        _recv_exact(sock, memoryview(msg))
+        raise TransferError(f"remote refused the transfer: {msg.decode(errors='replace')}")
+
+
+def refusal(message: str) -> bytes:
+    """A refusal on the wire: status 1, then the message's length and bytes."""
+    data = message.encode()
+    return b"\x01" + struct.pack("<I", len(data)) + data
 
 
 class TcpServer:
@@ -77,24 +88,8 @@ class TcpServer:
         self.token = token or secrets.token_hex(TOKEN_LEN // 2)
         if len(self.token) != TOKEN_LEN:
             raise ValueError(f"token must be {TOKEN_LEN} characters")
-        self._listener = socket.create_server((host, port))
-        self.host, self.port = self._listener.getsockname()[:2]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            _tune(conn)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        self._server = SocketServer(host, port, self._serve, "kv-tcp-accept")
+        self.host, self.port = self._server.host, self._server.port
 
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(REQUEST.size)
@@ -119,27 +114,14 @@ class TcpServer:
                     conn.sendall(view)
         except (ConnectionError, OSError):
             pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     @staticmethod
     def _fail(conn: socket.socket, message: str) -> None:
-        data = message.encode()
         with suppress(OSError):
-            conn.sendall(b"\x01" + struct.pack("<I", len(data)) + data)
+            conn.sendall(refusal(message))
 
     def close(self) -> None:
-        self._closed = True
-        with suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            with suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-            c.close()
+        self._server.close()
 
 
 class TcpBackend(TransferBackend):
@@ -163,20 +145,10 @@ class TcpBackend(TransferBackend):
                 sock = socket.create_connection(addr, timeout=self.timeout_s)
             except OSError as e:
                 raise TransferError(f"cannot reach {remote.endpoint_id!r} at {addr}: {e}") from e
-            _tune(sock)
+            tune(sock)
             sock.sendall(remote.token.encode().ljust(TOKEN_LEN, b"\x00")[:TOKEN_LEN])
             self._conns[addr] = sock
         return sock
-
-    def _status(self, sock: socket.socket) -> None:
-        status = bytearray(1)
-        _recv_exact(sock, memoryview(status))
-        if status[0] != 0:
-            size = bytearray(4)
-            _recv_exact(sock, memoryview(size))
-            msg = bytearray(struct.unpack("<I", size)[0])
-            _recv_exact(sock, memoryview(msg))
-            raise TransferError(f"remote refused the transfer: {msg.decode(errors='replace')}")
 
     def read(self, remote: Endpoint, ops: CopyOps) -> int:
         norm = normalize_ops(ops, remote.segment_bytes, writable=True)
@@ -203,14 +175,14 @@ class TcpBackend(TransferBackend):
                     if op == READ:
                         sock.sendall(b"".join(REQUEST.pack(READ, o, b.size) for o, b in batch))
                         for _, buf in batch:
-                            self._status(sock)
+                            read_status(sock)
                             _recv_exact(sock, buf.data)
                     else:
                         for o, buf in batch:
                             sock.sendall(REQUEST.pack(WRITE, o, buf.size))
                             sock.sendall(buf.data)
                         for _ in batch:
-                            self._status(sock)
+                            read_status(sock)
             except (OSError, ConnectionError, TransferError) as e:
                 self._drop(remote)
                 if isinstance(e, TransferError):
