@@ -65,8 +65,8 @@ from store.transfer.endpoint import (
     normalize_ops,
     normalize_ranges,
 )
-from store.transfer.socket_server import SocketServer, tune
-from store.transfer.tcp_backend import TOKEN_LEN, _recv_exact, read_status, refusal
+from store.transfer.socket_server import SocketServer, read_status, recv_exact, refusal, tune
+from store.transfer.tcp_backend import TOKEN_LEN
 
 READ, WRITE = 1, 2
 HELLO = struct.Struct("<I16s")  # after status 0: store port, pair key
@@ -197,7 +197,7 @@ class CollectiveServer:
         try:
             conn.settimeout(timeout_s)
             token = bytearray(TOKEN_LEN)
-            _recv_exact(conn, memoryview(token))
+            recv_exact(conn, memoryview(token))
             if not hmac.compare_digest(bytes(token), self.token.encode()):
                 conn.sendall(refusal("bad token"))
                 return
@@ -210,14 +210,14 @@ class CollectiveServer:
             head = bytearray(CALL.size)
             while True:
                 conn.settimeout(None)  # a caller may stay idle between calls
-                _recv_exact(conn, memoryview(head))
+                recv_exact(conn, memoryview(head))
                 conn.settimeout(timeout_s)
                 op, count = CALL.unpack(head)
                 if count > MAX_COPIES:  # its ranges are not read: the stream is lost
                     conn.sendall(refusal(f"{count} copies in one call, over {MAX_COPIES}"))
                     return
                 body = bytearray(COPY.size * count)
-                _recv_exact(conn, memoryview(body))
+                recv_exact(conn, memoryview(body))
                 copies = [COPY.unpack_from(body, i * COPY.size) for i in range(count)]
                 problem = self._check(op, copies)
                 if problem:
@@ -296,7 +296,7 @@ class CollectiveBackend(TransferBackend):
             sock.sendall(addr.token.encode().ljust(TOKEN_LEN, b"\x00")[:TOKEN_LEN])
             read_status(sock)
             hello = bytearray(HELLO.size)
-            _recv_exact(sock, memoryview(hello))
+            recv_exact(sock, memoryview(hello))
             store_port, key = HELLO.unpack(hello)
             store = TCPStore(addr.host, store_port, None, False, self.timeout)
             local = sock.getsockname()[0]

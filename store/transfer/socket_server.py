@@ -1,12 +1,16 @@
-"""A listening socket that serves each connection on a thread of its own: the owner side of
-the ``tcp`` and collective backends (``TcpServer``, ``CollectiveServer``)."""
+"""A listening socket that serves each connection on a thread of its own, and the status
+byte its answers start with: the owner side of the ``tcp`` and collective backends
+(``TcpServer``, ``CollectiveServer``)."""
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from contextlib import suppress
+
+from store.kv_store_errors import TransferError
 
 SOCK_BUF = 4 << 20
 
@@ -17,6 +21,33 @@ def tune(sock: socket.socket) -> None:
     with suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError when the peer closes first."""
+    while len(view):
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        view = view[n:]
+
+
+def read_status(sock: socket.socket) -> None:
+    """Read one status byte; a refusal raises ``TransferError`` with the owner's message."""
+    status = bytearray(1)
+    recv_exact(sock, memoryview(status))
+    if status[0] != 0:
+        size = bytearray(4)
+        recv_exact(sock, memoryview(size))
+        msg = bytearray(struct.unpack("<I", size)[0])
+        recv_exact(sock, memoryview(msg))
+        raise TransferError(f"remote refused the transfer: {msg.decode(errors='replace')}")
+
+
+def refusal(message: str) -> bytes:
+    """A refusal on the wire: status 1, then the message's length and bytes."""
+    data = message.encode()
+    return b"\x01" + struct.pack("<I", len(data)) + data
 
 
 class SocketServer:

@@ -42,38 +42,12 @@ from store.transfer.endpoint import (
     normalize_ops,
     normalize_ranges,
 )
-from store.transfer.socket_server import SocketServer, tune
+from store.transfer.socket_server import SocketServer, read_status, recv_exact, refusal, tune
 
 REQUEST = struct.Struct("<BQQ")
 READ, WRITE = 1, 2
 TOKEN_LEN = 32
 BATCH = 64
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while len(view):
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        view = view[n:]
-
-
-def read_status(sock: socket.socket) -> None:
-    """Read one status byte; a refusal raises ``TransferError`` with the owner's message."""
-    status = bytearray(1)
-    _recv_exact(sock, memoryview(status))
-    if status[0] != 0:
-        size = bytearray(4)
-        _recv_exact(sock, memoryview(size))
-        msg = bytearray(struct.unpack("<I", size)[0])
-        _recv_exact(sock, memoryview(msg))
-        raise TransferError(f"remote refused the transfer: {msg.decode(errors='replace')}")
-
-
-def refusal(message: str) -> bytes:
-    """A refusal on the wire: status 1, then the message's length and bytes."""
-    data = message.encode()
-    return b"\x01" + struct.pack("<I", len(data)) + data
 
 
 class TcpServer:
@@ -95,19 +69,19 @@ class TcpServer:
         head = bytearray(REQUEST.size)
         try:
             token = bytearray(TOKEN_LEN)
-            _recv_exact(conn, memoryview(token))
+            recv_exact(conn, memoryview(token))
             if not hmac.compare_digest(bytes(token), self.token.encode()):
                 self._fail(conn, "bad token")
                 return
             while True:
-                _recv_exact(conn, memoryview(head))
+                recv_exact(conn, memoryview(head))
                 op, offset, nbytes = REQUEST.unpack(head)
                 if op not in (READ, WRITE) or offset + nbytes > self.buffer.size:
                     self._fail(conn, f"bad request op={op} range=[{offset}, {offset + nbytes})")
                     return
                 view = self.buffer[offset : offset + nbytes].data
                 if op == WRITE:
-                    _recv_exact(conn, view)
+                    recv_exact(conn, view)
                     conn.sendall(b"\x00")
                 else:
                     conn.sendall(b"\x00")
@@ -176,7 +150,7 @@ class TcpBackend(TransferBackend):
                         sock.sendall(b"".join(REQUEST.pack(READ, o, b.size) for o, b in batch))
                         for _, buf in batch:
                             read_status(sock)
-                            _recv_exact(sock, buf.data)
+                            recv_exact(sock, buf.data)
                     else:
                         for o, buf in batch:
                             sock.sendall(REQUEST.pack(WRITE, o, buf.size))
