@@ -17,6 +17,10 @@ pieces and V pieces as host bytes. The store's write path is the consumer
 (``store.staged_block_sink``: a shard's DRAM slots in process, or a remote shard's reserved
 ranges through the transfer layer).
 
+The blocks must not be rewritten until ``flush`` returned (on CUDA the copy reads them on
+the side stream while the producer's stream runs on): flush at the end of the step, as a
+prefill worker's stream hook waits for its copies.
+
 Order and completion are explicit. A buffer is reused only after the copy into it completed
 *and* its consumer returned: ``submit`` waits for that (a slow consumer back-pressures the
 producer instead of having its bytes overwritten). An error in the consumer is kept, the
