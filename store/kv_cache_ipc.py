@@ -347,6 +347,8 @@ def check_export(export: KVCacheExport, layout: KVBlockLayout, weight_version: i
             f"the export is in handle format v{export.version}, this side reads "
             f"v{PROTOCOL_VERSION}: run one release on both sides"
         )
+    if export.device not in ("cuda", "cpu"):
+        raise KVHandleError(f"an export of a {export.device!r} cache: only cuda and cpu are shared")
     if export.layout != layout:
         diff = ", ".join(
             f"{f.name} {getattr(export.layout, f.name)} (exporter) != "
@@ -383,6 +385,8 @@ def _rebuild_cuda(h: TensorHandle, local: torch.device) -> torch.Tensor:
     if h.kind != "cuda_ipc":
         raise KVHandleError(f"a {h.kind!r} handle in a CUDA export")
     args = list(h.args)
+    if len(args) != 15 or not isinstance(args[6], int):  # pragma: no cover - torch changed
+        raise KVHandleError("a CUDA IPC handle of a format this torch does not rebuild")
     args[6] = local.index  # storage_device: the exporter's index of that GPU, here ours
     return rebuild_cuda_tensor(*args)  # type: ignore[no-any-return]
 
