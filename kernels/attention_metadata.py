@@ -82,3 +82,18 @@ class AttentionMetadata:
             if query_offsets is None
             else torch.tensor(query_offsets, dtype=torch.int64, device=device),
         )
+
+
+@dataclass
+class FixedDecodeMetadata(AttentionMetadata):
+    """A pure-decode step in a fixed shape (one batch-size bucket of the decode graph runner,
+    ``actors/engine/decode_graphs.py``): one query per row, ``query_start = arange(B + 1)``,
+    ``block_tables [B, W]`` with ``W`` fixed, ``max_context_len = W * block_size`` (the
+    table's capacity, an upper bound). Some rows may be padding (see
+    ``actors/engine/decode_padding.py``).
+
+    Its tensors are static buffers whose values change between replays of a captured CUDA
+    graph without any Python running again: a backend must not read them on the host
+    (``.item()``, ``.tolist()``, shapes that depend on values) nor cache work on the
+    object's identity. Backends that can run it so say ``graph_safe_decode = True``; any
+    other backend treats it as ordinary metadata (correct eagerly, never captured)."""

@@ -24,6 +24,12 @@ serves.
 
 ``split=False`` keeps the former single padded group (``[B, max_q, L]`` over the whole step),
 for comparison (``bench/mixed_step.py --compare-padded``).
+
+A fixed-shape decode step (``FixedDecodeMetadata``, a CUDA-graph bucket) takes neither the
+plan nor the workspace: ``fixed_decode_attention`` reads nothing on the host, so it can be
+captured. On fp32 CPU it is the compiled decode kernel; elsewhere every sequence gathers all
+``W`` blocks of its fixed-width table and the keys at or past its context length are masked
+(work grows with ``W``, which is why the runner picks the narrowest power-of-two width).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import paged_attention_cpu
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, FixedDecodeMetadata
 
 # Grouping cost model, in units of one (query row, key) pair over all heads. A group costs a
 # fixed overhead (the kernel calls and index work of one group, per layer) plus its padded
@@ -221,10 +227,53 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """``k_cache[slot // bs, slot % bs] = k[t]`` for every token t (and the same for v)."""
+    """``k_cache[slot // bs, slot % bs] = k[t]`` for every token t (and the same for v).
+
+    The engine holds its KV cache in the model's dtype, so ``k`` and ``v`` are stored as
+    they are; a cache of another dtype (a test's) gets them cast."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def fixed_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row, nothing read on the host (capturable in a CUDA graph): ``q [B, Hq,
+    D]``, ``block_tables [B, W]``, ``context_lens [B]`` (row b sees its keys ``0 ..
+    context_lens[b] - 1``, every one at least 1) -> ``(out [B, Hq, D], lse [B, Hq] float32)``.
+
+    ``impl``: "native_cpu" (the compiled decode kernel, fp32 CPU), "batched" (gather the
+    ``W`` blocks of every row, mask, one batched matmul-softmax-matmul; any device) or
+    "auto" (the first on fp32 CPU where it is built, else "batched")."""
+    if impl == "auto":
+        impl = "native_cpu" if _auto_impl(q, k_cache) == "native_cpu" else "batched"
+    if impl == "native_cpu":
+        return paged_attention_cpu.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale
+        )
+    if impl != "batched":
+        raise ValueError(f"unknown fixed decode impl {impl!r}; use 'auto', 'native_cpu', 'batched'")
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    length = block_tables.shape[1] * block_size
+    flat = block_tables.reshape(-1)
+    kv_shape = (num_seqs, length, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, flat).view(kv_shape)
+    values = v_cache.index_select(0, flat).view(kv_shape)
+    queries = q.reshape(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    key_pos = torch.arange(length, device=q.device)
+    blocked = (key_pos[None, :] >= context_lens[:, None]).view(num_seqs, 1, 1, length)
+    out, lse = _attend_batched(queries, keys, values, blocked, scale)
+    return out.view(num_seqs, num_heads, head_dim), lse.view(num_seqs, num_heads)
 
 
 def paged_attention(
@@ -461,6 +510,7 @@ class TorchAttentionBackend:
     ``split=False``: the former path, one padded group per step (for comparison only)."""
 
     name = "torch"
+    graph_safe_decode = True  # FixedDecodeMetadata steps read nothing on the host
 
     def __init__(self, split: bool = True) -> None:
         self.split = split
@@ -478,6 +528,10 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(meta, FixedDecodeMetadata):  # no plan: nothing read on the host
+            return fixed_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+            )
         if self._meta is not meta or self._plan is None:
             self._plan = plan_attention(meta, self.split)
             self._meta = meta

@@ -4,7 +4,9 @@ split into two halves, not interleaved pairs).
 Supported ``rope_scaling`` types: none / "default", "linear" (positions divided by ``factor``)
 and "llama3" (the Llama 3.1 frequency-dependent scaling). The inverse frequencies are computed
 exactly as ``transformers.modeling_rope_utils`` does; cos/sin are precomputed in float32 for
-every position below ``max_positions`` and looked up by position id.
+every position below ``max_positions`` and looked up by position id. A model in another dtype
+gets the tables cast to it once (Hugging Face casts the looked-up rows to the activations'
+dtype; casting every row once gives the same values), so no layer casts them per step.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings or max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        # (cos, sin) cast to another dtype, keyed by dtype and device; made on first use
+        self._cast: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]]
+        self._cast = {}
         self.reset_cache()
 
     def reset_cache(self, device: torch.device | str | None = None) -> None:
@@ -107,18 +112,38 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
+        self._cast = {}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin) [max_positions, head_dim]`` in ``dtype``: the float32 tables
+        themselves, or their cast, made once. Make them before a CUDA graph is captured
+        (a warm-up run does): a tensor first made inside a capture holds no values."""
+        if dtype == self.cos.dtype:
+            return self.cos, self.sin
+        key = (dtype, self.cos.device)
+        cast = self._cast.get(key)
+        if cast is None:
+            cast = self._cast[key] = (self.cos.to(dtype), self.sin.to(dtype))
+        return cast
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q: [T, Hq, D]``, ``k: [T, Hkv, D]``, ``positions: [T]`` -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        q_cos, q_sin = cos.to(q.dtype), sin.to(q.dtype)
-        k_cos, k_sin = cos.to(k.dtype), sin.to(k.dtype)
+        q_cos, q_sin = self._rows(q.dtype, positions)  # [T, 1, D]
+        if k.dtype == q.dtype:
+            k_cos, k_sin = q_cos, q_sin
+        else:
+            k_cos, k_sin = self._rows(k.dtype, positions)
         q_out = q * q_cos + rotate_half(q) * q_sin
         k_out = k * k_cos + rotate_half(k) * k_sin
         return q_out, k_out
+
+    def _rows(
+        self, dtype: torch.dtype, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
     def split_qkv(
         self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int

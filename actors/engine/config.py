@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from actors.engine.decode_buckets import default_buckets, normalize_buckets
 from actors.engine.defaults import CHUNK_SIZE, TOKEN_BUDGET
 from policies.chunking import ChunkRule
 from policies.ordering import Ordering
@@ -79,6 +80,15 @@ class EngineConfig:
     # and wherever its prompt is chunked (kernels/batch_invariant.py; single-worker dense
     # models only); costs throughput (bench/batch_invariance.py)
     batch_invariant: bool = False
+    # Pure-decode steps as CUDA graphs, one per batch-size bucket, inputs padded to the bucket
+    # (actors/engine/decode_graphs.py; prefill and mixed steps stay eager). None: on where the
+    # device is CUDA and the layout is one worker. True on CPU runs the same padded path
+    # without capture (how CPU tests cover it). One KV block is then kept out of the pool as
+    # the padded rows' scratch block. Needs tp = spp = kvp = 1, no MoE workers, not
+    # batch_invariant.
+    cuda_graphs: bool | None = None
+    # the buckets (None: 1, 2, 4, then every multiple of 8 up to min(256, max_num_seqs))
+    cuda_graph_sizes: tuple[int, ...] | list[int] | None = None
     # Ray custom resources each worker actor of a multi-worker layout reserves, e.g. a
     # region's node resource (``RegionConfig.node_resource``): its workers then go only on
     # the nodes that carry it. None: no custom resource.
@@ -183,6 +193,17 @@ class EngineConfig:
                 "batch_invariant holds for the single-worker engine (tp = spp = kvp = 1, no "
                 "attention/expert workers); scale out with replicas instead"
             )
+        if self.cuda_graphs and (
+            (self.tp, self.spp, self.kvp) != (1, 1, 1)
+            or self.attention_workers
+            or self.batch_invariant
+        ):
+            raise ValueError(
+                "cuda_graphs runs the single-worker engine (tp = spp = kvp = 1, no "
+                "attention/expert workers, not batch_invariant); leave it unset for this layout"
+            )
+        if self.cuda_graph_sizes is not None:
+            normalize_buckets(self.cuda_graph_sizes)  # ValueError: not positive integers
         if self.attention_workers and (self.tp, self.spp, self.kvp) != (1, 1, 1):
             raise ValueError("attention/expert disaggregation runs with tp = spp = kvp = 1")
         for name in (
@@ -238,6 +259,22 @@ class EngineConfig:
         if not isinstance(resolved, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
         return resolved
+
+    def decode_buckets(self, on_gpu: bool, num_blocks: int) -> tuple[int, ...]:
+        """The batch sizes pure-decode steps are padded to (``cuda_graphs``), or () when
+        decode steps run eagerly: the option off, unset off the GPU, a layout of more than
+        one worker, or a KV cache of one block (no room for the scratch block)."""
+        wanted = self.cuda_graphs if self.cuda_graphs is not None else on_gpu
+        one_worker = (self.tp, self.spp, self.kvp) == (1, 1, 1) and not self.attention_workers
+        if not wanted or not one_worker or self.batch_invariant:
+            return ()
+        if num_blocks < 2:
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs needs at least 2 KV blocks (one is its scratch)")
+            return ()
+        if self.cuda_graph_sizes is not None:
+            return normalize_buckets(self.cuda_graph_sizes)
+        return default_buckets(min(256, self.max_num_seqs))
 
     def context_len(self, max_position_embeddings: int) -> int:
         """The longest request (prompt + generated tokens): ``max_model_len`` capped by the

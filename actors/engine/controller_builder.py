@@ -54,7 +54,7 @@ class ControllerParts:
     dtype: torch.dtype
     layout: Layout
     max_model_len: int
-    num_blocks: int  # KV blocks per rank
+    num_blocks: int  # KV blocks per rank (the cache; with decode buckets the pool has one fewer)
     kv: KVCache
     one_rank_kv: KVCacheManager | None  # ``kv`` itself when it spans one rank
     scheduler: Scheduler
@@ -93,7 +93,10 @@ def build_parts(
     tokenizer = load_tokenizer(folder)
     max_model_len = config.context_len(model.max_position_embeddings)
     num_blocks = _num_blocks(config, model, dtype, max_model_len)
-    kv, one_rank_kv = _kv_manager(config, num_blocks, max_model_len)
+    decode_buckets = config.decode_buckets(on_gpu, num_blocks)
+    # with padded decode steps the cache's last block is their scratch block, never pooled
+    pooled = num_blocks - 1 if decode_buckets else num_blocks
+    kv, one_rank_kv = _kv_manager(config, pooled, max_model_len)
     predictor, scheduler = _scheduler(config, kv)
     backend = config.attention_backend or ("flashinfer" if on_gpu else "torch")
     spec = WorkerSpec(
@@ -106,6 +109,7 @@ def build_parts(
         layout=layout,
         pack_weights=config.pack_weights,
         batch_invariant=config.batch_invariant,
+        decode_buckets=decode_buckets,
     )
     if executor is None:
         executor = _executor(config, model, spec, worker_hooks)

@@ -5,10 +5,16 @@ one step's plan. ``execute(plan, incoming)`` runs the step's tokens through its 
 first stage embeds the plan's token ids, later stages continue from the previous stage's
 activations; the last stage samples (TP rank 0 answers for its group). Plain class; the Ray
 executor makes it remote, the in-process executor calls it directly.
+
+With ``WorkerSpec.decode_buckets`` (one-worker layouts), pure-decode steps run padded to a
+batch-size bucket through ``DecodeGraphRunner`` (``actors/engine/decode_graphs.py``): as
+replayed CUDA graphs on CUDA, eagerly on other devices; prefill and mixed steps, and
+decode batches above the largest bucket, run eagerly as before.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from dataclasses import dataclass, field
@@ -19,10 +25,12 @@ import numpy as np
 import torch
 
 from actors.engine.collectives import Collectives, Layout
+from actors.engine.decode_graphs import DecodeGraphRunner
 from actors.engine.sampling import TokenLogprob, sample_tokens
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker_hooks import CacheGeometry, HooksFactory, PrivateKVCache, WorkerHooks
 from actors.engine.worker_inputs import build_worker_inputs
+from kernels.attention_metadata import AttentionMetadata
 from kernels.batch_invariant import BatchInvariantAttention, tile_linears
 from kernels.cpu_linear import can_pack, pack_linears
 from kernels.kv_parallel_attention import KVParallelAttention
@@ -44,6 +52,13 @@ class WorkerSpec:
     layout: Layout = Layout()
     pack_weights: bool | None = None
     batch_invariant: bool = False
+    # Non-empty: pure-decode steps run padded to these batch sizes (CUDA graphs on CUDA,
+    # actors/engine/decode_graphs.py), and the cache's last block (num_blocks - 1) is the
+    # padded rows' scratch block, which the controller keeps out of its KV pool.
+    decode_buckets: tuple[int, ...] = ()
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +98,7 @@ class Worker:
         # value (zero-copy from the node's object store), since the process that put it
         # (a Conductor) may die before the shard is built again
         self.updates: list[Any] = []
+        self._decode: DecodeGraphRunner | None = None  # built for the current shard and KV
 
     # -- set-up ---------------------------------------------------------------------------
     def node_ip(self) -> str:
@@ -164,7 +180,7 @@ class Worker:
         before = list(self.updates)
         self.updates.extend(resolve_ref(source) for source in sources)
         if self.shard is not None:  # asleep at level 2: built on wake_up
-            self.shard = None  # free the old weights before the new ones are built
+            self.shard = self._decode = None  # free the old weights before the new ones
             try:
                 self.shard = self._build_shard()
             except BaseException:
@@ -182,6 +198,7 @@ class Worker:
                 f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level}"
             )
         self.kv_caches = []
+        self._decode = None  # its graphs hold the KV tensors (and the weights)
         freed = self.kv_provider.release()
         if level == 2 and self.shard is not None:
             freed += _nbytes(_shard_tensors(self.shard))
@@ -213,8 +230,13 @@ class Worker:
         assert shard is not None, "call setup() first"
         timings = list(incoming.timings) if incoming is not None else []
         reports = list(incoming.hook_reports) if incoming is not None else []
-        inputs = build_worker_inputs(
-            plan, self.kvp_rank, self.layout.kvp, self.spec.block_size, self.device
+        graphs = self._decode_runner(plan)
+        inputs = build_worker_inputs(  # the runner copies a step's inputs in from the host
+            plan,
+            self.kvp_rank,
+            self.layout.kvp,
+            self.spec.block_size,
+            "cpu" if graphs is not None else self.device,
         )
         exchange = getattr(inputs.meta, "exchange", None)
         step_hook = self.hooks.step
@@ -224,9 +246,13 @@ class Worker:
             hidden_in = None
             if incoming is not None:
                 hidden_in = torch.from_numpy(np.array(incoming.hidden)).to(self.device)
-            hidden = shard(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in
-            )
+            if graphs is not None:
+                assert isinstance(inputs.meta, AttentionMetadata)
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            else:
+                hidden = shard(
+                    inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in
+                )
         else:  # nothing of this step runs on this KVP rank
             hidden = torch.zeros(0, shard.config.hidden_size, dtype=self.dtype)
         timings.append((self.stage, began, time.time()))
@@ -245,6 +271,42 @@ class Worker:
                 if s.logprob is not None:
                     logprobs[rid] = s.logprob
         return StepResult(plan.step_id, tokens, timings, reports, logprobs)
+
+    def _decode_runner(self, plan: StepPlan) -> DecodeGraphRunner | None:
+        """The decode runner when this step is pure decode (one token per request) and one
+        runs here, else None (the step runs eagerly). Built again whenever the shard or the
+        KV tensors changed (a graph holds their addresses). On CUDA, only when its graphs
+        can be captured: padding without capture would only add work there."""
+        buckets = self.spec.decode_buckets
+        if (
+            not buckets
+            or self.layout.world_size != 1
+            or self.hooks.step is not None
+            or not plan.entries
+            or len(plan.entries) > max(buckets)
+            or any(e.num_tokens != 1 for e in plan.entries)
+        ):
+            return None
+        runner = self._decode
+        if (
+            runner is None
+            or runner.shard is not self.shard
+            or runner.kv_caches is not self.kv_caches
+        ):
+            assert self.shard is not None
+            runner = DecodeGraphRunner(
+                self.shard,
+                self.kv_caches,
+                self.spec.block_size,
+                scratch_block=self.spec.num_blocks - 1,
+                buckets=buckets,
+            )
+            if self.device.type == "cuda" and not runner.capture:
+                log.info("decode steps run eagerly, no CUDA graphs: %s", "; ".join(runner.blockers))
+            self._decode = runner
+        if self.device.type == "cuda" and not runner.capture:
+            return None
+        return runner
 
     def shutdown(self) -> None:
         if self.collectives is not None:
