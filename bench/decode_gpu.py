@@ -1,19 +1,25 @@
 """Decode speed on one GPU against the memory-bandwidth limit and transformers' generate.
 
 The pretrained SmolLM2-135M-Instruct (GGUF, dequantized) in bfloat16, the in-process engine
-(torch attention backend). For each batch: prompts of ``--prompt-len`` random tokens,
-``--new-tokens`` greedy tokens each. A decode step's time = (time of an N-token generate -
-time of a 1-token generate) / (N - 1), the same for transformers' ``generate`` on the same
-model, dtype and batch; the two sides interleaved, medians of ``--repeats``.
+(torch attention backend), once per ``--modes`` entry: ``eager`` (every step eager,
+``cuda_graphs=False``) and ``graphs`` (pure-decode steps replayed as CUDA graphs, one per
+batch-size bucket, ``cuda_graphs=True``; actors/engine/decode_graphs.py), side by side.
+For each batch: prompts of ``--prompt-len`` random tokens, ``--new-tokens`` greedy tokens
+each. A decode step's time = (time of an N-token generate - time of a 1-token generate) /
+(N - 1), the same for transformers' ``generate`` on the same model, dtype and batch; the
+sides interleaved, medians of ``--repeats``. A warm-up of N tokens first (graphs are
+captured there, not in the timed runs). The ``graphs`` mode's tokens are checked against
+the ``eager`` mode's on the warm-up (a line says where they differ).
 
 HBM fraction = bytes a decode step must read (every weight once, plus the batch's KV cache at
 its mean context) / step time / the device's copy bandwidth, measured in the same run (a
 device-to-device copy, bytes read plus written).
 
-``--profile``: then the Python profile (cProfile, by own time) of 32 decode steps at batch 1,
-to show where a launch-bound step spends its host time.
+``--profile``: then the Python profile (cProfile, by own time) of 32 decode steps at batch 1
+(of the last mode), to show where a launch-bound step spends its host time.
 
     python bench/decode_gpu.py [--batches 1 32 256] [--prompt-len 128] [--new-tokens 64]
+        [--modes eager graphs]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import pstats
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -51,11 +58,40 @@ def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def generate_ours(llm: LLM, prompts: list[list[int]], k: int) -> None:
+MODES = {"eager": False, "graphs": True}  # mode -> the engine's cuda_graphs option
+
+
+def generate_ours(llm: LLM, prompts: list[list[int]], k: int) -> list[list[int]]:
     llm.engine.kv.evict_all_cached()  # no prefix hits between repeats
     p = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=p)
     assert all(len(o.token_ids) == k for o in outs)
+    return [o.token_ids for o in outs]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One side's figures at one batch size."""
+
+    step_s: float  # median seconds per decode step
+
+    def cells(self, batch: int, step_bytes: float, bandwidth: float, hf_step_s: float) -> str:
+        """ms/step, tok/s, HBM fraction, step time over transformers' (target <= 0.2)."""
+        s = self.step_s
+        return (
+            f"{s * 1e3:>9.2f} {batch / s:>8.0f} {step_bytes / s / bandwidth:>6.1%} "
+            f"{s / hf_step_s:>6.2f}"
+        )
+
+
+def header(modes: list[str]) -> str:
+    cols = "".join(f" | {m + ' ms':>9} {'tok/s':>8} {'HBM':>6} {'/HF':>6}" for m in modes)
+    return f"{'batch':>5}{cols} | {'HF ms':>8} {'tok/s':>8} {'HBM':>6}"
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> int:
+    """Positions where two runs' greedy tokens differ, over every sequence."""
+    return sum(x != y for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
 
 
 def timed(fn) -> float:
@@ -74,20 +110,25 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["eager", "graphs"])
     args = ap.parse_args()
 
     dtype = torch.bfloat16
     path = resolve_model(args.model)
     bandwidth = copy_bandwidth()
-    llm = LLM(
-        str(path),
-        device="cuda",
-        dtype=dtype,
-        attention_backend="torch",
-        kv_cache_memory=8 << 30,
-        max_num_seqs=max(args.batches),
-        token_budget=8192,
-    )
+    engines = {
+        mode: LLM(
+            str(path),
+            device="cuda",
+            dtype=dtype,
+            attention_backend="torch",
+            kv_cache_memory=8 << 30,
+            max_num_seqs=max(args.batches),
+            token_budget=8192,
+            cuda_graphs=MODES[mode],
+        )
+        for mode in args.modes
+    }
     hf = hf_pretrained(path).to(device="cuda", dtype=dtype)
     cfg = hf.config
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
@@ -97,35 +138,39 @@ def main() -> None:
     print(f"model: {args.model}, {weight_bytes / 1e6:.0f} MB of weights in {dtype}")
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.repeats} repeats")
-    print(
-        f"{'batch':>5} {'ours ms/step':>12} {'ours tok/s':>10} {'ours HBM':>8} "
-        f"{'HF ms/step':>10} {'HF tok/s':>9} {'HF HBM':>6} {'ours/HF':>7}"
-    )
+    print("per mode: ms per decode step, tokens/s, HBM fraction, step time / transformers'")
+    print(header(args.modes))
     rng = random.Random(0)
     n = args.new_tokens
     for b in args.batches:
         prompts = [
             [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(b)
         ]
-
-        ours = partial(generate_ours, llm, prompts)
-        theirs = partial(hf_generate, hf, torch.tensor(prompts, device="cuda"))
-        ours(2), theirs(2)  # warm-up
-        steps: dict[str, list[float]] = {"ours": [], "hf": []}
+        sides = {m: partial(generate_ours, llm, prompts) for m, llm in engines.items()}
+        sides["hf"] = partial(hf_generate, hf, torch.tensor(prompts, device="cuda"))
+        warm = {m: sides[m](n) for m in engines}  # captures every graph the timed runs use
+        sides["hf"](2)
+        if "eager" in warm and "graphs" in warm:
+            diff = differing(warm["eager"], warm["graphs"])
+            if diff:
+                print(f"batch {b}: graphs' greedy tokens differ from eager's at {diff} of {b * n}")
+        steps: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.repeats):
-            for name, fn in (("ours", ours), ("hf", theirs)):
+            for name, fn in sides.items():
                 t1, tn = timed(lambda fn=fn: fn(1)), timed(lambda fn=fn: fn(n))
                 steps[name].append((tn - t1) / (n - 1))
         step_bytes = weight_bytes + b * (args.prompt_len + n / 2) * kv_bytes_per_token
-        o, h = statistics.median(steps["ours"]), statistics.median(steps["hf"])
-        print(
-            f"{b:>5} {o * 1e3:>12.2f} {b / o:>10.0f} {step_bytes / o / bandwidth:>8.1%} "
-            f"{h * 1e3:>10.2f} {b / h:>9.0f} {step_bytes / h / bandwidth:>6.1%} {h / o:>7.2f}"
+        h = statistics.median(steps["hf"])
+        cells = "".join(
+            " | " + Column(statistics.median(steps[m])).cells(b, step_bytes, bandwidth, h)
+            for m in args.modes
         )
+        print(f"{b:>5}{cells} | {h * 1e3:>8.2f} {b / h:>8.0f} {step_bytes / h / bandwidth:>6.1%}")
 
     if args.profile:
         profile_decode(
-            llm.engine, [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)]
+            engines[args.modes[-1]].engine,
+            [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)],
         )
 
 
