@@ -81,12 +81,12 @@ class EngineConfig:
     # models only); costs throughput (bench/batch_invariance.py)
     batch_invariant: bool = False
     # Pure-decode steps as CUDA graphs, one per batch-size bucket, inputs padded to the bucket
-    # (actors/engine/decode_graphs.py; prefill and mixed steps stay eager). None: on where the
-    # device is CUDA and the layout is one worker. True on CPU runs the same padded path
+    # (actors/engine/decode_graphs.py; prefill and mixed steps stay eager). Off by default:
+    # the capture path has not run on a GPU yet. True on CPU runs the same padded path
     # without capture (how CPU tests cover it). One KV block is then kept out of the pool as
     # the padded rows' scratch block. Needs tp = spp = kvp = 1, no MoE workers, not
     # batch_invariant.
-    cuda_graphs: bool | None = None
+    cuda_graphs: bool = False
     # the buckets (None: 1, 2, 4, then every multiple of 8 up to min(256, max_num_seqs))
     cuda_graph_sizes: tuple[int, ...] | list[int] | None = None
     # Ray custom resources each worker actor of a multi-worker layout reserves, e.g. a
@@ -260,18 +260,13 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
         return resolved
 
-    def decode_buckets(self, on_gpu: bool, num_blocks: int) -> tuple[int, ...]:
-        """The batch sizes pure-decode steps are padded to (``cuda_graphs``), or () when
-        decode steps run eagerly: the option off, unset off the GPU, a layout of more than
-        one worker, or a KV cache of one block (no room for the scratch block)."""
-        wanted = self.cuda_graphs if self.cuda_graphs is not None else on_gpu
-        one_worker = (self.tp, self.spp, self.kvp) == (1, 1, 1) and not self.attention_workers
-        if not wanted or not one_worker or self.batch_invariant:
+    def decode_buckets(self, num_blocks: int) -> tuple[int, ...]:
+        """The batch sizes pure-decode steps are padded to (``cuda_graphs``; captured on
+        CUDA, padded only elsewhere), or () when decode steps run as they come."""
+        if not self.cuda_graphs:
             return ()
         if num_blocks < 2:
-            if self.cuda_graphs:
-                raise ValueError("cuda_graphs needs at least 2 KV blocks (one is its scratch)")
-            return ()
+            raise ValueError("cuda_graphs needs at least 2 KV blocks (one is its scratch)")
         if self.cuda_graph_sizes is not None:
             return normalize_buckets(self.cuda_graph_sizes)
         return default_buckets(min(256, self.max_num_seqs))

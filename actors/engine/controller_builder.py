@@ -93,7 +93,7 @@ def build_parts(
     tokenizer = load_tokenizer(folder)
     max_model_len = config.context_len(model.max_position_embeddings)
     num_blocks = _num_blocks(config, model, dtype, max_model_len)
-    decode_buckets = config.decode_buckets(on_gpu, num_blocks)
+    decode_buckets = config.decode_buckets(num_blocks)
     # with padded decode steps the cache's last block is their scratch block, never pooled
     pooled = num_blocks - 1 if decode_buckets else num_blocks
     kv, one_rank_kv = _kv_manager(config, pooled, max_model_len)

@@ -195,17 +195,15 @@ def test_capture_blockers(shard):
 
 
 def test_engine_config_decode_buckets():
-    assert EngineConfig().decode_buckets(on_gpu=False, num_blocks=100) == ()
-    assert EngineConfig().decode_buckets(on_gpu=True, num_blocks=100) == default_buckets(256)
-    assert EngineConfig(max_num_seqs=20).decode_buckets(True, 100)[-1] == 20
-    assert EngineConfig(cuda_graphs=True).decode_buckets(False, 100) == default_buckets(256)
-    assert EngineConfig(cuda_graphs=False).decode_buckets(True, 100) == ()
-    assert EngineConfig(tp=2).decode_buckets(True, 100) == ()  # multi-worker: eager
-    assert EngineConfig(cuda_graph_sizes=[4, 2]).decode_buckets(True, 100) == (2, 4)
+    # off by default (the capture has not run on a GPU), on CPU and CUDA alike
+    assert EngineConfig().decode_buckets(num_blocks=100) == ()
+    assert EngineConfig(cuda_graphs=True).decode_buckets(100) == default_buckets(256)
+    assert EngineConfig(cuda_graphs=True, max_num_seqs=20).decode_buckets(100)[-1] == 20
+    assert EngineConfig(cuda_graphs=True, cuda_graph_sizes=[4, 2]).decode_buckets(100) == (2, 4)
     with pytest.raises(ValueError):
         EngineConfig(cuda_graphs=True, kvp=2)
     with pytest.raises(ValueError):
-        EngineConfig(cuda_graphs=True).decode_buckets(False, 1)
+        EngineConfig(cuda_graphs=True).decode_buckets(1)
 
 
 def test_padded_decode_gives_the_eager_engines_tokens():
