@@ -107,12 +107,15 @@ class KVCacheExporter:
         weight_version: int | None = None,
         segment: SharedSegment | None = None,
         node: str | None = None,
+        generation: int = 0,
     ) -> None:
         """``kv_caches``: the decode side's paged cache (``(K, V)`` per layer, each
         ``[num_blocks, block_size, heads, head_dim]``), on CUDA or, on the CPU, views of
-        ``segment``. ``node``: this node's name (default: the host name)."""
+        ``segment``. ``node``: this node's name (default: the host name). ``generation``:
+        the first one it exports (a cache allocated again after its exporter revoked:
+        that exporter's generation, so its importers see the old mapping is stale)."""
         self.exporter = exporter
-        self.generation = 0
+        self.generation = generation
         self.weight_version = weight_version
         self.segment = segment
         self.node = node or socket.gethostname()
@@ -142,19 +145,7 @@ class KVCacheExporter:
 
     def accept(self, done: KVWriteDone) -> tuple[int, ...]:
         """Check a receipt; returns the blocks it says are written (readable now)."""
-        if done.exporter != self.exporter:
-            raise KVHandleError(f"a receipt for {done.exporter!r} reached {self.exporter!r}")
-        if done.generation != self.generation:
-            raise KVHandleError(
-                f"the receipt is for generation {done.generation} of {self.exporter!r}'s "
-                f"cache, which is at {self.generation}: those writes may have hit freed memory"
-            )
-        if done.weight_version != self.weight_version:
-            raise KVHandleError(
-                f"the receipt's KV is of weight version {done.weight_version}, the cache's "
-                f"{self.weight_version}"
-            )
-        return done.block_ids
+        return _check_receipt(done, self.exporter, self.generation, self.weight_version)
 
     def _make(self) -> KVCacheExport:
         first = self._caches[0][0]
@@ -367,6 +358,31 @@ def check_export(export: KVCacheExport, layout: KVBlockLayout, weight_version: i
             f"the export has {len(export.handles)} layers of handles, its layout "
             f"{layout.num_layers}"
         )
+
+
+def accept_receipt(export: KVCacheExport, done: KVWriteDone) -> tuple[int, ...]:
+    """``KVCacheExporter.accept`` against the export record the exporter's owner holds now
+    (its latest, as its importers were sent it): where the exporter itself is out of reach
+    (a worker's KV-cache provider, behind its replica)."""
+    return _check_receipt(done, export.exporter, export.generation, export.weight_version)
+
+
+def _check_receipt(
+    done: KVWriteDone, exporter: str, generation: int, weight_version: int | None
+) -> tuple[int, ...]:
+    if done.exporter != exporter:
+        raise KVHandleError(f"a receipt for {done.exporter!r} reached {exporter!r}")
+    if done.generation != generation:
+        raise KVHandleError(
+            f"the receipt is for generation {done.generation} of {exporter!r}'s "
+            f"cache, which is at {generation}: those writes may have hit freed memory"
+        )
+    if done.weight_version != weight_version:
+        raise KVHandleError(
+            f"the receipt's KV is of weight version {done.weight_version}, the cache's "
+            f"{weight_version}"
+        )
+    return done.block_ids
 
 
 # -- handles -------------------------------------------------------------------------------

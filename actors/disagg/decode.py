@@ -13,7 +13,16 @@ writes a request's KV straight into the blocks reserved for it here. A request g
     cancel(key) / abort(key)                        its prefill died / the caller gave up
 
 Reserving the whole life up front means a decoding request is never preempted here (the
-Conductor only picks an instance with that much room). Every token goes out as a
+Conductor only picks an instance with that much room).
+
+On a GPU (or on the CPU with ``kv_route="ipc"``) each worker's cache is also exported to
+prefill workers on the same device (``KVTarget.export``; ``kv_ipc_route``): they write it
+device to device and ``admit`` carries their receipts, which are accepted against the
+exports this replica holds now before the request joins the batch (a receipt of a cache
+since released or replaced loses the reservation: ``ReservationLost``). The targets are
+described again after whatever releases or replaces the caches (a sleep, a worker
+restart) or changes what their KV means (a weight update), and every export is stamped
+with the weight version the replica runs. Every token goes out as a
 ``TokenDelta`` stamped with the time it was produced, then a ``Finished`` with the output.
 
 Write-back (DualPath): given ``store_shards``, after every step each block that became
@@ -30,6 +39,7 @@ after a tool pause still finds them in the store.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -40,6 +50,7 @@ from typing import Any
 
 import ray
 
+from actors.disagg.kv_ipc_route import cache_device, check_kv_route
 from actors.disagg.kv_routes import KVTarget
 from actors.disagg.kv_stream import KVDestination, SharedCacheWorkers
 from actors.disagg.looped_replica import LoopedReplica, run_actor_process_at_normal_priority
@@ -58,6 +69,7 @@ from actors.kvstore.shard import KVStoreClient
 from models import tiny_model_dir
 from models.config import read_model_config
 from policies.request import Request
+from store.kv_cache_ipc import KVHandleError, KVWriteDone, accept_receipt
 from store.kv_store_errors import KVStoreError
 from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
 
@@ -79,8 +91,13 @@ class DecodeReplica(LoopedReplica):
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
         store_placement: str = "local",
+        kv_route: str = "auto",
     ) -> None:
-        """``store_shards``: the KV store shards it reads prefixes from for prefill
+        """``kv_route``: how prefill workers reach its cache. "auto": device to device on
+        a GPU (the only way there), through the transfer layer on the CPU; "ipc": on the
+        CPU too, through the shared-memory segment mapped into the prefill process (same
+        node); "transfer": the transfer layer only (CPU).
+        ``store_shards``: the KV store shards it reads prefixes from for prefill
         replicas (``load_prefix``, DualPath's decode read path) and, with ``write_back``,
         writes every full block back to (the shard ``store_placement`` picks:
         ``policies.shard_choice``). ``link_budget``: its store reads and writes pay
@@ -98,11 +115,23 @@ class DecodeReplica(LoopedReplica):
         self.replica_id = replica_id
         folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
         model = read_model_config(folder)
+        check_kv_route(kv_route)
+        if store_shards and cache_device(config.device).type != "cpu":
+            raise ValueError(
+                "write-back and prefix loads move a decode replica's cache through host "
+                "memory: with a store, decode replicas run on the CPU"
+            )
         caches = SharedCacheWorkers(
-            replica_id, model.num_hidden_layers, model.num_key_value_heads, serve_tcp, tcp_host
+            replica_id,
+            model.num_hidden_layers,
+            model.num_key_value_heads,
+            serve_tcp,
+            tcp_host,
+            config.device,
+            kv_route,
         )
         self.controller = ReplicaController.build(model_dir, config, worker_hooks=caches)
-        self.targets: tuple[KVTarget, ...] = tuple(self.controller.executor.hook_info())
+        self.targets: tuple[KVTarget, ...] = self._describe()
         self.client: KVStoreClient | None = None
         self.load_client: KVStoreClient | None = None
         self._written: dict[str, int] = {}  # request -> leading blocks the store holds
@@ -164,11 +193,20 @@ class DecodeReplica(LoopedReplica):
 
     @ray.method(enable_task_events=False)  # once per request: no record in the GCS
     def admit(
-        self, key: str, first_token: int, first_logprob: Any = None, cached_tokens: int = 0
+        self,
+        key: str,
+        first_token: int,
+        first_logprob: Any = None,
+        cached_tokens: int = 0,
+        receipts: tuple[KVWriteDone, ...] = (),
     ) -> None:
         """``cached_tokens``: prompt tokens the prefill side reused, reported in the
-        request's output (the Conductor may see its end before the prefill's report)."""
-        self.loop.post(lambda: self._admit(key, first_token, first_logprob, cached_tokens))
+        request's output (the Conductor may see its end before the prefill's report).
+        ``receipts``: of the blocks written into this replica's caches device to device,
+        accepted before the request joins the batch."""
+        self.loop.post(
+            lambda: self._admit(key, first_token, first_logprob, cached_tokens, receipts)
+        )
 
     def cancel(self, key: str) -> None:
         self.loop.post(lambda: None if self._cancel(key) else None)
@@ -293,6 +331,21 @@ class DecodeReplica(LoopedReplica):
                     self.load_client.mark_dead(shard_id)
                 self.load_client.add_shard(shard_id, handle)
 
+    # the caches are released or replaced, or their KV's weights change: describe again
+    def sleep(self, level: int) -> int:
+        freed = super().sleep(level)
+        self.loop.call(self._refresh_targets).result()
+        return freed
+
+    def wake_up(self) -> None:
+        super().wake_up()
+        self.loop.call(self._refresh_targets).result()
+
+    def update_weights(self, weights: list[object], version: int) -> int:
+        got = super().update_weights(weights, version)
+        self.loop.call(self._refresh_targets).result()
+        return got
+
     def shutdown(self) -> None:
         self.loop.stop()
         self.controller.shutdown()
@@ -318,10 +371,22 @@ class DecodeReplica(LoopedReplica):
         return KVDestination(self.targets, tuple(blocks), ranks=ranks)
 
     def _admit(
-        self, key: str, first_token: int, first_logprob: Any = None, cached_tokens: int = 0
+        self,
+        key: str,
+        first_token: int,
+        first_logprob: Any = None,
+        cached_tokens: int = 0,
+        receipts: tuple[KVWriteDone, ...] = (),
     ) -> None:
-        if self._reserved_blocks.pop(key, None) is None:
+        if key not in self._reserved_blocks:
             return  # cancelled or aborted meanwhile
+        try:
+            self.accept_receipts(receipts)
+        except KVHandleError:  # written into a cache since released or replaced
+            self._cancel(key)
+            self.loop.emit(ReservationLost(key))
+            return
+        self._reserved_blocks.pop(key)
         self._cached_tokens[key] = cached_tokens
         delta = self.controller.admit_prefilled(key, first_token, first_logprob)
         # the prefill replica stored the prompt's full blocks
@@ -369,11 +434,40 @@ class DecodeReplica(LoopedReplica):
         self.stats = self._stats()
         return ran
 
+    def accept_receipts(self, receipts: tuple[KVWriteDone, ...]) -> None:
+        """KVHandleError unless every receipt is of an export this replica holds now: its
+        exporter, generation and weight version (``store.kv_cache_ipc.accept_receipt``)."""
+        exports = {t.export.exporter: t.export for t in self.targets if t.export is not None}
+        for done in receipts:
+            export = exports.get(done.exporter)
+            if export is None:
+                raise KVHandleError(
+                    f"a receipt for cache {done.exporter!r}, which decode replica "
+                    f"{self.replica_id!r} no longer exports (its worker was restarted)"
+                )
+            accept_receipt(export, done)
+
+    def _describe(self) -> tuple[KVTarget, ...]:
+        """Every worker's target, each export stamped with the weight version the replica
+        runs (a worker's cache provider does not know it)."""
+        version = self.controller.weight_version
+        return tuple(
+            t
+            if t.export is None
+            else dataclasses.replace(
+                t, export=dataclasses.replace(t.export, weight_version=version)
+            )
+            for t in self.controller.executor.hook_info()
+        )
+
+    def _refresh_targets(self) -> None:
+        self.targets = self._describe()
+
     def _lose_reservations(self) -> None:
         """A worker died and the group was restarted with fresh caches: KV streamed into
         the old ones is gone, so every reservation is given up (its request runs again)."""
         self._recoveries = self.controller.num_recoveries
-        self.targets = tuple(self.controller.executor.hook_info())
+        self._refresh_targets()
         for key in list(self._reserved_blocks):
             self._cancel(key)
             self.loop.emit(ReservationLost(key))
@@ -460,6 +554,11 @@ class RemoteDecode:
         self.handle = handle
 
     def admit(
-        self, key: str, first_token: int, first_logprob: Any = None, cached_tokens: int = 0
+        self,
+        key: str,
+        first_token: int,
+        first_logprob: Any = None,
+        cached_tokens: int = 0,
+        receipts: tuple[KVWriteDone, ...] = (),
     ) -> None:
-        self.handle.admit.remote(key, first_token, first_logprob, cached_tokens)
+        self.handle.admit.remote(key, first_token, first_logprob, cached_tokens, receipts)

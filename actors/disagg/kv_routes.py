@@ -18,8 +18,12 @@ written twice.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from store.transfer import Endpoint
+
+if TYPE_CHECKING:  # torch stays out of what the router imports
+    from store.kv_cache_ipc import KVCacheExport
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class KVTarget:
     block_size: int
     head_bytes: int  # one token of one head: head_dim * element size
     kvp_rank: int = 0  # the KV-parallel rank whose pool this cache holds
+    # the cache's handles for a prefill worker on the same device (``kv_ipc_route``): set
+    # on a GPU, and on the CPU with ``kv_route="ipc"``; None: reached through the endpoint
+    export: KVCacheExport | None = None
 
     @property
     def piece_bytes(self) -> int:

@@ -26,7 +26,9 @@ class PrefillTask:
     key: str
     request: Request
     dest: KVDestination  # the decode replica's blocks reserved for the whole request
-    decode: Any  # has admit(key, first_token): the decode replica, or a RemoteDecode
+    # has admit(key, first_token, ...): the decode replica, or a RemoteDecode; called with
+    # receipts= only for KV written device to device (``kv_ipc_route``)
+    decode: Any
     store_shard: str | None = None  # where the prompt's new full blocks are written
     # DualPath: where the stored prefix is read. "prefill": storage -> this prefill
     # replica; "decode": storage -> the decode replica (``relay``, its actor handle), then

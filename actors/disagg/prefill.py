@@ -23,6 +23,11 @@ Around that, the KV store:
   written to the store shard the Conductor chose (a dead shard drops out of the map);
   with ``params.kv_retention_s > 0`` they are then retained for that long
   (``store.retention``; the decode replica retains the whole chain again at the turn's end).
+
+A one-worker prefill replica writes into a decode cache on the same device (a GPU, or the
+CPU with ``kv_route="ipc"`` on the decode side) device to device (``kv_ipc_route``): each
+request's destination is stamped with the weight version it computes, and the receipts of
+its writes go to the decode replica with its admission.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import ray
 import torch
 
 from actors.disagg.fault_injection import ExitAfterLayers
+from actors.disagg.kv_ipc_route import prefill_route
 from actors.disagg.kv_routes import piece_ranges
 from actors.disagg.kv_stream import KVDestination, LayerStreamer, StreamingWorkers, StreamReport
 from actors.disagg.layer_loader import LayerLoad, LayerLoader
@@ -59,6 +65,7 @@ from actors.kvstore.shard import KVStoreClient, current_node_id
 from models import tiny_model_dir
 from models.config import read_model_config
 from policies.dualpath import DECODE_PATH, PREFILL_PATH
+from store.kv_cache_ipc import KVWriteDone
 from store.kv_store_errors import KVStoreError
 from store.transfer import LocalMemory, TransferEngine
 from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
@@ -75,7 +82,7 @@ class PrefillHook:
         self.faults: ExitAfterLayers | None = None  # tests only: die mid-stream
 
     def begin_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
-        self.streamer.begin(plan)
+        self.streamer.begin(plan, kv_caches)
         self.loader.begin_step({b for e in plan.entries for s in e.shards for b in s[2]})
 
     def before_layer(self, layer: int) -> None:
@@ -105,8 +112,14 @@ class PrefillReplica(LoopedReplica):
         link_budget: LinkBudget | None = None,
         record_loads: bool = False,
         store_placement: str = "local",
+        kv_route: str = "auto",
     ) -> None:
-        """``store_placement``: which shard each prefix is written to
+        """``kv_route``: "auto" writes a request's KV device to device into a decode
+        cache that offers an export this worker can open (same device and sharding), else
+        through the transfer layer; "ipc" fails a request whose decode cache it cannot
+        write that way; "transfer" always uses the transfer layer. A replica of more than
+        one worker streams through the transfer layer.
+        ``store_placement``: which shard each prefix is written to
         (``policies.shard_choice``). ``config``'s ``tp`` / ``spp`` spread the replica over
         worker actors, each streaming the layers and heads it holds (Mooncake's chunked
         pipeline parallelism for long prefills is ``spp`` here). With the KV store,
@@ -136,7 +149,11 @@ class PrefillReplica(LoopedReplica):
         compute_link = self.links.compute(replica_id) if self.links is not None else None
         # the KV stream to decode replicas and relayed reads share the compute link
         stream = BudgetedTransfer(self.engine, compute_link)
-        self.streamer = LayerStreamer(stream, self.block_size, heads, heads)
+        staged = config.tp * config.spp > 1
+        self.route = prefill_route(
+            kv_route, staged, config.device, self.node_id, (0, model.num_hidden_layers), heads
+        )
+        self.streamer = LayerStreamer(stream, self.block_size, heads, heads, self.route)
         self.loader = LayerLoader(record=record_loads)
         self.load_engine = TransferEngine(f"prefill-{replica_id}-loads", self.node_id)
         self.storage = BudgetedTransfer(self.load_engine, storage_link)
@@ -144,7 +161,7 @@ class PrefillReplica(LoopedReplica):
         self.hook = PrefillHook(self.streamer, self._after_step, self.loader)
         hooks: WorkerHooks | StreamingWorkers = WorkerHooks(self.cache, self.hook)
         # stages in other processes: the store goes through their mapped caches
-        self.staged = config.tp * config.spp > 1
+        self.staged = staged
         if self.staged:
             if store_shards and config.tp != 1:
                 raise ValueError(
@@ -170,6 +187,8 @@ class PrefillReplica(LoopedReplica):
             self.client.write_link = storage_link  # store writes pay the storage link
         self._tasks: dict[str, PrefillTask] = {}
         self._failed: dict[str, str] = {}  # request key -> why its KV stream broke
+        # request key -> receipts of its KV written device to device (handed on at admit)
+        self._receipts: dict[str, list[KVWriteDone]] = {}
         self.loaded_blocks = 0  # blocks brought in from the store
         self.stored_blocks = 0  # blocks written to the store
         self.bytes_streamed = 0
@@ -268,6 +287,15 @@ class PrefillReplica(LoopedReplica):
         started with ``record_loads``."""
         return list(self.loader.timeline)
 
+    # the decode side releases or replaces its caches too: drop the mappings of them
+    def sleep(self, level: int) -> int:
+        self.loop.call(self.streamer.drop_mappings).result()
+        return super().sleep(level)
+
+    def update_weights(self, weights: list[object], version: int) -> int:
+        self.loop.call(self.streamer.drop_mappings).result()
+        return super().update_weights(weights, version)
+
     def shutdown(self) -> None:
         self.loop.stop()
         self.controller.shutdown()
@@ -284,7 +312,10 @@ class PrefillReplica(LoopedReplica):
     def _start(self, task: PrefillTask) -> None:
         req = task.request
         self._tasks[task.key] = task
-        dest = self._start_load(task)
+        # the KV's weight version: a device-to-device write goes only into a cache of it
+        dest = dataclasses.replace(
+            self._start_load(task), weight_version=self.controller.weight_version
+        )
         first = dataclasses.replace(req.params, max_tokens=1, stop=[])
         request = dataclasses.replace(req, request_id=task.key, params=first)
         self.controller.add_request(request, kv_dest=dest)
@@ -298,6 +329,7 @@ class PrefillReplica(LoopedReplica):
     def _forget(self, key: str) -> None:
         self._tasks.pop(key, None)
         self._failed.pop(key, None)
+        self._receipts.pop(key, None)
 
     def _iterate(self) -> bool:
         c = self.controller
@@ -319,6 +351,8 @@ class PrefillReplica(LoopedReplica):
             for report in c.take_hook_reports():
                 chunks = chunks or report.chunks
                 self._failed.update(report.failed)
+                for key, receipts in report.receipts.items():
+                    self._receipts.setdefault(key, []).extend(receipts)
                 self.bytes_streamed += report.bytes_sent
                 self.layers_streamed += report.layers_sent
             # stats before the step's events: a report that takes a PrefillDone never
@@ -348,7 +382,12 @@ class PrefillReplica(LoopedReplica):
         if why is None:
             # the first token's logprobs travel with it (None: not asked for)
             first_logprob = out.logprobs[0] if out.logprobs else None
-            task.decode.admit(key, out.token_ids[0], first_logprob, out.num_cached_tokens)
+            args = (key, out.token_ids[0], first_logprob, out.num_cached_tokens)
+            receipts = tuple(self._receipts.get(key, ()))
+            if receipts:  # written device to device: the decode side checks them first
+                task.decode.admit(*args, receipts=receipts)
+            else:
+                task.decode.admit(*args)
             self.loop.emit(PrefillDone(key, out.token_ids[0], out.num_cached_tokens))
         else:
             self.loop.emit(PrefillFailed(key, why))
@@ -561,7 +600,10 @@ class PrefillReplica(LoopedReplica):
             stored_blocks=self.stored_blocks,
             bytes_streamed=self.bytes_streamed,
             layers_streamed=self.layers_streamed,
-            backends=self.engine.chosen_backends(),
+            backends={
+                **self.engine.chosen_backends(),
+                **(self.route.backends() if self.route is not None else {}),
+            },
             load_backends=self.load_engine.chosen_backends(),
             queued=tuple(
                 (q.num_uncomputed_tokens, q.num_computed_tokens)
