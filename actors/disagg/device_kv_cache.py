@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import uuid
 
-import torch
-
 from actors.disagg.kv_routes import KVTarget
 from actors.engine.worker_hooks import CacheGeometry, KVCaches
 from kernels.kv_cache import allocate_kv_cache
@@ -100,17 +98,8 @@ class DeviceKVCache:
         g = self.geometry
         if g is None:
             raise RuntimeError("the decode cache is allocated when its worker starts")
-        head_bytes = g.head_dim * torch.empty((), dtype=g.dtype).element_size()
-        return KVTarget(
-            self.endpoint,
-            self.layers,
-            self.heads,
-            g.num_blocks,
-            g.block_size,
-            head_bytes,
-            self.kvp_rank,
-            export=self.exporter.export() if self.exporter is not None else None,
-        )
+        export = self.exporter.export() if self.exporter is not None else None
+        return KVTarget.of_cache(self.endpoint, self.layers, self.heads, g, self.kvp_rank, export)
 
     def close(self) -> None:
         self.release()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from store.transfer import Endpoint
 
 if TYPE_CHECKING:  # torch stays out of what the router imports
+    from actors.engine.worker_hooks import CacheGeometry
     from store.kv_cache_ipc import KVCacheExport
 
 
@@ -40,6 +41,23 @@ class KVTarget:
     # the cache's handles for a prefill worker on the same device (``kv_ipc_route``): set
     # on a GPU, and on the CPU with ``kv_route="ipc"``; None: reached through the endpoint
     export: KVCacheExport | None = None
+
+    @classmethod
+    def of_cache(
+        cls,
+        endpoint: Endpoint,
+        layers: tuple[int, int],
+        heads: tuple[int, int],
+        geometry: CacheGeometry,
+        kvp_rank: int,
+        export: KVCacheExport | None,
+    ) -> KVTarget:
+        """A worker's cache of ``geometry``, holding ``layers`` and ``heads``."""
+        g = geometry
+        head_bytes = g.head_dim * g.dtype.itemsize
+        return cls(
+            endpoint, layers, heads, g.num_blocks, g.block_size, head_bytes, kvp_rank, export
+        )
 
     @property
     def piece_bytes(self) -> int:

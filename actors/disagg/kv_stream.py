@@ -161,17 +161,8 @@ class SharedKVCache:
         g, engine = self.geometry, self.engine
         if g is None or engine is None:
             raise RuntimeError("the shared cache is allocated when its worker starts")
-        head_bytes = g.head_dim * torch.empty((), dtype=g.dtype).element_size()
-        return KVTarget(
-            engine.endpoint,
-            self.layers,
-            self.heads,
-            g.num_blocks,
-            g.block_size,
-            head_bytes,
-            self.kvp_rank,
-            export=self.exporter.export() if self.exporter is not None else None,
-        )
+        export = self.exporter.export() if self.exporter is not None else None
+        return KVTarget.of_cache(engine.endpoint, self.layers, self.heads, g, self.kvp_rank, export)
 
     def close(self) -> None:
         self.kv_caches = []
