@@ -38,12 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
 from actors.disagg.fault_injection import ExitAfterLayers
 from actors.disagg.kv_ipc_route import prefill_route
 from actors.disagg.kv_routes import piece_ranges
-from actors.disagg.kv_stream import KVDestination, LayerStreamer, StreamingWorkers, StreamReport
+from actors.disagg.kv_stream import KVDestination, LayerStreamer, StreamingWorkers
 from actors.disagg.layer_loader import LayerLoad, LayerLoader
 from actors.disagg.looped_replica import LoopedReplica, run_actor_process_at_normal_priority
 from actors.disagg.messages import (
@@ -55,6 +54,7 @@ from actors.disagg.messages import (
     PrefillTask,
     StoreLoad,
 )
+from actors.disagg.prefill_hook import PrefillHook
 from actors.disagg.stage_caches import StageCaches
 from actors.engine.config import EngineConfig
 from actors.engine.replica_controller import ReplicaController
@@ -69,35 +69,6 @@ from store.kv_cache_ipc import KVWriteDone
 from store.kv_store_errors import KVStoreError
 from store.transfer import LocalMemory, TransferEngine
 from store.transfer.links import BudgetedTransfer, LinkBudget, NodeLinks
-
-
-class PrefillHook:
-    """The prefill worker's ``StepHook``: streams each layer's KV as it is written, then,
-    once the step's copies landed, hands the step to ``after_step`` (timing, store writes)."""
-
-    def __init__(self, streamer: LayerStreamer, after_step: Any, loader: LayerLoader) -> None:
-        self.streamer = streamer
-        self.after_step = after_step
-        self.loader = loader
-        self.faults: ExitAfterLayers | None = None  # tests only: die mid-stream
-
-    def begin_step(self, plan: StepPlan, kv_caches: KVCaches) -> None:
-        self.streamer.begin(plan, kv_caches)
-        self.loader.begin_step({b for e in plan.entries for s in e.shards for b in s[2]})
-
-    def before_layer(self, layer: int) -> None:
-        self.loader.before_layer(layer)  # every started load holds this layer
-
-    def after_layer(self, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.loader.after_layer(layer)
-        self.streamer.after_layer(layer, kv_cache)
-        if self.faults is not None:
-            self.faults.after_layer(self.streamer)
-
-    def end_step(self, plan: StepPlan, kv_caches: KVCaches) -> StreamReport:
-        report = self.streamer.finish()
-        self.after_step(plan, kv_caches)
-        return report
 
 
 class PrefillReplica(LoopedReplica):
