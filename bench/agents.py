@@ -71,7 +71,7 @@ import httpx
 
 from bench.agent_setups import MODEL_NAME, SETUPS, app_config, expected_replicas, pd_kv_split
 from bench.bench_model import MODEL, write_bench_model
-from bench.interleave import medians, turns
+from bench.interleave import interleaved, medians
 from bench.local_serve import ServeHost, deploy, local_serve
 from bench.serve_records import TokenClock
 from bench.sse import sse_chunks
@@ -491,25 +491,26 @@ def main() -> None:
     )
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["RAY_CGRAPH_buffer_size_bytes"] = str(1 << 24)
-    results: dict[str, list[AgentRun]] = {s: [] for s in args.setups}
     with local_serve(env) as host:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = str(write_bench_model(Path(tmp) / "bench"))
-            for rep in range(args.repeats):
-                for setup in turns(args.setups, rep):
-                    run = one_run(setup, host, model_dir, trajs, args)
-                    results[setup].append(run)
-                    m = run.metrics(args.ttft_slo)
-                    print(
-                        f"[rep {rep}] {setup:>10s}: TTFT p50 {m['ttft_p50_ms']:.0f} ms p99 "
-                        f"{m['ttft_p99_ms']:.0f} ms, completion p50 "
-                        f"{m['completion_p50_s']:.1f} s, goodput {m['goodput_turns_s']:.2f} "
-                        f"turns/s, cached {m['cached_share']:.0%}, 429s {run.reasons}, queued "
-                        f"{run.queued:.0f} (mean {run.queue_wait:.2f} s), "
-                        f"run {run.duration:.1f} s "
-                        f"(load {os.getloadavg()[0]:.1f})",
-                        flush=True,
-                    )
+
+            def timed_run(setup: str, rep: int) -> AgentRun:
+                run = one_run(setup, host, model_dir, trajs, args)
+                m = run.metrics(args.ttft_slo)
+                print(
+                    f"[rep {rep}] {setup:>10s}: TTFT p50 {m['ttft_p50_ms']:.0f} ms p99 "
+                    f"{m['ttft_p99_ms']:.0f} ms, completion p50 "
+                    f"{m['completion_p50_s']:.1f} s, goodput {m['goodput_turns_s']:.2f} "
+                    f"turns/s, cached {m['cached_share']:.0%}, 429s {run.reasons}, queued "
+                    f"{run.queued:.0f} (mean {run.queue_wait:.2f} s), "
+                    f"run {run.duration:.1f} s "
+                    f"(load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
+                return run
+
+            results = interleaved(args.setups, args.repeats, timed_run)
     print()
     print(f"{len(trajs)} trajectories x {args.turns} turns, {args.repeats} runs per setup")
     meds = print_table(results, args.ttft_slo)

@@ -32,6 +32,7 @@ import random
 import statistics
 import time
 
+from bench.interleave import interleaved
 from bench.local_serve import local_ray
 
 MODELS = {"tiny": None, "smollm2": "SmolLM2-135M-Instruct"}
@@ -85,17 +86,18 @@ def measure(model: str | None, sizes: list[int], repeats: int, seed: int) -> lis
         engine.min_load_tokens = NEVER
         serve_once(engine, fresh())  # computes it; its blocks go to the store
         settle(engine)
-        computed, loaded = [], []
-        for _ in range(repeats):
-            engine.min_load_tokens = NEVER
-            computed.append(serve_once(engine, fresh()))
-            settle(engine)
+
+        def timed(side: str, _repeat: int, n: int = n, fresh=fresh) -> float:
             before = engine.loaded_blocks
-            engine.min_load_tokens = 0
-            loaded.append(serve_once(engine, fresh()))
-            assert engine.loaded_blocks - before == n // engine.block_size, "not loaded"
+            engine.min_load_tokens = 0 if side == "load" else NEVER
+            seconds = serve_once(engine, fresh())
+            if side == "load":
+                assert engine.loaded_blocks - before == n // engine.block_size, "not loaded"
             settle(engine)
-        rows.append((n, statistics.median(computed), statistics.median(loaded)))
+            return seconds
+
+        times = interleaved(("compute", "load"), repeats, timed, rotate=False)
+        rows.append((n, statistics.median(times["compute"]), statistics.median(times["load"])))
         a, b = rows[-1][1:]
         print(f"  N={n}: compute {a * 1e3:.1f} ms, load {b * 1e3:.1f} ms", flush=True)
     engine.shutdown()

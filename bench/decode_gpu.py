@@ -36,6 +36,7 @@ from functools import partial
 import torch
 
 from actors import LLM, SamplingParams
+from bench.interleave import interleaved
 from models.hf_reference import hf_generate, hf_pretrained
 from models.pretrained import resolve_model
 
@@ -154,11 +155,13 @@ def main() -> None:
             diff = differing(warm["eager"], warm["graphs"])
             if diff:
                 print(f"batch {b}: graphs' greedy tokens differ from eager's at {diff} of {b * n}")
-        steps: dict[str, list[float]] = {name: [] for name in sides}
-        for _ in range(args.repeats):
-            for name, fn in sides.items():
-                t1, tn = timed(lambda fn=fn: fn(1)), timed(lambda fn=fn: fn(n))
-                steps[name].append((tn - t1) / (n - 1))
+
+        def step(name: str, _repeat: int, sides: dict = sides) -> float:
+            fn = sides[name]
+            t1, tn = timed(lambda: fn(1)), timed(lambda: fn(n))
+            return (tn - t1) / (n - 1)
+
+        steps = interleaved(list(sides), args.repeats, step, rotate=False)  # A, B, A, B, ...
         step_bytes = weight_bytes + b * (args.prompt_len + n / 2) * kv_bytes_per_token
         h = statistics.median(steps["hf"])
         cells = "".join(

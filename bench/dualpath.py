@@ -66,6 +66,7 @@ from actors.disagg.cluster_config import PDClusterConfig, PDSideConfig
 from actors.disagg.store_view import StoreConfig
 from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams
+from bench.interleave import interleaved
 from bench.local_serve import local_ray
 from bench.real_prompts import add_model_options, chosen_model
 from store.transfer.links import EXEC, KV, Link, LinkBudget
@@ -136,7 +137,7 @@ def conversation_run(args: argparse.Namespace, read_path: str) -> tuple[float, l
                     contexts[i] = contexts[i] + out.token_ids + appends[i][turn]
         seconds = time.perf_counter() - start
         decode_loaded = sum(
-            ray.get(h.report.remote(0.0)).stats.loaded_blocks for h in pd.decodes.values()
+            ray.get(h.report_stats.remote()).loaded_blocks for h in pd.decodes.values()
         )
         counters = {
             "paths": dict(pd.path_counts),
@@ -224,32 +225,30 @@ def main() -> None:
     chosen = chosen_model(p, args)
     args.model_dir = None if chosen is None else str(chosen)
     with local_ray(num_cpus=2):
-        times: dict[str, list[float]] = {"prefill": [], "dual": []}
-        reference: list | None = None
-        for r in range(args.repeats):
-            for path in ("prefill", "dual"):  # interleaved: A, B, A, B, ...
-                seconds, answers, counters = conversation_run(args, path)
-                if reference is None:
-                    reference = answers
-                if answers != reference:
-                    raise SystemExit(f"tokens differ on the {path} path (repeat {r})")
-                times[path].append(seconds)
-                print(f"repeat {r} {path:7s}: {seconds:6.2f} s  {counters}", flush=True)
+        reference: list = []
+
+        def timed(path: str, r: int) -> float:
+            seconds, answers, counters = conversation_run(args, path)
+            if not reference:
+                reference.append(answers)
+            if answers != reference[0]:
+                raise SystemExit(f"tokens differ on the {path} path (repeat {r})")
+            print(f"repeat {r} {path:7s}: {seconds:6.2f} s  {counters}", flush=True)
+            return seconds
+
+        times = interleaved(("prefill", "dual"), args.repeats, timed, rotate=False)  # A, B, A, B
     pp, dp = statistics.median(times["prefill"]), statistics.median(times["dual"])
     if args.skew is not None:
         report_skewed(args, times)
         return
 
     print("\nmodel-execution message latency (ms, 16 KB every 5 ms on a 20 MB/s link):")
-    lat: dict[str, list[float]] = {
-        "idle link": [],
-        "under KV, classes": [],
-        "under KV, no classes": [],
+    cases = {  # name -> (classes, load)
+        "idle link": (True, False),
+        "under KV, classes": (True, True),
+        "under KV, no classes": (False, True),
     }
-    for _ in range(2):  # interleaved
-        lat["idle link"].append(message_latency(classes=True, load=False))
-        lat["under KV, classes"].append(message_latency(classes=True, load=True))
-        lat["under KV, no classes"].append(message_latency(classes=False, load=True))
+    lat = interleaved(list(cases), 2, lambda name, _: message_latency(*cases[name]), False)
     for name, values in lat.items():
         print(f"  {name:22s} median {statistics.median(values):7.2f}")
 

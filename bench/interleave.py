@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 S = TypeVar("S")
@@ -21,15 +21,31 @@ def turns(sides: Sequence[S], repeat: int, rotate: bool = True) -> list[S]:
     return [*sides[k:], *sides[:k]]
 
 
-def interleaved(
-    sides: Sequence[S], repeats: int, run: Callable[[S, int], R], rotate: bool = True
-) -> dict[S, list[R]]:
-    """``run(side, repeat)`` for every side, ``repeats`` times in ``turns``; each side's
-    results in repeat order."""
-    results: dict[S, list[R]] = {s: [] for s in sides}
-    for rep in range(repeats):
+def schedule(
+    sides: Sequence[S], repeats: int, rotate: bool = True, warmup: int = 0
+) -> Iterator[tuple[int, S]]:
+    """(repeat, side) in the order they run: ``warmup`` uncounted rounds first (repeats
+    -warmup .. -1), then repeats 0 .. ``repeats`` - 1, each in ``turns``. For a bench whose
+    run is a coroutine; ``interleaved`` is the same order for a plain call."""
+    for rep in range(-warmup, repeats):
         for side in turns(sides, rep, rotate):
-            results[side].append(run(side, rep))
+            yield rep, side
+
+
+def interleaved(
+    sides: Sequence[S],
+    repeats: int,
+    run: Callable[[S, int], R],
+    rotate: bool = True,
+    warmup: int = 0,
+) -> dict[S, list[R]]:
+    """``run(side, repeat)`` for every side in ``schedule``'s order; each side's results
+    in repeat order, the warm-up rounds' (negative repeats) left out."""
+    results: dict[S, list[R]] = {s: [] for s in sides}
+    for rep, side in schedule(sides, repeats, rotate, warmup):
+        result = run(side, rep)
+        if rep >= 0:
+            results[side].append(result)
     return results
 
 

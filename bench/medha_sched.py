@@ -44,6 +44,7 @@ import torch
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from bench.bench_model import MODEL
+from bench.interleave import interleaved
 from bench.real_prompts import add_model_options, chosen_model
 from models import write_tiny_model
 from sim.metrics import percentile
@@ -147,19 +148,20 @@ def main() -> None:
         model = dict(MODEL, max_position_embeddings=max(8192, 2 * args.long))
         folder = real or write_tiny_model(Path(tmp) / "m", kind="dense", seed=0, **model)
         engines = {name: ReplicaController.build(folder, **cfg) for name, cfg in configs.items()}
-        results: dict[str, list[dict]] = {name: [] for name in configs}
         t0 = time.monotonic()
-        for rep in range(-WARMUP, args.repeats):  # warm-up pairs first (they fit ilrs)
-            for name, engine in engines.items():
-                r = run_once(engine, args, prompts)
-                if rep >= 0:
-                    results[name].append(r)
-                print(
-                    f"{'warm-up' if rep < 0 else f'repeat {rep + 1}'} {name}: short TTFT p50 "
-                    f"{r['short_p50']:.3f}s p99 {r['short_p99']:.3f}s, TPOT {r['tpot']:.4f}s, "
-                    f"long TTFT {r['long_ttft']:.2f}s",
-                    flush=True,
-                )
+
+        def one(name: str, rep: int) -> dict:
+            r = run_once(engines[name], args, prompts)
+            print(
+                f"{'warm-up' if rep < 0 else f'repeat {rep + 1}'} {name}: short TTFT p50 "
+                f"{r['short_p50']:.3f}s p99 {r['short_p99']:.3f}s, TPOT {r['tpot']:.4f}s, "
+                f"long TTFT {r['long_ttft']:.2f}s",
+                flush=True,
+            )
+            return r
+
+        # warm-up pairs first (they fit ilrs), not counted
+        results = interleaved(list(engines), args.repeats, one, rotate=False, warmup=WARMUP)
         pred = engines["ilrs"].predictor
         assert pred is not None
         print(f"ilrs predictor: {pred.describe()} ({pred.fitter.num_fits['prefill']} fits)")

@@ -43,6 +43,7 @@ from actors.engine.events import Delta
 from actors.serving.colocated_engine import ColocatedEngine
 from actors.serving.engine_loop import EngineLoop
 from bench.bench_model import MODEL, write_bench_model
+from bench.interleave import schedule
 from errors import OverloadedError
 from policies.request import SamplingParams
 from sim.metrics import percentile
@@ -220,17 +221,16 @@ async def amain(args: argparse.Namespace) -> None:
             f"for {args.duration:.0f}s; TTFT SLO {args.slo:g}s"
         )
         runs: dict[float | None, list[Run]] = {None: [], args.slo: []}
-        for i in range(args.repeats):
-            for slo in (args.slo, None) if i % 2 else (None, args.slo):
-                r = await bench.overload(slo, offered)
-                runs[slo].append(r)
-                label = "slo" if slo else "queue-length"
-                d = row(r, args.slo)
-                print(
-                    f"  run {i + 1} {label:>12}: offered {d['offered']}, 200 {d['admitted']}, "
-                    f"429 {d['refused']}, TTFT p50 {d['p50']:.2f}s p99 "
-                    f"{'>=' if r.censored else ''}{d['p99']:.2f}s, recovered {r.recovered}"
-                )
+        for i, slo in schedule(list(runs), args.repeats):
+            r = await bench.overload(slo, offered)
+            runs[slo].append(r)
+            label = "slo" if slo else "queue-length"
+            d = row(r, args.slo)
+            print(
+                f"  run {i + 1} {label:>12}: offered {d['offered']}, 200 {d['admitted']}, "
+                f"429 {d['refused']}, TTFT p50 {d['p50']:.2f}s p99 "
+                f"{'>=' if r.censored else ''}{d['p99']:.2f}s, recovered {r.recovered}"
+            )
         print()
         head = (
             f"{'admission':>12} {'offered':>8} {'200':>6} {'429':>6} {'TTFT p50':>9} "

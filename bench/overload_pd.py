@@ -58,6 +58,7 @@ from actors.disagg.conductor import (
 from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams
 from bench.bench_model import MODEL, write_bench_model
+from bench.interleave import interleaved
 from bench.local_serve import local_ray
 from kernels.kv_cache import kv_cache_bytes_per_block
 from models.config import read_model_config
@@ -340,21 +341,21 @@ def main(argv: list[str] | None = None) -> None:
                 f"sustained {rate:.2f} req/s ({args.clients} closed-loop clients); offered "
                 f"{offered:.2f} req/s (x{args.overload:g}, Poisson) for {args.duration:.0f}s"
             )
-            runs: dict[str, list[Run]] = {m: [] for m in MODES}
-            for i in range(args.repeats):
-                order = MODES if i % 2 == 0 else MODES[::-1]
-                for mode in order:
-                    r = bench.run(mode, offered, seed=100 + i)
-                    runs[mode].append(r)
-                    print(
-                        f"  run {i + 1} {mode:>10}: offered {r.offered}, rejected {r.rejected} "
-                        f"{r.reasons or ''} + "
-                        f"{r.refused_at_decode} at decode, wasted prefill "
-                        f"{r.wasted_prefill_tokens} "
-                        f"tokens, finished {r.finished} (good {r.good}), aborted {r.aborted}, "
-                        f"TTFT p90 {percentile(r.ttft, 90):.2f}s, "
-                        f"TBT p90 {percentile(r.tbt, 90) * 1e3:.1f} ms"
-                    )
+
+            def one(mode: str, i: int) -> Run:
+                r = bench.run(mode, offered, seed=100 + i)
+                print(
+                    f"  run {i + 1} {mode:>10}: offered {r.offered}, rejected {r.rejected} "
+                    f"{r.reasons or ''} + "
+                    f"{r.refused_at_decode} at decode, wasted prefill "
+                    f"{r.wasted_prefill_tokens} "
+                    f"tokens, finished {r.finished} (good {r.good}), aborted {r.aborted}, "
+                    f"TTFT p90 {percentile(r.ttft, 90):.2f}s, "
+                    f"TBT p90 {percentile(r.tbt, 90) * 1e3:.1f} ms"
+                )
+                return r
+
+            runs = interleaved(MODES, args.repeats, one)
             print()
             print(
                 f"{'admission':>10} {'offered':>8} {'rejected':>9} {'at decode':>10} "

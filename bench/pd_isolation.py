@@ -46,6 +46,7 @@ from actors.engine.replica_controller import ReplicaController
 from actors.engine.replica_loop import split_cores
 from actors.engine.sampling import SamplingParams
 from bench.bench_model import write_bench_model
+from bench.interleave import interleaved
 from bench.local_serve import local_ray
 from bench.real_prompts import add_model_options, chosen_model
 from sim.metrics import percentile
@@ -170,22 +171,25 @@ def main() -> None:
         if args.pin_client and hasattr(os, "sched_setaffinity"):
             # this process is the P/D deployment's client: keep it off the decode replica's cores
             os.sched_setaffinity(0, split_cores(1, 1)["p0"])
-        runs: dict[str, list[tuple[float, float, float, float]]] = {"colocated": [], "P/D": []}
         for seed in (98, 99):  # warm-up: first-use costs (new batch shapes) stay out of the figures
             colocated_run(colocated, prompts, seed)
             pd_run(pd, prompts, seed)
-        for i in range(args.repeats):
-            for name, run in (("colocated", colocated_run), ("P/D", pd_run)):
-                target = colocated if name == "colocated" else pd
-                before, during = run(target, prompts, i)  # type: ignore[operator]
-                figs = (
-                    percentile(before, 50),
-                    percentile(before, 99),
-                    percentile(during, 50),
-                    percentile(during, 99),
-                )
-                runs[name].append(figs)
-                print(f"run {i} {name:9s} " + " ".join(f"{x * 1e3:7.1f}" for x in figs), flush=True)
+
+        def one(name: str, i: int) -> tuple[float, float, float, float]:
+            if name == "colocated":
+                before, during = colocated_run(colocated, prompts, i)
+            else:
+                before, during = pd_run(pd, prompts, i)
+            figs = (
+                percentile(before, 50),
+                percentile(before, 99),
+                percentile(during, 50),
+                percentile(during, 99),
+            )
+            print(f"run {i} {name:9s} " + " ".join(f"{x * 1e3:7.1f}" for x in figs), flush=True)
+            return figs
+
+        runs = interleaved(("colocated", "P/D"), args.repeats, one, rotate=False)
         med = {
             name: [statistics.median(r[k] for r in rows) for k in range(4)]
             for name, rows in runs.items()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.interleave import interleaved
 from bench.pd_profile import GAP_X, Profiler, RunProfile, decode_step_times, print_table, split_gaps
 from bench.sse import sse_chunks
 
@@ -139,7 +140,6 @@ def run_http(
     app's runs are profiled (``bench/pd_profile.py``) and the readings printed."""
     from bench.serve_defaults import serve_run
 
-    runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in GROUPS}
     profiled: list[tuple[RunProfile, list[list[float]], float, float, float]] = []
     with contextlib.ExitStack() as stack:
         apps = {
@@ -156,26 +156,28 @@ def run_http(
             print(f"{name}: {url} serves {model}", flush=True)
             for seed in (98, 99):  # warm-up: first-use costs stay out of the figures
                 asyncio.run(one_run(url, model, prompts, seed, short_tokens, before_tokens))
-        for i in range(repeats):
-            order = list(apps.items()) if i % 2 == 0 else list(apps.items())[::-1]
-            for name, (url, model, *_) in order:
-                prof = profiler if name == "P/D" else None
-                if prof is not None:
-                    prof.start()
-                times, arrival, first = asyncio.run(
-                    one_run(url, model, prompts, i, short_tokens, before_tokens, prof)
-                )
-                before, during = gaps(times, arrival, first)
-                figs = (pct(before, 50), pct(before, 99), pct(during, 50), pct(during, 99))
-                runs[name].append(figs)
-                if prof is not None:
-                    profiled.append((prof.collect(), times, arrival, first, figs[0]))
-                print(
-                    f"run {i} {name:9s} "
-                    + " ".join(f"{x * 1e3:7.1f}" for x in figs)
-                    + f"  ({len(during)} gaps during, long TTFT {(first - arrival) * 1e3:.0f} ms)",
-                    flush=True,
-                )
+
+        def one(name: str, i: int) -> tuple[float, ...]:
+            url, model, *_ = apps[name]
+            prof = profiler if name == "P/D" else None
+            if prof is not None:
+                prof.start()
+            times, arrival, first = asyncio.run(
+                one_run(url, model, prompts, i, short_tokens, before_tokens, prof)
+            )
+            before, during = gaps(times, arrival, first)
+            figs = (pct(before, 50), pct(before, 99), pct(during, 50), pct(during, 99))
+            if prof is not None:
+                profiled.append((prof.collect(), times, arrival, first, figs[0]))
+            print(
+                f"run {i} {name:9s} "
+                + " ".join(f"{x * 1e3:7.1f}" for x in figs)
+                + f"  ({len(during)} gaps during, long TTFT {(first - arrival) * 1e3:.0f} ms)",
+                flush=True,
+            )
+            return figs
+
+        runs = interleaved(list(apps), repeats, one)  # A, B; B, A; ...
         if profiled:
             report_profile(profiled, decode_step_times(apps["P/D"][2]))
     return {

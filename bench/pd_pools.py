@@ -67,6 +67,7 @@ from typing import Any
 
 import httpx
 
+from bench.interleave import schedule
 from bench.pd_apps import model_name, running_apps, samples
 from bench.serve_chat import ChatClient, load, mtbench_conversations
 from sim.metrics import percentile
@@ -339,28 +340,28 @@ async def run_all(args: argparse.Namespace, urls: dict[str, str]) -> list[Run]:
             await drive(clients[side], hello, 2)
             clients[side].failed.clear()
         runs = []
-        for rep, chats in enumerate(workload(args)):
-            for side in names:
-                run = Run(side, rep, load_start=load())
-                t0 = time.perf_counter()
-                run.turns = await drive(clients[side], chats, args.concurrency)
-                run.seconds = time.perf_counter() - t0
-                run.load_end = load()
-                run.failed = len(clients[side].failed)
-                for line in clients[side].failed:
-                    print(f"  {side} {rep + 1}: {line}")
-                clients[side].failed.clear()
-                runs.append(run)
-                if args.verbose:
-                    print_turns(run)
-                m = run.metrics()
-                print(
-                    f"[rep {rep + 1}] {side:>7}: {m['later']:.0f} later turns, cached "
-                    f"{m['cached']:.1%} of ideal {m['ideal']:.1%}, later TTFT p50 "
-                    f"{m['p50']:.0f} ms, {m['seconds']:.1f} s ({run.load_start} -> "
-                    f"{run.load_end})",
-                    flush=True,
-                )
+        chats = workload(args)
+        for rep, side in schedule(names, args.repeats, rotate=False):  # A, B, A, B, ...
+            run = Run(side, rep, load_start=load())
+            t0 = time.perf_counter()
+            run.turns = await drive(clients[side], chats[rep], args.concurrency)
+            run.seconds = time.perf_counter() - t0
+            run.load_end = load()
+            run.failed = len(clients[side].failed)
+            for line in clients[side].failed:
+                print(f"  {side} {rep + 1}: {line}")
+            clients[side].failed.clear()
+            runs.append(run)
+            if args.verbose:
+                print_turns(run)
+            m = run.metrics()
+            print(
+                f"[rep {rep + 1}] {side:>7}: {m['later']:.0f} later turns, cached "
+                f"{m['cached']:.1%} of ideal {m['ideal']:.1%}, later TTFT p50 "
+                f"{m['p50']:.0f} ms, {m['seconds']:.1f} s ({run.load_start} -> "
+                f"{run.load_end})",
+                flush=True,
+            )
         return runs
     finally:
         for c in clients.values():

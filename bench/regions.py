@@ -54,6 +54,7 @@ from actors.regions.runtime import BalancerRuntime, LocalReplica
 from actors.serving.colocated_engine import ColocatedEngine
 from actors.serving.engine_loop import EngineLoop
 from bench.bench_model import MODEL, write_bench_model
+from bench.interleave import interleaved
 from bench.real_prompts import add_model_options, chosen_model
 from policies.region_balancer import BalancerConfig, RegionBalancer
 from policies.request import SamplingParams
@@ -239,20 +240,21 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    runs: dict[str, list[Run]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(a, real or write_bench_model(Path(tmp) / "bench"))
-        for rep in range(a.repeats):
-            for mode in MODES:
-                r = asyncio.run(bench.run_mode(mode))
-                runs[mode].append(r)
-                print(
-                    f"round {rep} {mode:9s}: {r.completed} requests, {r.throughput:.2f} req/s, "
-                    f"TTFT p50 {percentile(r.ttft, 50):.3f} s "
-                    f"p90 {percentile(r.ttft, 90):.3f} s, "
-                    f"hit {100 * r.hit:.1f}%, forwarded {r.forwarded}",
-                    flush=True,
-                )
+
+        def one(mode: str, rep: int) -> Run:
+            r = asyncio.run(bench.run_mode(mode))
+            print(
+                f"round {rep} {mode:9s}: {r.completed} requests, {r.throughput:.2f} req/s, "
+                f"TTFT p50 {percentile(r.ttft, 50):.3f} s "
+                f"p90 {percentile(r.ttft, 90):.3f} s, "
+                f"hit {100 * r.hit:.1f}%, forwarded {r.forwarded}",
+                flush=True,
+            )
+            return r
+
+        runs = interleaved(MODES, a.repeats, one, rotate=False)
     reference: dict[str, list[int]] = {}
     mismatched = 0
     for rs in runs.values():

@@ -49,6 +49,7 @@ from typing import Any
 from actors.engine.worker_hooks import WorkerHooks
 from actors.regions.runtime import BalancerRuntime, LocalReplica
 from bench.bench_model import MODEL, write_bench_model
+from bench.interleave import interleaved
 from bench.regions import REGIONS, build_replica, connect_all, delay
 from policies.region_balancer import BalancerConfig, RegionBalancer
 from policies.request import SamplingParams
@@ -256,20 +257,21 @@ def main() -> None:
             f"max_num_seqs {a.max_num_seqs}",
             flush=True,
         )
-        runs: dict[str, list[Run]] = {s: [] for s in SETUPS}
-        for rep in range(a.repeats):
-            for name in SETUPS:
-                r = asyncio.run(bench.run_setup(name, arrivals))
-                runs[name].append(r)
-                att = r.attainment(a.slo)
-                print(
-                    f"round {rep} {name:17s}: attainment "
-                    + "/".join(f"{att[g]:.2f}" for g in REGIONS)
-                    + ", TTFT p90 "
-                    + "/".join(f"{r.p90(g):.2f}" for g in REGIONS)
-                    + f" s, forwarded {r.forwarded}, {r.elapsed:.1f} s",
-                    flush=True,
-                )
+
+        def setup_run(name: str, rep: int) -> Run:
+            r = asyncio.run(bench.run_setup(name, arrivals))
+            att = r.attainment(a.slo)
+            print(
+                f"round {rep} {name:17s}: attainment "
+                + "/".join(f"{att[g]:.2f}" for g in REGIONS)
+                + ", TTFT p90 "
+                + "/".join(f"{r.p90(g):.2f}" for g in REGIONS)
+                + f" s, forwarded {r.forwarded}, {r.elapsed:.1f} s",
+                flush=True,
+            )
+            return r
+
+        runs = interleaved(list(SETUPS), a.repeats, setup_run, rotate=False)
     lowest = report(runs, a.slo)
     base = lowest["global-local"]
     ratio = f"{lowest['global-forwarding'] / base:.2f}" if base else "inf"

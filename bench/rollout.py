@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.interleave import interleaved
+
 ROOT = Path(__file__).resolve().parent.parent
 
 GENERATED = re.compile(r"generated (\d+) tokens in ([0-9.]+) s")
@@ -136,18 +138,19 @@ def run_case(model: str, count: int, args: argparse.Namespace, work: Path) -> di
     folder = model_folder(model, work)
     prompts = work / f"prompts_{count}.jsonl"
     n = write_prompts(prompts, count, args.max_output)
-    runs: dict[str, list[dict]] = {s: [] for s in args.sides}
-    for r in range(args.repeats):
-        for side in args.sides:
-            res = run_side(side, folder, prompts, work, args.vllm_python)
-            runs[side].append(res)
-            load = os.getloadavg()[0]
-            print(
-                f"  {model} {n} prompts, repeat {r + 1}, {side}: whole {res['whole_s']:.1f} s, "
-                f"generate {res['generate_s']:.1f} s = {res['tokens'] / res['generate_s']:.1f} "
-                f"tok/s ({res['tokens']} tokens), load {load:.1f}",
-                flush=True,
-            )
+
+    def one(side: str, r: int) -> dict:
+        res = run_side(side, folder, prompts, work, args.vllm_python)
+        load = os.getloadavg()[0]
+        print(
+            f"  {model} {n} prompts, repeat {r + 1}, {side}: whole {res['whole_s']:.1f} s, "
+            f"generate {res['generate_s']:.1f} s = {res['tokens'] / res['generate_s']:.1f} "
+            f"tok/s ({res['tokens']} tokens), load {load:.1f}",
+            flush=True,
+        )
+        return res
+
+    runs = interleaved(args.sides, args.repeats, one, rotate=False)
     med = {
         s: dict(
             whole_s=statistics.median(x["whole_s"] for x in rs),

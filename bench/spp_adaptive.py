@@ -46,6 +46,7 @@ from actors.engine.sampling import SamplingParams
 from actors.engine.step_plan import StepPlan
 from actors.engine.worker_hooks import WorkerHooks
 from bench.bench_model import MODEL
+from bench.interleave import interleaved
 from bench.local_serve import local_ray
 from models import write_tiny_model
 from sim.metrics import percentile
@@ -169,27 +170,28 @@ def main() -> None:
                 **common,
             )
             run_once(engines["fixed"], args, shorts, long)  # warm-up
-            results: dict[str, list[dict]] = {name: [] for name in engines}
-            for rep in range(args.repeats):
-                for name, engine in engines.items():
-                    r = run_once(engine, args, shorts, long)
-                    results[name].append(r)
-                    print(
-                        f"repeat {rep + 1} {name}: TBT p50 {r['p50'] * 1e3:.0f}ms "
-                        f"p99 {r['p99'] * 1e3:.0f}ms over {r['gaps']} gaps, long TTFT "
-                        f"{r['ttft']:.2f}s, chunks {r['chunks']}",
-                        flush=True,
+
+            def one(name: str, rep: int) -> dict:
+                r = run_once(engines[name], args, shorts, long)
+                print(
+                    f"repeat {rep + 1} {name}: TBT p50 {r['p50'] * 1e3:.0f}ms "
+                    f"p99 {r['p99'] * 1e3:.0f}ms over {r['gaps']} gaps, long TTFT "
+                    f"{r['ttft']:.2f}s, chunks {r['chunks']}",
+                    flush=True,
+                )
+                tokens = r["tokens"]
+                if tokens[-1] != ref[-1]:
+                    raise SystemExit(
+                        f"{name}: the long prompt's tokens differ from the single process"
                     )
-                    tokens = r["tokens"]
-                    if tokens[-1] != ref[-1]:
+                for got, want in zip(tokens[:-1], ref[:-1], strict=True):
+                    if got != want[: len(got)]:
                         raise SystemExit(
-                            f"{name}: the long prompt's tokens differ from the single process"
+                            f"{name}: a decode's tokens differ from the single process"
                         )
-                    for got, want in zip(tokens[:-1], ref[:-1], strict=True):
-                        if got != want[: len(got)]:
-                            raise SystemExit(
-                                f"{name}: a decode's tokens differ from the single process"
-                            )
+                return r
+
+            results = interleaved(list(engines), args.repeats, one, rotate=False)
             pred = engines["adaptive"].predictor
             assert pred is not None
             print(

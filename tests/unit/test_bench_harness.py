@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.app_probe import wait_for
-from bench.interleave import interleaved, median_ratio, medians, turns
+from bench.interleave import interleaved, median_ratio, medians, schedule, turns
 from bench.sse import StreamCut, StreamError, sse_chunks, sse_json
 from sim.metrics import percentile
 
@@ -52,6 +52,19 @@ def test_turns_rotate_and_results_keep_repeat_order():
     out = interleaved("AB", 2, lambda s, r: order.append((s, r)) or f"{s}{r}")
     assert order == [("A", 0), ("B", 0), ("B", 1), ("A", 1)]
     assert out == {"A": ["A0", "A1"], "B": ["B0", "B1"]}
+
+
+def test_warmup_rounds_run_first_and_are_not_counted():
+    assert list(schedule("AB", 2, rotate=False, warmup=1)) == [
+        (-1, "A"),
+        (-1, "B"),
+        (0, "A"),
+        (0, "B"),
+        (1, "A"),
+        (1, "B"),
+    ]
+    out = interleaved("AB", 1, lambda s, r: f"{s}{r}", rotate=False, warmup=2)
+    assert out == {"A": ["A0"], "B": ["B0"]}
 
 
 def test_medians_and_paired_ratio():
