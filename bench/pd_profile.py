@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from bench.proc_table import descendants, processes, serve_process, stat_fields
+from sim.metrics import percentile
 
 TICK = os.sysconf("SC_CLK_TCK")  # /proc/stat's units per second
 MACHINE = "machine"  # every core's CPU time, for the other-work row
@@ -264,8 +265,8 @@ def split_gaps(
     intervals = [(b, b - a) for a, b in zip(ends, ends[1:], strict=False)]
     before = [d for t, d in intervals if t < arrival and d < 1.0]  # 1 s: an idle pause
     during = [d for t, d in intervals if arrival <= t <= first]
-    engine_p50 = statistics.median(before) if before else 0.0
-    engine_p99 = sorted(during)[min(len(during) - 1, int(0.99 * len(during)))] if during else 0.0
+    engine_p50 = percentile(before, 50) if before else 0.0
+    engine_p99 = percentile(during, 99) if during else 0.0
     # tokens that reach the client in one chunk make its p50 0: then the engine's pace
     ref = max(p50_before, engine_p50)
     out = GapSplit()
