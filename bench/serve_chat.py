@@ -182,12 +182,14 @@ async def drive(
 
 # -- the run: sides interleaved, medians of paired ratios ----------------------------------------
 def paired(runs_a: list[Any], runs_b: list[Any], value: Callable[[Any], float]) -> float:
-    """The median over repeats of value(a) / value(b), runs paired by repeat."""
+    """The median over repeats of value(a) / value(b), runs paired by repeat: a zero
+    ``b`` against a positive ``a`` counts as inf, a pair of zeros is left out (nan when
+    every pair is)."""
     import statistics
 
     pairs = [(value(a), value(b)) for a, b in zip(runs_a, runs_b, strict=True)]
-    ratios = [x / y if y else float("nan") for x, y in pairs]
-    return statistics.median(ratios)
+    ratios = [x / y if y else float("inf") for x, y in pairs if x or y]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
@@ -247,6 +249,7 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
         peer = sides[1][0]
         print()
         head = ["streams", f"{first} req/s", f"{peer} req/s", "req/s", "goodput", "TPOT p50"]
+        head.append("ITL p99")
         if args.dataset == "mtbench":
             head.append("2nd-turn TTFT p50")
         print(" | ".join(head) + f"   ({first}/{peer}: medians of paired ratios)")
@@ -260,6 +263,7 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
                 f"{paired(a, b, lambda r: r.throughput):.2f}",
                 f"{paired(a, b, lambda r: r.goodput):.2f}",
                 f"{paired(a, b, lambda r: r.metrics()['median_tpot']):.2f}",
+                f"{paired(a, b, lambda r: r.metrics()['p99_itl']):.2f}",
             ]
             if args.dataset == "mtbench":
                 cells.append(f"{paired(a, b, lambda r: r.metrics()['median_ttft_turn2']):.2f}")
