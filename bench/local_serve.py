@@ -6,13 +6,14 @@ and ``serve_app`` (all three as one context). Everything is stopped on the way o
 KV store's shared-memory segments included.
 
 Apps started as ``serve run`` in their own session (what a user types) are
-``bench/serve_defaults.py``'s; a multi-node local cluster is ``bench/pd_apps.py``'s."""
+``bench/serve_defaults.py``'s. ``nodes`` makes the cluster several local nodes, and
+``deploy_many`` puts several applications on it at once (``bench/pd_apps.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,38 +35,68 @@ class ServeHost:
 
 
 @contextlib.contextmanager
-def local_ray(env: dict[str, str] | None = None, num_cpus: int | None = 4) -> Iterator[None]:
+def local_ray(
+    env: dict[str, str] | None = None, num_cpus: int | None = 4, nodes: Sequence[int] = ()
+) -> Iterator[None]:
     """A new local Ray cluster (never one that ``ray start`` recorded on this machine),
     ``env`` set here and in every worker; Ray starts workers at nice 15, these run at 0, the
-    priority of the bench client and of a peer server. ``num_cpus`` None: the machine's."""
+    priority of the bench client and of a peer server. ``num_cpus`` None: the machine's.
+    ``nodes``: more local nodes, their CPUs each (Ray's ``cluster_utils.Cluster``, the
+    first node the head with ``num_cpus``)."""
     import ray
 
     env = dict(env or {})
-    os.environ.update(env)
+    os.environ.update(env)  # with ``nodes``, the raylets and their workers inherit it
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        "local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        _system_config={"worker_niceness": 0},
-    )
+    cluster = None
+    if nodes:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": num_cpus,
+                "include_dashboard": False,
+                "_system_config": {"worker_niceness": 0},
+            },
+        )
     try:
+        if cluster is not None:
+            for cpus in nodes:
+                cluster.add_node(num_cpus=cpus)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": env})
+        else:
+            ray.init(
+                "local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": env},
+                _system_config={"worker_niceness": 0},
+            )
         yield
     finally:
-        ray.shutdown()
-        with contextlib.suppress(Exception):
-            from store.shared_segment import remove_stale_segments
+        try:
+            ray.shutdown()
+        finally:
+            if cluster is not None:
+                cluster.shutdown()
+            with contextlib.suppress(Exception):
+                from store.shared_segment import remove_stale_segments
 
-            remove_stale_segments()
+                remove_stale_segments()
 
 
 @contextlib.contextmanager
 def local_serve(
-    env: dict[str, str] | None = None, num_cpus: int = 4, direct: bool = False
+    env: dict[str, str] | None = None,
+    num_cpus: int = 4,
+    direct: bool = False,
+    nodes: Sequence[int] = (),
 ) -> Iterator[ServeHost]:
-    """``local_ray`` and Serve's proxy on a free local port; with ``direct``, direct
+    """``local_ray`` and Serve's proxy on a free local port (on the head node alone when
+    there are more ``nodes``: theirs would take the same port); with ``direct``, direct
     ingress on a free port range. Serve is shut down before Ray."""
     from ray import serve
 
@@ -77,10 +108,14 @@ def local_serve(
             DIRECT_MIN: str(direct_port),
             DIRECT_MAX: str(direct_port + 50),
         }
-    with local_ray(env, num_cpus):
+    with local_ray(env, num_cpus, nodes):
         try:
             port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            http = {"host": "127.0.0.1", "port": port}
+            if nodes:
+                serve.start(proxy_location="HeadOnly", http_options=http)
+            else:
+                serve.start(http_options=http)
             proxy = f"http://127.0.0.1:{port}"
             yield ServeHost(f"http://127.0.0.1:{direct_port}" if direct else proxy, proxy)
         finally:
@@ -98,6 +133,27 @@ def deploy(host: ServeHost, app_args: dict[str, Any], replicas: int, name: str =
     serve.run(build_app(app_args), name=name, route_prefix="/", blocking=False)
     wait_healthy(host.url, replicas)
     return host.url
+
+
+def deploy_many(
+    host: ServeHost, apps: dict[str, tuple[dict[str, Any], int]], timeout_s: float = 600.0
+) -> dict[str, str]:
+    """Every application of ``apps`` (name -> (``build_app``'s arguments, replicas)) at
+    ``/<name>`` of ``host``, all deployed at once so their replicas load side by side; each
+    one's URL once every ``/health`` counts its replicas."""
+    from ray import serve
+
+    from serve_app import build_app
+
+    targets = [
+        serve.RunTarget(build_app(args), name=name, route_prefix=f"/{name}")
+        for name, (args, _) in apps.items()
+    ]
+    serve.run_many(targets, wait_for_applications_running=False)
+    urls = {name: f"{host.url}/{name}" for name in apps}
+    for name, (_, replicas) in apps.items():  # the first wait covers most of the others'
+        wait_healthy(urls[name], replicas, timeout_s)
+    return urls
 
 
 @contextlib.contextmanager
