@@ -20,48 +20,59 @@ import argparse
 import random
 import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from actors import LLM, SamplingParams
 from bench.bench_model import MODEL, write_bench_model
+from bench.interleave import seconds_in_turns
 from models.hf_reference import hf_generate, hf_pretrained
 
 
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) if repeats < 3 else statistics.median(times)
+def pick(times: list[float]) -> float:
+    """The best of fewer than three runs, else their median."""
+    return min(times) if len(times) < 3 else statistics.median(times)
 
 
-def ours(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, float]:
-    def run(n: int):
+def ours(llm: LLM, prompts: list[list[int]]) -> Callable[[int], None]:
+    """An n-token generate of ``prompts`` on our engine."""
+
+    def run(n: int) -> None:
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         llm.engine.kv.evict_all_cached()  # no prefix hits between repeats
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=p)
         assert all(len(o.token_ids) == n for o in outs)
 
-    run(2)  # warm-up
-    t1 = best_of(lambda: run(1), repeats)
-    tn = best_of(lambda: run(new_tokens), repeats)
-    return t1, tn
+    return run
 
 
-def hf(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, float]:
+def hf(model, prompts: list[list[int]]) -> Callable[[int], None]:
+    """An n-token generate of ``prompts`` on transformers."""
     ids = torch.tensor(prompts)
 
-    def run(n: int):
+    def run(n: int) -> None:
         hf_generate(model, ids, n)
 
-    run(2)
-    t1 = best_of(lambda: run(1), repeats)
-    tn = best_of(lambda: run(new_tokens), repeats)
-    return t1, tn
+    return run
+
+
+def uniform(
+    llm: LLM, hf_model, prompts: list[list[int]], new_tokens: int, repeats: int
+) -> list[float]:
+    """(ours 1-token, ours n-token, transformers 1-token, n-token) seconds, the four
+    generates taking turns ``repeats`` times after a warm-up of each side."""
+    run_ours, run_hf = ours(llm, prompts), hf(hf_model, prompts)
+    run_ours(2)  # warm-up
+    run_hf(2)
+    calls: dict[str, Callable[[], None]] = {
+        "ours 1": lambda: run_ours(1),
+        "ours n": lambda: run_ours(new_tokens),
+        "hf 1": lambda: run_hf(1),
+        "hf n": lambda: run_hf(new_tokens),
+    }
+    return [pick(t) for t in seconds_in_turns(calls, repeats).values()]
 
 
 def mixed(llm: LLM, hf_model, vocab: int, batch: int, repeats: int) -> tuple[float, float, int]:
@@ -93,7 +104,8 @@ def mixed(llm: LLM, hf_model, vocab: int, batch: int, repeats: int) -> tuple[flo
             )
 
     run_ours()
-    return best_of(run_ours, repeats), best_of(run_hf, repeats), sum(outs)
+    times = seconds_in_turns({"ours": run_ours, "hf": run_hf}, repeats)
+    return pick(times["ours"]), pick(times["hf"]), sum(outs)
 
 
 def main() -> None:
@@ -119,8 +131,7 @@ def main() -> None:
                 [rng.randrange(3, MODEL["vocab_size"]) for _ in range(args.prompt_len)]
                 for _ in range(b)
             ]
-            o1, on = ours(llm, prompts, args.new_tokens, args.repeats)
-            h1, hn = hf(hf_model, prompts, args.new_tokens, args.repeats)
+            o1, on, h1, hn = uniform(llm, hf_model, prompts, args.new_tokens, args.repeats)
             pre_o, pre_h = b * args.prompt_len / o1, b * args.prompt_len / h1
             dec = b * (args.new_tokens - 1)
             dec_o, dec_h = dec / (on - o1), dec / (hn - h1)
