@@ -63,9 +63,15 @@ def seconds_in_turns(
     return interleaved(list(calls), repeats, timed, rotate)
 
 
-def medians(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Each key's median over ``rows`` (the keys of the first row; NaN where a row lacks it)."""
-    return {k: statistics.median(r.get(k, float("nan")) for r in rows) for k in rows[0]}
+def medians(
+    rows: Sequence[Mapping[str, float]], keys: Iterable[str] | None = None
+) -> dict[str, float]:
+    """Each key's median over ``rows`` (``keys``, or the first row's; NaN where a row lacks
+    it)."""
+    return {
+        k: statistics.median(r.get(k, float("nan")) for r in rows)
+        for k in (rows[0] if keys is None else keys)
+    }
 
 
 def median_ratio(a: Iterable[float], b: Iterable[float]) -> float:

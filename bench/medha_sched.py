@@ -44,7 +44,7 @@ import torch
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from bench.bench_model import MODEL
-from bench.interleave import interleaved
+from bench.interleave import interleaved, medians
 from bench.real_prompts import add_model_options, chosen_model
 from models import write_tiny_model
 from sim.metrics import percentile
@@ -174,8 +174,7 @@ def main() -> None:
         same = f"tokens DIFFER from fcfs's first run in: {differ}" if differ else "tokens identical"
         print(f"{same} across configurations and repeats; {time.monotonic() - t0:.0f}s")
         med = {
-            name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "tokens"}
-            for name, rs in results.items()
+            name: medians(rs, [k for k in rs[0] if k != "tokens"]) for name, rs in results.items()
         }
         for name, m in med.items():
             print(

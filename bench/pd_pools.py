@@ -67,7 +67,7 @@ from typing import Any
 
 import httpx
 
-from bench.interleave import schedule
+from bench.interleave import medians, schedule
 from bench.pd_apps import model_name, running_apps, samples
 from bench.serve_chat import ChatClient, load, mtbench_conversations
 from sim.metrics import percentile
@@ -312,7 +312,7 @@ def report(runs: list[Run], args: argparse.Namespace, links: dict[str, str]) -> 
         print(f"{side} KV transfers (replica-peer pairs): {links[side]}")
     for side in (apart, pooled):
         ms = [r.metrics() for r in runs if r.side == side]
-        med[side] = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+        med[side] = medians(ms)
         print(row(f"{side} median", med[side]))
     isl, sh = med[apart], med[pooled]
     ratio = isl["p50"] / sh["p50"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ from actors.engine.sampling import SamplingParams
 from actors.engine.step_plan import StepPlan
 from actors.engine.worker_hooks import WorkerHooks
 from bench.bench_model import MODEL
-from bench.interleave import interleaved
+from bench.interleave import interleaved, medians
 from bench.local_serve import local_ray
 from models import write_tiny_model
 from sim.metrics import percentile
@@ -201,10 +200,7 @@ def main() -> None:
             for engine in engines.values():
                 engine.shutdown()
             print(f"greedy tokens equal the single process; {time.monotonic() - t0:.0f}s")
-            med = {
-                name: {k: statistics.median(r[k] for r in rs) for k in ("p99", "p50", "ttft")}
-                for name, rs in results.items()
-            }
+            med = {name: medians(rs, ("p99", "p50", "ttft")) for name, rs in results.items()}
             for name, m in med.items():
                 print(
                     f"{name}: decode TBT p50 {m['p50'] * 1e3:.0f}ms p99 {m['p99'] * 1e3:.0f}ms "

@@ -73,6 +73,7 @@ def test_medians_and_paired_ratio():
         "y": 2.0,
     }
     assert median_ratio([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0
+    assert medians([{"x": 1.0, "y": 5.0}, {"x": 3.0, "y": 1.0}], ["y"]) == {"y": 3.0}
 
 
 def test_percentile_is_numpys_default():
