@@ -25,7 +25,11 @@ instead). The decode replica reserves the blocks, the prefill replica computes t
 streaming each layer's KV into them through the transfer layer (never through Ray), and
 once its last prefill step returned it tells the decode replica to admit the request with
 its first token (directly), which joins the decode batch at that replica's next step.
-Control messages (ids, block ids, endpoints, tokens) are all Ray carries. Each attempt at a
+Control messages (ids, block ids, endpoints, tokens) are all Ray carries. A request
+submitted with a ``ReturnRoute`` (a Serve ingress's, ``actors.engine.direct_return``)
+streams nothing through here: its decode replica writes its tokens to that ingress, and
+its report carries only the request's end (``relayed_tokens`` counts the tokens that did
+come through the Conductor). Each attempt at a
 request has its own key (``<request id>#<attempt>``, bound in the ``RequestTable``), so what
 a replica reports about an attempt that was given up is dropped.
 
@@ -90,6 +94,7 @@ from actors.disagg.replica_set import REPORT_WAIT_S, ReplicaSet, call_replica, p
 from actors.disagg.request_table import RequestTable
 from actors.disagg.store_view import PDStore
 from actors.engine.controller_builder import _num_blocks as pool_blocks
+from actors.engine.direct_return import ReturnRoute
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_loop import Superseded
 from actors.engine.request_builder import RequestBuilder
@@ -172,6 +177,7 @@ class PDCluster:
         self.limits = self._limits(model, config.engine.torch_dtype(on_gpu))
         self.builder = RequestBuilder(self.block_size, self.limits)
         self.superseded = False  # another Conductor claimed the pool's replicas
+        self.relayed_tokens = 0  # tokens decode replicas reported here (unrouted requests)
 
     # -- set-up -----------------------------------------------------------------------------
     def _conductor(self) -> Conductor:
@@ -259,17 +265,18 @@ class PDCluster:
         )
         return self.submit_request(request)
 
-    def submit_request(self, request: Request) -> str:
+    def submit_request(self, request: Request, route: ReturnRoute | None = None) -> str:
         """Place a request (Conductor-scheduled, KV reserved on decode, prefill queued), or
         queue it for decode room (``waiting``); raises RequestRejected when the SLOs
-        cannot be met now or the wait queue is full."""
+        cannot be met now or the wait queue is full. ``route``: its decode replica sends
+        its tokens and end there, not through ``poll``."""
         if request.block_size != self.block_size:
             raise ValueError(f"the request was hashed in blocks of {request.block_size}")
         self._check_owner()
         if self.replicas.sleep_level is not None:
             raise InvalidRequestError("the cluster is asleep; call wake_up() first")
         request = RequestBuilder.at_weight_version(request, self.weight_version)
-        req = PDRequest(request)
+        req = PDRequest(request, route=route)
         self.table.add(req)  # a replica death while placing queues it again
         try:
             self.waits.submit(req)
@@ -444,6 +451,7 @@ class PDCluster:
             req.cached_tokens = e.cached_tokens
 
     def _on_tokens(self, e: TokenDelta) -> StreamDelta | None:
+        self.relayed_tokens += len(e.delta.token_ids)
         req = self.table.attempt(e.key)
         return req.stream(e.delta, e.time) if req is not None else None
 

@@ -19,6 +19,7 @@ here is handed to ``Recovery`` (it replaces the replica and queues its requests 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
@@ -106,7 +107,8 @@ class RequestPlacement:
         key = f"{request.request_id}#{req.attempts + 1}"
         decode = r.decodes[did]
         try:
-            dest = ray.get(decode.reserve.remote(key, request))
+            route = req.route and dataclasses.replace(req.route, attempt=req.attempts + 1)
+            dest = ray.get(decode.reserve.remote(key, request, route))
         except DEAD:
             self.recovery.decode_died(did)
             raise RequestRejected("decode_restarting", conductor.min_retry_after) from None

@@ -23,7 +23,9 @@ since released or replaced loses the reservation: ``ReservationLost``). The targ
 described again after whatever releases or replaces the caches (a sleep, a worker
 restart) or changes what their KV means (a weight update), and every export is stamped
 with the weight version the replica runs. Every token goes out as a
-``TokenDelta`` stamped with the time it was produced, then a ``Finished`` with the output.
+``TokenDelta`` stamped with the time it was produced, then a ``Finished`` with the output
+(a request reserved with a ``ReturnRoute`` sends its tokens and ``Done`` to its ingress
+instead, ``return_links``, and the Conductor gets its ``Finished`` only).
 
 Write-back (DualPath): given ``store_shards``, after every step each block that became
 full (its KV computed: prompt tail and generated tokens) is written to a store shard (one
@@ -61,8 +63,11 @@ from actors.disagg.messages import (
     ReservationLost,
     TokenDelta,
 )
+from actors.disagg.return_links import ReturnLinks
 from actors.engine.config import EngineConfig
+from actors.engine.direct_return import ReturnRoute
 from actors.engine.executor import LocalExecutor
+from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.replica_loop import ReplicaLoop
 from actors.kvstore.shard import KVStoreClient
@@ -178,6 +183,7 @@ class DecodeReplica(LoopedReplica):
         self._step_times: deque[tuple[float, float]] = deque(maxlen=STEP_TIMES)
         self._reserved_blocks: dict[str, int] = {}
         self._cached_tokens: dict[str, int] = {}  # admitted request -> prompt tokens reused
+        self.returns = ReturnLinks()  # requests whose events go straight to their ingress
         self.stats = self._stats()
         self.loop = ReplicaLoop(
             self._iterate, f"decode-{replica_id}", cpu_cores=cpus, torch_threads=threads
@@ -188,8 +194,11 @@ class DecodeReplica(LoopedReplica):
 
     # -- the Conductor and the prefill side (any thread: through the loop) -------------------
     @ray.method(enable_task_events=False)  # once per request: no record in the GCS
-    def reserve(self, key: str, request: Request) -> KVDestination | None:
-        return self.loop.call(lambda: self._reserve(key, request)).result()
+    def reserve(
+        self, key: str, request: Request, route: ReturnRoute | None = None
+    ) -> KVDestination | None:
+        """``route``: where its events go (its ingress), else in the Conductor's reports."""
+        return self.loop.call(lambda: self._reserve(key, request, route)).result()
 
     @ray.method(enable_task_events=False)  # once per request: no record in the GCS
     def admit(
@@ -349,17 +358,22 @@ class DecodeReplica(LoopedReplica):
     def shutdown(self) -> None:
         self.loop.stop()
         self.controller.shutdown()
+        self.returns.close()
         if self.client is not None:
             self.client.close()
         if self.load_client is not None:
             self.load_client.close()
 
     # -- the loop thread --------------------------------------------------------------------
-    def _reserve(self, key: str, request: Request) -> KVDestination | None:
+    def _reserve(
+        self, key: str, request: Request, route: ReturnRoute | None
+    ) -> KVDestination | None:
         blocks = self.controller.reserve_prefilled(request.with_id(key))
         if blocks is None:
             return None
         self._reserved_blocks[key] = len(blocks)
+        if route is not None:
+            self.returns.add(key, route)
         if request.params.kv_retention_s > 0 and self.client is not None:
             hint = (request.tenant, request.params.kv_retention_s, request.block_hashes)
             self._retention[key] = hint
@@ -394,6 +408,7 @@ class DecodeReplica(LoopedReplica):
         self._emit([delta])
 
     def _cancel(self, key: str) -> bool:
+        self.returns.drop(key)
         with self._reservations:
             self._reserved_blocks.pop(key, None)
             if key in self._loading:  # freed once the store read into its blocks ends
@@ -517,18 +532,37 @@ class DecodeReplica(LoopedReplica):
         client = self.client
         return client.pick_shard(None, self.node(), root) if client is not None else None
 
-    def _emit(self, deltas: list[Any]) -> None:
+    def _emit(self, deltas: list[StreamDelta]) -> None:
         """A finished request's last ``TokenDelta`` and its ``Finished`` go out in one
-        report: the Conductor must never see a request's end before its output."""
+        report: the Conductor must never see a request's end before its output. A routed
+        request's go to its ingress first (``ReturnLinks.send``; lost ones end aborted)."""
         now = time.monotonic()
+        ends = {d.request_id: self._release(d.request_id) for d in deltas if d.finished}
+        lost = self.returns.send(deltas, ends)
+        for key in lost:
+            if key not in ends and key not in self._reserved_blocks:  # some events lost
+                self.controller.abort(key)
+                ends[key] = self._release(key)
+            if key in ends:
+                ends[key].finish_reason = "abort"
         for d in deltas:
-            events: list[Any] = [TokenDelta(d.request_id, d, now)]
-            if d.finished:
-                self._written.pop(d.request_id, None)
-                out = self.controller.release(d.request_id)
-                out.num_cached_tokens = self._cached_tokens.pop(d.request_id, 0)
-                events.append(Finished(d.request_id, out))
-            self.loop.emit(*events)
+            key = d.request_id
+            events: list[Any] = [] if self.returns.routed(key) else [TokenDelta(key, d, now)]
+            if key in ends:
+                self.returns.drop(key)
+                events.append(Finished(key, ends.pop(key)))
+            if events:
+                self.loop.emit(*events)
+        for key, out in ends.items():  # lost, with no event this step
+            self.returns.drop(key)
+            self.loop.emit(Finished(key, out))
+
+    def _release(self, key: str) -> RequestOutput:
+        self._written.pop(key, None)
+        self._retention.pop(key, None)
+        out = self.controller.release(key)
+        out.num_cached_tokens = self._cached_tokens.pop(key, 0)
+        return out
 
     def _stats(self) -> DecodeStats:
         c = self.controller

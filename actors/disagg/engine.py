@@ -14,8 +14,9 @@ the same 429 once it waited past the bounds (``policies.decode_wait``).
 Invariants:
 - Every request added and not yet released ends with exactly one finished delta from
   ``step``: the decode replica's, or one made here when the cluster ended it without one
-  (its prefill or decode replica failed: finish reason ``"abort"``, which ``EngineLoop``
-  reports as a retriable error).
+  (a routed request, whose tokens went to its ingress: its finish reason; or its prefill
+  or decode replica failed: ``"abort"``, which ``EngineLoop`` reports as a retriable
+  error).
 - ``drain_cache_events`` returns the difference between consecutive snapshots of the
   hashes the cluster can reuse (prefill prefix caches and store shards), so the events
   since the last ``cached_block_hashes`` applied to it give the current set.
@@ -31,6 +32,7 @@ from actors.disagg.cluster import PDCluster
 from actors.disagg.cluster_config import PDClusterConfig
 from actors.disagg.conductor import RequestRejected
 from actors.disagg.messages import PDCounters, PrefillStats
+from actors.engine.direct_return import ReturnRoute
 from actors.engine.outputs import RequestOutput, StreamDelta
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
@@ -70,6 +72,14 @@ class PDEngine:
         """Place the request now (Conductor); raises OverloadedError with the Conductor's
         ``retry_after`` when it rejects it (``RequestRejected`` is one: a 429)."""
         rid = self.cluster.submit_request(request)
+        self._live.add(rid)
+        return rid
+
+    def add_routed(self, request: Request, route: ReturnRoute) -> str:
+        """``add_request``, with the request's tokens and ``Done`` sent by its decode
+        replica straight to ``route`` (its ingress): ``step`` then gives only its finished
+        delta, without tokens."""
+        rid = self.cluster.submit_request(request, route)
         self._live.add(rid)
         return rid
 
@@ -165,6 +175,7 @@ class PDEngine:
             store_replicated_blocks=self.cluster.replicated_blocks,
             prefill_restarts=self.cluster.num_prefill_restarts,
             decode_restarts=self.cluster.num_decode_restarts,
+            relayed_tokens=self.cluster.relayed_tokens,
             store_dram_hit_blocks=tiers.get("dram_hit_blocks", 0),
             store_ssd_hit_blocks=tiers.get("ssd_hit_blocks", 0),
             store_miss_blocks=tiers.get("miss_blocks", 0),

@@ -21,9 +21,10 @@ from actors.engine.thread_priority import run_process_at_normal_priority
 def run_actor_process_at_normal_priority() -> None:
     """In a replica's own actor process, every thread at nice 0 (``thread_priority``), as
     in the Serve app's replica processes: besides the engine thread, the Conductor's long
-    poll and Ray's reply threads carry every token and KV handoff, and at Ray's worker
-    niceness they wait behind any nice-0 thread on the node. A replica built in its
-    caller's process (tests) leaves that process's threads as they are."""
+    poll and Ray's reply threads carry every KV handoff and request end (and the tokens of
+    requests without a ``ReturnRoute``), and at Ray's worker niceness they wait behind any
+    nice-0 thread on the node. A replica built in its caller's process (tests) leaves that
+    process's threads as they are."""
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
         run_process_at_normal_priority()
 

@@ -166,6 +166,8 @@ class PDCounters:
     store_replicated_blocks: int  # blocks copied into a chosen instance's home shard
     prefill_restarts: int
     decode_restarts: int
+    # tokens decode replicas sent through the Conductor (none of a Serve ingress's requests)
+    relayed_tokens: int = 0
     # blocks the store's shards served from DRAM / from SSD, and blocks asked for that no
     # shard served, since each shard started (a restarted shard counts from zero again)
     store_dram_hit_blocks: int = 0

@@ -4,7 +4,9 @@ An attempt is one (prefill, decode) placement under its own key; a request whose
 died is placed again from its prompt. Invariant: the caller sees every token once, in
 order, over all attempts: a re-run replays the tokens already streamed (seeded sampling
 draws the same ones) and ``stream`` passes on only those its ``ledger``
-(``actors.engine.stream_ledger``) has not seen.
+(``actors.engine.stream_ledger``) has not seen. A request with a ``route`` (started by a
+Serve ingress) never streams here: its decode replica sends its tokens to that ingress,
+whose own ledger drops the replayed ones, and only its end comes here (``finish``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from actors.engine.direct_return import ReturnRoute
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.stream_ledger import StreamLedger
 from policies.request import Request
@@ -31,6 +34,7 @@ class PDRequest:
     ledger: StreamLedger = field(default_factory=StreamLedger)  # one choice
     first_token_time: float | None = None  # this process's monotonic clock
     token_times: list[float] = field(default_factory=list)  # when decode produced each
+    route: ReturnRoute | None = None  # where its decode replica sends its events
 
     @property
     def request_id(self) -> str:
@@ -77,7 +81,8 @@ class PDRequest:
         # report (``cached_tokens``) may come after the end
         output.num_cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
         output.arrival_time = self.request.arrival_time
-        output.first_token_time = self.first_token_time
+        # a routed request's first token passed no stream here: the decode replica's time
+        output.first_token_time = self.first_token_time or output.first_token_time
         output.finish_time = time.monotonic()
         self.output, self.key = output, None
         self.in_prefill = False  # the prefill's own report (``PrefillDone``) may come later

@@ -39,6 +39,10 @@ class StreamLedger:
         """The next tokens come from a new attempt, starting at its first token."""
         self._seen = [0] * len(self.sent)
 
+    def restart(self, i: int) -> None:
+        """Choice ``i``'s next tokens come from a new attempt at it alone, from its first."""
+        self._seen[i] = 0
+
     def replayed(self, i: int, count: int) -> int:
         """How many of choice ``i``'s next ``count`` tokens the consumer already has."""
         return max(0, min(count, len(self.sent[i]) - self._seen[i]))

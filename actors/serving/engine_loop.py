@@ -40,6 +40,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
+from actors.engine.direct_return import ReturnRoute
 from actors.engine.events import Accepted, Delta, Done, Event, Failed, Refused, Verdict
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_loop import ReplicaLoop
@@ -343,11 +344,13 @@ class EngineLoop:
             log.warning("an idle engine lost a worker: its worker group was restarted")
 
     def _emit(self, prompt: OpenPrompt, item: Event) -> None:
-        """Queue ``item`` for the prompt's outlet; after its last choice's end, the end."""
+        """Queue ``item`` for the prompt's outlet; after its last choice's end, the end. A
+        direct prompt's ``Delta``s and ``Done``s went to its ingress from where they were
+        made: only its ``Failed``s go on the outlet, and no end."""
         if not isinstance(item, Delta):  # Done or Failed: one choice ended
             prompt.remaining -= 1
             prompt.ended = prompt.remaining == 0
-        if prompt.dropped:
+        if prompt.dropped or (prompt.direct and not isinstance(item, Failed)):
             return
         entry = self._batches.get(id(prompt.outlet))
         if entry is None:
@@ -356,7 +359,7 @@ class EngineLoop:
         if events is None:
             events = entry[1][prompt.key] = []
         events.append(item)
-        if prompt.ended:
+        if prompt.ended and not prompt.direct:
             events.append(None)
 
     def _send_batches(self) -> None:
@@ -444,11 +447,18 @@ class EngineLoop:
         refusal: MeridianError | None = None
         if self._loop.stopping:
             refusal = EngineUnavailableError("the replica is shutting down; retry the request")
-        for request in requests:
+        routed = getattr(self.engine, "add_routed", None) if prompt.reply else None
+        prompt.direct = routed is not None
+        for i, request in enumerate(requests):
             if refusal is not None:
                 break
             try:
-                added.append(self.engine.add_request(request))
+                if routed is not None:
+                    assert prompt.reply is not None
+                    route = ReturnRoute(prompt.reply, prompt.key, i, request.request_id)
+                    added.append(routed(request, route))
+                else:
+                    added.append(self.engine.add_request(request))
             except (InvalidRequestError, OverloadedError) as e:
                 refusal = e
             except Exception as e:  # a dead actor or a bug: the request was not taken

@@ -84,7 +84,11 @@ class Ingress:
     ) -> None:
         run_process_at_normal_priority()  # nice 0, as RAY_worker_niceness=0 (thread_priority)
         self.cfg = config
-        self.relay = ReplicaRelay(self.cfg, router, replicas, balancers)
+        import ray
+
+        # where decode replicas send tokens directly (``ReturnListener``)
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.relay = ReplicaRelay(self.cfg, router, replicas, balancers, host)
         model_dir = Path(self.cfg.model) if self.cfg.model else tiny_model_dir("dense")
         self.tokenizer = load_tokenizer(model_dir)
         self.tool_format = self.cfg.tool_parser or detect_format(self.tokenizer.chat_template)

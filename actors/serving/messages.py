@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.engine.direct_return import ReturnAddress
 from policies.request import Request
 
 
@@ -25,10 +26,13 @@ class ReplicaCall:
 @dataclass(frozen=True, kw_only=True)
 class StartPrompt(ReplicaCall):
     """One prompt's choices, as the ingress built them; their events go to the channel of
-    ``ingress`` under the prompt's key (its first choice's request id)."""
+    ``ingress`` under the prompt's key (its first choice's request id). ``reply``: where
+    the ingress listens for events sent straight from where they are made (a
+    disaggregated group's decode replicas, ``actors.engine.direct_return``)."""
 
     requests: list[Request]
     ingress: str
+    reply: ReturnAddress | None = None
 
     @property
     def key(self) -> str:

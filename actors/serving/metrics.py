@@ -50,6 +50,10 @@ _PD_FAMILIES = {
     "store_replicated_blocks": ("kv_store_replicated_blocks", "Blocks copied between shards"),
     "prefill_restarts": ("pd_prefill_restarts", "Prefill replicas restarted after a failure"),
     "decode_restarts": ("pd_decode_restarts", "Decode replicas restarted after a failure"),
+    "relayed_tokens": (
+        "pd_conductor_relayed_tokens",
+        "Decoded tokens that went through the Conductor's process (not straight to an ingress)",
+    ),
     "store_miss_blocks": ("kv_store_miss_blocks", "Blocks asked of the KV store it did not hold"),
     "store_retention_hit_blocks": (
         "kv_store_retention_hit_blocks",

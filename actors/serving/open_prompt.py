@@ -12,10 +12,15 @@ caller reads ``ended`` and sets ``dropped``.
                                  #   [(key, [event, ...]), ...], one entry per prompt,
                                  #   its list ending with None after the prompt's last
 
+A prompt with a ``reply`` address whose engine takes routes (``add_routed``: a
+disaggregated group's) is ``direct``: its choices' tokens and ``Done``s go from their
+decode replicas straight to that address, and its outlet carries only ``Failed``s, never
+the None (the ingress ends the prompt when each choice ended).
+
 Invariants: ``remaining`` and ``ended`` are written only on the engine thread; a batch
 holds at most one entry per prompt, its events in order; an accepted prompt's last event
-is followed by None in the same list; a prompt ``dropped`` by its caller (before the
-engine thread aborts it) sends nothing more.
+is followed by None in the same list (not for a ``direct`` one); a prompt ``dropped`` by
+its caller (before the engine thread aborts it) sends nothing more.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from actors.engine.direct_return import ReturnAddress
 from actors.engine.events import Event, Verdict
 from policies.request import Request
 
@@ -44,6 +50,8 @@ class OpenPrompt:
     remaining: int = 0  # choices accepted and not ended (engine thread)
     ended: bool = False  # its last choice ended, or it was refused (engine thread)
     dropped: bool = False  # its caller aborted it: nothing more is sent (caller)
+    reply: ReturnAddress | None = None  # where its caller listens for direct events
+    direct: bool = False  # its engine sends its events to ``reply`` (engine thread)
 
     @property
     def key(self) -> str:

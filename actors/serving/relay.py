@@ -106,12 +106,13 @@ class ReplicaRelay:
         router: Any,
         replicas: dict[str, Any],
         balancers: dict[str, Any] | None = None,  # region -> its balancer (regions section)
+        host: str = "127.0.0.1",  # this node's address: where replicas send direct events
     ) -> None:
         self.cfg = cfg
         self.router = router
         self.replicas = replicas
         self.balancers = balancers or {}
-        self.channels = IngressChannels(replicas)
+        self.channels = IngressChannels(replicas, host)
         self.entry = (
             RegionEntry(self.balancers, cfg.regions.delays())
             if self.balancers and cfg.regions

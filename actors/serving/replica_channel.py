@@ -102,7 +102,10 @@ class ReplicaChannels:
         aio = asyncio.get_running_loop()
         verdict: asyncio.Future[Verdict] = aio.create_future()
         prompt = OpenPrompt(
-            msg.requests, channel, lambda v: aio.call_soon_threadsafe(verdict.set_result, v)
+            msg.requests,
+            channel,
+            lambda v: aio.call_soon_threadsafe(verdict.set_result, v),
+            reply=msg.reply,
         )
         # Indexed before the engine can answer: its first frames may be written before this
         # coroutine resumes with the verdict.

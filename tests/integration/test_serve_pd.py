@@ -2,7 +2,9 @@
 group has ``num_prefill: 1, num_decode: 1`` and a small KV store (DRAM + SSD in a tmp
 folder) on a private local Ray cluster, real HTTP, the real ``openai`` client.
 
-Greedy outputs equal the in-process engine on the same weights. The Conductor's rejection
+Greedy outputs equal the in-process engine on the same weights, and the decode replica's
+tokens reach the ingress without passing through the Conductor's process (its
+``pd_conductor_relayed_tokens`` counter stays 0). The Conductor's rejection
 (``decode_full``: a running request holds the decode pool) reaches the client as a 429
 with the Conductor's Retry-After, before any 200, while a request that fits still
 completes, and the router drops its record of each refused one; afterwards every block of
@@ -122,6 +124,20 @@ def test_streaming_equals_reference_and_ends_with_done(server, reference):
     assert events[-1] == "data: [DONE]"
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert text == want
+    # The decode replica wrote these tokens straight to the ingress: once ``/metrics``
+    # counts them as generated, the Conductor's process has relayed none of them.
+    deadline = time.monotonic() + 30
+    while metric(server, "meridian:generation_tokens_total") < 32:
+        assert time.monotonic() < deadline, "the replica never reported the tokens"
+        time.sleep(0.2)
+    assert metric(server, "meridian:pd_conductor_relayed_tokens_total") == 0
+
+
+def metric(server: Server, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    return sum(s.value for f in families for s in f.samples if s.name == name)
 
 
 # -- the Conductor's rejection ----------------------------------------------------------------
