@@ -75,5 +75,8 @@ def medians(
 
 
 def median_ratio(a: Iterable[float], b: Iterable[float]) -> float:
-    """The median over repeats of a / b, the two sides' figures paired by repeat."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    """The median over repeats of a / b, the two sides' figures paired by repeat: a zero
+    b against a positive a counts as inf, a pair of zeros is left out (NaN when every pair
+    is)."""
+    ratios = [x / y if y else float("inf") for x, y in zip(a, b, strict=True) if x or y]
+    return statistics.median(ratios) if ratios else float("nan")

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.interleave import median_ratio, turns
 from bench.serve_records import Sample, TokenClock
 
 
@@ -182,14 +183,8 @@ async def drive(
 
 # -- the run: sides interleaved, medians of paired ratios ----------------------------------------
 def paired(runs_a: list[Any], runs_b: list[Any], value: Callable[[Any], float]) -> float:
-    """The median over repeats of value(a) / value(b), runs paired by repeat: a zero
-    ``b`` against a positive ``a`` counts as inf, a pair of zeros is left out (nan when
-    every pair is)."""
-    import statistics
-
-    pairs = [(value(a), value(b)) for a, b in zip(runs_a, runs_b, strict=True)]
-    ratios = [x / y if y else float("inf") for x, y in pairs if x or y]
-    return statistics.median(ratios) if ratios else float("nan")
+    """``median_ratio`` of value(a) over value(b), runs paired by repeat."""
+    return median_ratio(map(value, runs_a), map(value, runs_b))
 
 
 async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
@@ -220,8 +215,7 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
     results: dict[tuple[str, int], list[Run]] = {}
     for ci, c in enumerate(args.concurrency):
         for rep in range(args.repeats):
-            k = rep % len(sides)
-            for name, client in sides[k:] + sides[:k]:
+            for name, client in turns(sides, rep):
                 run = Run(name, c, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
                 run.duration, run.samples = await drive(
                     client.conversation,
