@@ -6,6 +6,7 @@ order, one wait; and the one percentile definition every bench reports
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -74,6 +75,10 @@ def test_medians_and_paired_ratio():
     }
     assert median_ratio([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0
     assert medians([{"x": 1.0, "y": 5.0}, {"x": 3.0, "y": 1.0}], ["y"]) == {"y": 3.0}
+    # a peer that served nothing: its zero counts as inf, a pair of zeros is left out
+    assert median_ratio([2.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0]) == 2.0
+    assert median_ratio([1.0, 1.0, 3.0], [0.0, 0.0, 1.0]) == float("inf")
+    assert math.isnan(median_ratio([0.0], [0.0]))
 
 
 def test_percentile_is_numpys_default():
