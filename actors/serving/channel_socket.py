@@ -12,7 +12,7 @@ replica dies; cancelling it aborts what the channel carried.
     replica:  listener = await ChannelListener.open(host)
               yield [("", listener.address)]
               writer = await listener.accept()          # the ingress's connection
-              writer.write(frame(batch)) ...            # any thread pickles: ``frame``
+              writer.write(encode(batch)) ...           # any thread pickles: ``encode``
               await listener.wait_closed()              # the ingress closed it (or went)
               listener.close()
     ingress:  async for batch in channel_batches(stream): ...
@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-import struct
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from actors.engine.direct_return import FRAME_LENGTH, TOKEN_BYTES
+
 ACCEPT_TIMEOUT_S = 30.0  # the ingress connects right after it reads the address
-_LENGTH = struct.Struct("!I")
-_TOKEN_BYTES = 32
 
 
 class ChannelBroken(Exception):
@@ -55,7 +54,7 @@ class ChannelListener:
     def __init__(self, host: str) -> None:
         self.host = host
         self.token = uuid.uuid4().hex.encode()
-        assert len(self.token) == _TOKEN_BYTES
+        assert len(self.token) == TOKEN_BYTES
         self._conn: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -72,7 +71,7 @@ class ChannelListener:
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            token = await asyncio.wait_for(reader.readexactly(_TOKEN_BYTES), ACCEPT_TIMEOUT_S)
+            token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), ACCEPT_TIMEOUT_S)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             token = b""
         if token != self.token or self._conn.done():
@@ -110,12 +109,6 @@ class ChannelListener:
             self._conn.cancel()
 
 
-def frame(batch: list[Any]) -> bytes:
-    """One batch as it goes on the socket (pickled on any thread; written on the loop)."""
-    data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(data)) + data
-
-
 async def _read_socket(address: ChannelAddress) -> AsyncIterator[list[Any]]:
     try:
         reader, writer = await asyncio.open_connection(address.host, address.port)
@@ -125,12 +118,12 @@ async def _read_socket(address: ChannelAddress) -> AsyncIterator[list[Any]]:
         writer.write(address.token)
         while True:
             try:
-                head = await reader.readexactly(_LENGTH.size)
+                head = await reader.readexactly(FRAME_LENGTH.size)
             except asyncio.IncompleteReadError as e:
                 if e.partial:
                     raise ChannelBroken("the channel closed inside a frame") from e
                 return  # the replica closed it between batches
-            (size,) = _LENGTH.unpack(head)
+            (size,) = FRAME_LENGTH.unpack(head)
             try:
                 data = await reader.readexactly(size)
             except asyncio.IncompleteReadError as e:

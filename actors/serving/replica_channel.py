@@ -35,8 +35,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from actors.engine.direct_return import encode
 from actors.engine.events import Refused, Verdict
-from actors.serving.channel_socket import ChannelListener, frame
+from actors.serving.channel_socket import ChannelListener
 from actors.serving.engine_loop import EngineLoop
 from actors.serving.loop_mailbox import LoopMailbox, mailbox_of
 from actors.serving.messages import AbortPrompt, OpenChannel, StartPrompt
@@ -59,7 +60,7 @@ class _Channel:
 
     def send(self, batch: list[Entry]) -> None:
         """The engine thread: one step's batch, pickled here, written on the loop."""
-        self.box.post(self._write, frame(batch))
+        self.box.post(self._write, encode(batch))
 
     def _write(self, data: bytes) -> None:
         self.wrote = True

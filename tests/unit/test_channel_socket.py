@@ -13,12 +13,8 @@ from typing import Any
 
 import pytest
 
-from actors.serving.channel_socket import (
-    ChannelBroken,
-    ChannelListener,
-    channel_batches,
-    frame,
-)
+from actors.engine.direct_return import encode
+from actors.serving.channel_socket import ChannelBroken, ChannelListener, channel_batches
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +30,7 @@ async def replica_call(
         yield [("", listener.address)]
         writer = await listener.accept()
         for batch in batches:
-            writer.write(frame(batch))
+            writer.write(encode(batch))
             await writer.drain()
         if cut:
             writer.write(struct.pack("!I", 100) + b"half")
