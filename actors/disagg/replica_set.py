@@ -134,13 +134,27 @@ class ReplicaSet:
             (self.prefill_ids, self.prefills, self.config.prefill.count),
             (self.decode_ids, self.decodes, self.config.decode.count),
         )
+        missing: list[str] = []
         for ids, running, count in sides:
+            lacking = count - len(running)
             for rid in [x for x in ids if x not in running]:
-                if len(running) < count:
-                    self.start(rid)
+                if lacking > 0:
+                    missing.append(rid)
+                    lacking -= 1
                 else:  # the pool holds its count under other ids (it grew or was drained)
                     ids.remove(rid)
                     self.plan.remove(rid)
+        # every actor starts at once (each start is mostly its process importing and building
+        # its engine), then each is registered in order
+        created = [(rid, self._create(rid, restart=False)) for rid in missing]
+        try:
+            nodes = ray.get([handle.node.remote() for _, handle in created])
+        except BaseException:
+            for _, handle in created:
+                self.forget(handle)
+            raise
+        for (rid, handle), node in zip(created, nodes, strict=True):
+            self._register(rid, handle, node, set())
 
     def attach(self, rid: str, handle: Any) -> None:
         """Take over a live replica of the shared pool: it drops what the previous
