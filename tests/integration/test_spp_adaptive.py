@@ -104,4 +104,6 @@ def test_spp2_refits_from_pipelined_steps_and_chunks_follow_the_context(cluster)
     chunks = [n for ((n, start),) in steps if start < len(LONG)]
     assert sum(chunks) == len(LONG)
     full = chunks[:-1]  # the last is what was left of the prompt
-    assert len(full) >= 3 and full[-1] < full[0], chunks
+    # the first chunks follow a fit made from the warm-up's steps, which a loaded machine
+    # can make slow: the largest of the first half, not the first, is the early size
+    assert len(full) >= 3 and full[-1] < max(full[: len(full) // 2]), chunks
