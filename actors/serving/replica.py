@@ -17,6 +17,9 @@ Serve -> replica: ``record_autoscaling_stats`` (an autoscaled group) reports the
 ``policies.autoscaling`` scales on. When Serve removes a replica it stops routing to it and
 waits until its ongoing calls end (graceful shutdown); ``__del__`` then waits until the
 engine holds nothing, tells the router it left, and only then stops the engine.
+
+The engines (and torch) are imported where one is built: Serve's build of the app imports
+this module, and needs none of them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from actors.engine.outputs import RequestOutput
 from actors.engine.request_limits import RequestLimits
 from actors.engine.thread_priority import run_process_at_normal_priority
 from actors.ray_nodes import alive_nodes
-from actors.serving.colocated_engine import ColocatedEngine
 from actors.serving.config import ReplicaGroupConfig, ServeConfig
 from actors.serving.core_plan import replica_cores
 from actors.serving.engine_loop import EngineLoop, ServingEngine
@@ -71,6 +73,8 @@ def _engine(
     slo = group.admission.ttft_slo if group.admission is not None else None
     store = group.store
     if store is None:
+        from actors.serving.colocated_engine import ColocatedEngine
+
         return ColocatedEngine.build(model, config, ttft_slo=slo)
     from actors.serving.store_engine import store_engine
 
@@ -248,6 +252,8 @@ class ReplicaActor:
     events) into its own RouterState."""
 
     def __init__(self, model: str | None, config: EngineConfig, max_waiting: int = 1 << 20) -> None:
+        from actors.serving.colocated_engine import ColocatedEngine
+
         self.engine = ColocatedEngine.build(model, config)
         self.loop = EngineLoop(self.engine, max_waiting, config.cpu_cores)
 
