@@ -37,9 +37,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	# two test processes, each module on one (its fixtures start one cluster); integration
-	# modules wait on process starts much of the time, which the other fills
-	$(PY) -m pytest -q -rs --durations=15 -n 2 --dist loadfile
+	$(PY) -m pytest -q -rs --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/engine_cpu.py

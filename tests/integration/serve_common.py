@@ -120,7 +120,7 @@ def serve_file_running(cluster: Any, path: Path, port: int, replicas: int) -> It
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         yield url
     finally:
         # the cluster goes with its app: no graceful shutdown to wait for (SIGINT took 5-8 s)
