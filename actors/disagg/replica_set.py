@@ -144,17 +144,7 @@ class ReplicaSet:
                 else:  # the pool holds its count under other ids (it grew or was drained)
                     ids.remove(rid)
                     self.plan.remove(rid)
-        # every actor starts at once (each start is mostly its process importing and building
-        # its engine), then each is registered in order
-        created = [(rid, self._create(rid, restart=False)) for rid in missing]
-        try:
-            nodes = ray.get([handle.node.remote() for _, handle in created])
-        except BaseException:
-            for _, handle in created:
-                self.forget(handle)
-            raise
-        for (rid, handle), node in zip(created, nodes, strict=True):
-            self._register(rid, handle, node, set())
+        self._start_together(missing, restart=False)
 
     def attach(self, rid: str, handle: Any) -> None:
         """Take over a live replica of the shared pool: it drops what the previous
@@ -171,9 +161,21 @@ class ReplicaSet:
     def start(self, rid: str) -> None:
         """Start replica ``rid`` and wait until it runs (a fresh actor if one ran under
         that id: a replacement)."""
-        restart = rid in self.prefills or rid in self.decodes
-        handle = self._create(rid, restart)
-        self._register(rid, handle, ray.get(handle.node.remote()), set())
+        self._start_together([rid], restart=rid in self.prefills or rid in self.decodes)
+
+    def _start_together(self, rids: list[str], restart: bool) -> None:
+        """Create every actor at once (a start is mostly its process importing and building
+        its engine), wait until all run, then register each in order; if one fails, the
+        others are killed and the error raised."""
+        created = [(rid, self._create(rid, restart)) for rid in rids]
+        try:
+            nodes = ray.get([handle.node.remote() for _, handle in created])
+        except BaseException:
+            for _, handle in created:
+                self.forget(handle)
+            raise
+        for (rid, handle), node in zip(created, nodes, strict=True):
+            self._register(rid, handle, node, set())
 
     def begin_start(self, kind: str) -> str:
         """One more replica of ``kind`` (``"prefill"`` or ``"decode"``) under the first
