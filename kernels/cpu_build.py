@@ -7,7 +7,8 @@ versions and the sources' bytes, never their path: a node with other CPU feature
 home folder) never loads a build it cannot run, and every copy of the same sources (another
 checkout, a Ray job's uploaded working dir, a fresh clone's new virtual environment) loads
 the one build that the first ``make setup`` made instead of compiling again (about two
-minutes on two cores). Where a build fails (no
+minutes on two cores): a build marked complete is imported from its shared library as it
+is, since torch's ninja file names the virtual environment's include paths. Where a build fails (no
 compiler, no headers), :meth:`CompiledExtension.load` returns None once, logs why, and keeps
 the reason in :meth:`CompiledExtension.error`, so callers keep serving on torch.
 """
@@ -28,6 +29,27 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+
+
+# written into a build's folder once its module was compiled and imported
+COMPLETE = "complete"
+
+
+def _import_built(directory: Path) -> ModuleType:
+    """The module of a complete build, imported from its shared library without ninja: torch
+    writes ``build.ninja`` with this virtual environment's include paths, and ninja would
+    compile everything again for a command line that differs only there."""
+    import importlib.util
+
+    import torch  # noqa: F401  (the library's libtorch symbols resolve against it)
+
+    path = directory / f"{directory.name}.so"
+    spec = importlib.util.spec_from_file_location(directory.name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cpu_flags() -> str:
@@ -108,22 +130,33 @@ class CompiledExtension:
                     self._error = f"turned off by {self.switch}=0"
                     return None
                 try:
-                    from torch.utils.cpp_extension import load as build
-
                     directory = self.build_directory()
-                    sources = self._stage_sources(directory / "src")
-                    self._module = build(
-                        name=directory.name,
-                        sources=[str(path) for path in sources],
-                        extra_include_paths=[str(directory / "src")],
-                        extra_cflags=FLAGS,
-                        build_directory=str(directory),
-                        verbose=False,
-                    )
+                    if (directory / COMPLETE).exists():
+                        self._module = _import_built(directory)
+                    else:
+                        self._module = self._build(directory)
                 except Exception as exc:  # a missing compiler or headers: keep serving on torch
                     self._error = f"{type(exc).__name__}: {exc}"
                     logger.warning("%s unavailable, using torch: %s", self.name, self._error)
         return self._module
+
+    def _build(self, directory: Path) -> ModuleType:
+        """Compile (ninja, through torch) and import; then mark the build complete."""
+        from torch.utils.cpp_extension import load as build
+
+        sources = self._stage_sources(directory / "src")
+        module = build(
+            name=directory.name,
+            sources=[str(path) for path in sources],
+            extra_include_paths=[str(directory / "src")],
+            extra_cflags=FLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
+        partial = directory / f".{COMPLETE}.{os.getpid()}"
+        partial.write_text(module.__file__ or "")
+        os.replace(partial, directory / COMPLETE)
+        return module
 
     def require(self) -> ModuleType:
         """The built module; RuntimeError with the reason where it cannot be had."""

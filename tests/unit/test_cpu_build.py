@@ -52,3 +52,21 @@ def test_builds_live_in_the_users_cache_unless_torch_is_told(monkeypatch, tmp_pa
     assert cpu_build.build_root() == tmp_path / "cache" / "meridian-kernels"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch"))
     assert cpu_build.build_root() == tmp_path / "torch"
+
+
+def test_a_complete_build_is_imported_without_compiling(tmp_path, monkeypatch):
+    """Another checkout (another virtual environment: torch's ninja file would differ in its
+    include paths) imports the complete build's library; nothing is compiled."""
+    import torch.utils.cpp_extension
+
+    assert EXTENSION.load() is not None, EXTENSION.error()  # built by `make setup`
+    assert (EXTENSION.build_directory() / cpu_build.COMPLETE).exists()
+
+    def no_compiling(**kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiling)
+    elsewhere = copy_of(EXTENSION, tmp_path / "clone")
+    module = elsewhere.load()
+    assert module is not None, elsewhere.error()
+    assert module.__file__ == str(EXTENSION.build_directory() / f"{elsewhere.build_name()}.so")
