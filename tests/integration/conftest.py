@@ -154,8 +154,9 @@ class LocalRayCluster:
 
     def stop(self) -> None:
         # ``ray start --block`` takes ~20 s to wind down on SIGTERM; the tests need nothing
-        # from a graceful stop (the session folder is removed below), so 3 s, then SIGKILL
-        kill_group(self.proc, grace=3)
+        # from a graceful stop (the session folder is removed below): SIGKILL at once. The
+        # workers, in groups of their own, exit when their raylet dies.
+        kill_group(self.proc, signal.SIGKILL, grace=0)
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -193,3 +194,87 @@ def connected_ray_cluster():
     finally:
         ray.shutdown()
         cluster.stop()
+
+
+class SharedLocalRay:
+    """One ``ray.init("local", num_cpus=2)`` cluster that the modules asking for
+    ``shared_local_ray`` use in turn, instead of a start and a stop (~5 s) each. Stopped
+    before a module that starts a cluster of its own, after the last integration test, and
+    after a module that leaves an actor or a placement group alive, so that every module
+    starts on a cluster with nothing of another module's running on it."""
+
+    # workers import the repository and these modules' helpers (some actors are defined here)
+    ENV = {
+        "PYTHONPATH": os.pathsep.join((str(REPO), str(Path(__file__).resolve().parent))),
+        "RAY_CGRAPH_buffer_size_bytes": str(1 << 24),  # compiled graphs of fp64 activations
+    }
+
+    def __init__(self) -> None:
+        self.up = False
+
+    def start(self) -> None:
+        import ray
+
+        if self.up:
+            return
+        os.environ.update(self.ENV)  # the driver's side of the channels reads it too
+        ray.init(
+            "local",  # a new cluster, never one that `ray start` recorded on this machine
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": self.ENV},
+        )
+        self.up = True
+
+    def stop(self) -> None:
+        import ray
+
+        if self.up:
+            ray.shutdown()
+            self.up = False
+
+    def leftovers(self) -> list[str]:
+        """What a module left alive on the cluster: actors and placement groups."""
+        import ray
+
+        actors = [
+            f"actor {a['ActorID']} {a['Name']}".strip()
+            for a in ray._private.state.actors().values()
+            if a["State"] != "DEAD"
+        ]
+        groups = [
+            f"placement group {pg_id}"
+            for pg_id, pg in ray.util.placement_group_table().items()
+            if pg["state"] != "REMOVED"
+        ]
+        return actors + groups
+
+
+SHARED_RAY = SharedLocalRay()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_shared_ray_beside_another(request):
+    """A module that starts its own cluster (``ray.init`` once per process) runs after the
+    shared one is stopped."""
+    if "shared_local_ray" not in request.fixturenames:
+        SHARED_RAY.stop()
+    yield
+
+
+@pytest.fixture(scope="module")
+def shared_local_ray():
+    """The module's tests run on the shared local cluster (``SharedLocalRay``)."""
+    SHARED_RAY.start()
+    yield
+    if SHARED_RAY.leftovers():
+        SHARED_RAY.stop()
+
+
+@pytest.hookimpl(trylast=True)  # after the items' own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """The shared cluster stops with the last integration test (the unit tests need none)."""
+    here = Path(__file__).resolve().parent
+    if nextitem is None or here not in Path(nextitem.fspath).resolve().parents:
+        SHARED_RAY.stop()
