@@ -35,8 +35,16 @@ def pd_config(num_prefill: int = 1, num_decode: int = 1, **fields: Any) -> PDClu
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster(shared_local_ray):
-    """The module's tests run on the shared local cluster (2 CPUs)."""
+def cluster():
+    ray.init(
+        "local",  # a new cluster, never one that `ray start` recorded on this machine
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
+    yield
+    ray.shutdown()
 
 
 def two_node_cluster(*paths: Path) -> Iterator[Any]:

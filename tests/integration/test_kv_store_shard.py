@@ -6,6 +6,7 @@ shard drops out of the directory and its blocks read as misses (the caller recom
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,9 +36,18 @@ def digest(arrays) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_local_ray):
-    """The shared local cluster, whose workers import this module (the Worker actor below)
-    by name."""
+def cluster():
+    # workers import this module (the Worker actor below) by name
+    here = str(Path(__file__).resolve().parent)
+    ray.init(
+        "local",  # a new cluster, never one that `ray start` recorded on this machine
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": here}},
+    )
+    yield
+    ray.shutdown()
 
 
 @ray.remote(num_cpus=0)

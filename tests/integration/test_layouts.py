@@ -8,6 +8,8 @@ prompt is long enough to spill across KV-parallel ranks: with 48 tokens per rank
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 import torch
@@ -16,6 +18,7 @@ from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from models.tiny import tiny_model_dir  # noqa: E402
 
+CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 37, 70)]
 LONG = 2  # index of the prompt that spans KV ranks
 OPTIONS = dict(dtype=torch.float64, chunk_size=20, num_blocks=64, kvp_rank_tokens=48)
@@ -48,8 +51,11 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_local_ray):
-    """The module's tests run on the shared local cluster (2 CPUs, 16 MiB channel buffers)."""
+def cluster():
+    os.environ.update(CHANNEL_ENV)
+    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    yield
+    ray.shutdown()
 
 
 def generate(

