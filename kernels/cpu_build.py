@@ -8,9 +8,10 @@ home folder) never loads a build it cannot run, and every copy of the same sourc
 checkout, a Ray job's uploaded working dir, a fresh clone's new virtual environment) loads
 the one build that the first ``make setup`` made instead of compiling again (about two
 minutes on two cores): a build marked complete is imported from its shared library as it
-is, since torch's ninja file names the virtual environment's include paths. Where a build fails (no
-compiler, no headers), :meth:`CompiledExtension.load` returns None once, logs why, and keeps
-the reason in :meth:`CompiledExtension.error`, so callers keep serving on torch.
+is, since torch's ninja file names the virtual environment's include paths. Where a build
+fails (no compiler, no headers), :meth:`CompiledExtension.load` returns None once, logs
+why, and keeps the reason in :meth:`CompiledExtension.error`, so callers keep serving on
+torch.
 """
 
 from __future__ import annotations

@@ -102,8 +102,7 @@ from actors.engine.request_limits import RequestLimits
 from actors.engine.sampling import SamplingParams
 from actors.kvstore.shard import KVStoreClient
 from errors import EngineUnavailableError, InvalidRequestError
-from kernels.kv_cache import kv_cache_bytes_per_block
-from models import load_tokenizer, tiny_model_dir
+from models import load_tokenizer
 from models.config import ModelConfig, read_model_config
 from models.loader import expected_tensors
 from models.weight_update import SharedWeights, checked_weights
@@ -115,23 +114,6 @@ from policies.replica_stats import ReplicaStats
 from policies.request import Request
 
 
-def model_dir_of(config: PDClusterConfig) -> str:
-    """The model folder ``config`` serves (the built-in tiny model's when it names none)."""
-    return config.model_dir or str(tiny_model_dir("dense"))
-
-
-def kv_block_bytes(config: PDClusterConfig, on_gpu: bool) -> int:
-    """Bytes of one KV block of ``config``'s model and engine, every layer, K and V."""
-    model = read_model_config(Path(model_dir_of(config)))
-    return kv_cache_bytes_per_block(
-        model.num_hidden_layers,
-        config.engine.block_size,
-        model.num_key_value_heads,
-        model.head_dim,
-        config.engine.torch_dtype(on_gpu),
-    )
-
-
 class PDCluster:
     def __init__(self, config: PDClusterConfig) -> None:
         """Start the deployment ``config`` describes: store shards, then every prefill and
@@ -139,12 +121,12 @@ class PDCluster:
         self.config = config
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
-        self.model_dir = model_dir_of(config)
+        self.model_dir = config.model_folder()
         self.block_size = config.engine.block_size
         model = read_model_config(Path(self.model_dir))
         self.tokenizer = load_tokenizer(Path(self.model_dir))
         on_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-        self.block_bytes = kv_block_bytes(config, on_gpu)
+        self.block_bytes = config.kv_block_bytes(on_gpu)
         self.conductor = self._conductor()
         self.fitter = self._fitter()
         sides = config.prefill.link_budget, config.decode.link_budget

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from actors.disagg.conductor import ConductorOptions
@@ -147,6 +148,26 @@ class PDClusterConfig:
                 "own process: with them, decode replicas run tp = spp = kvp = 1 (set "
                 f"read_path={PREFILL_PATH!r} and no write_back, or a single-worker decode side)"
             )
+
+    def model_folder(self) -> str:
+        """The model folder served (the built-in tiny model's when ``model_dir`` is None)."""
+        from models import tiny_model_dir
+
+        return self.model_dir or str(tiny_model_dir("dense"))
+
+    def kv_block_bytes(self, on_gpu: bool) -> int:
+        """Bytes of one KV block of the model under ``engine``: every layer, K and V."""
+        from kernels.kv_cache import kv_cache_bytes_per_block
+        from models.config import read_model_config
+
+        model = read_model_config(Path(self.model_folder()))
+        return kv_cache_bytes_per_block(
+            model.num_hidden_layers,
+            self.engine.block_size,
+            model.num_key_value_heads,
+            model.head_dim,
+            self.engine.torch_dtype(on_gpu),
+        )
 
     def side_engine(self, side: PDSideConfig) -> EngineConfig:
         """The engine config of each replica of ``side``: its layout and KV size over

@@ -13,7 +13,7 @@ import pytest
 import ray
 from pd_common import BS, OPTS, PARAMS, cluster, colocated, pd_config, tokens  # noqa: F401
 
-from actors.disagg.cluster import PDCluster, kv_block_bytes
+from actors.disagg.cluster import PDCluster
 from actors.disagg.cluster_config import PDSideConfig
 from actors.disagg.conductor import ConductorOptions, RequestRejected
 from actors.disagg.store_view import StoreConfig
@@ -157,7 +157,7 @@ def test_prefix_from_dram_and_from_ssd_equals_recomputed(tmp_path):
     prompt = tokens(11, 24) + tokens(12, 6)  # 7 full blocks
     hashes = chained_block_hashes(prompt, BS)
     want = colocated([prompt])[0]
-    block_bytes = kv_block_bytes(pd_config(), on_gpu=False)
+    block_bytes = pd_config().kv_block_bytes(on_gpu=False)
     store = StoreConfig(8 * block_bytes, ssd_bytes=64 * block_bytes, ssd_dir=str(tmp_path))
     pd = PDCluster(pd_config(store=store))
     (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
@@ -200,7 +200,7 @@ def test_prefix_from_dram_and_from_ssd_equals_recomputed(tmp_path):
 def test_pinned_blocks_survive_eviction_pressure():
     prompt = tokens(30, 18)  # 4 full blocks
     want = colocated([prompt])[0]
-    block_bytes = kv_block_bytes(pd_config(), on_gpu=False)
+    block_bytes = pd_config().kv_block_bytes(on_gpu=False)
     pd = PDCluster(pd_config(store=StoreConfig(dram_bytes=8 * block_bytes)))  # no SSD
     pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)
     hashes = chained_block_hashes(prompt, BS)
@@ -261,7 +261,7 @@ def test_conductor_estimates_are_refitted_from_measured_steps():
 
 
 def test_conductor_copies_a_hot_prefix_to_the_chosen_instance_home_shard():
-    block_bytes = kv_block_bytes(pd_config(), on_gpu=False)
+    block_bytes = pd_config().kv_block_bytes(on_gpu=False)
     # each prefill replica writes to its home shard ("local"): the copy to p1's is the
     # Conductor's (under "key" the prefix's owner shard may already be p1's)
     store = StoreConfig(dram_bytes=64 * block_bytes, num_shards=2, placement="local")

@@ -13,7 +13,7 @@ import ray
 from pd_common import OPTS, PARAMS, cluster, pd_config, tokens  # noqa: F401
 
 from actors import LLM
-from actors.disagg.cluster import PDCluster, kv_block_bytes
+from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
 from errors import InvalidRequestError
 from models import write_tiny_model
@@ -39,7 +39,7 @@ def test_pd_update_keys_the_store_by_weight_version(tmp_path):
     prompt = tokens(41, 26)  # 6 full blocks of 4
     old, new = hf_greedy(base, [prompt], NEW)[0], hf_greedy(noisy, [prompt], NEW)[0]
     assert old != new
-    block_bytes = kv_block_bytes(pd_config(model_dir=str(base)), on_gpu=False)
+    block_bytes = pd_config(model_dir=str(base)).kv_block_bytes(on_gpu=False)
     pd = PDCluster(pd_config(model_dir=str(base), store=StoreConfig(64 * block_bytes)))
     try:
         (out,) = pd.generate(prompt_token_ids=[prompt], sampling_params=PARAMS)

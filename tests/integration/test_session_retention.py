@@ -12,7 +12,7 @@ import time
 import ray
 from pd_common import PARAMS, cluster, colocated, pd_config, tokens  # noqa: F401
 
-from actors.disagg.cluster import PDCluster, kv_block_bytes
+from actors.disagg.cluster import PDCluster
 from actors.disagg.store_view import StoreConfig
 from store.ssd_tier import HEADER
 
@@ -46,7 +46,7 @@ def other_traffic(pd: PDCluster, first_seed: int) -> None:
 
 
 def test_retained_turn_survives_the_pause_and_an_expired_one_does_not(tmp_path):
-    block_bytes = kv_block_bytes(pd_config(), on_gpu=False)
+    block_bytes = pd_config().kv_block_bytes(on_gpu=False)
     store = StoreConfig(
         8 * block_bytes,  # a read pins its prefix in DRAM: room for 7 blocks
         ssd_bytes=24 * (HEADER.size + block_bytes),
