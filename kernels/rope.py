@@ -98,7 +98,8 @@ class RotaryEmbedding(nn.Module):
         # (cos, sin) cast to another dtype, keyed by dtype and device; made on first use
         self._cast: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]]
         self._cast = {}
-        self.reset_cache()
+        if self.cos.device.type != "meta":  # on meta (a model being built): after to_empty
+            self.reset_cache()
 
     def reset_cache(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the tables, e.g. after ``to_empty`` moved the module off the meta device."""

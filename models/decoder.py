@@ -98,7 +98,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attention_backend = get_attention_backend(attention_backend)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built on the meta device and then loaded: no random init (a meta ``normal_``
+        # imports torch._dynamo, over a second of CPU in every process that builds a model)
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(
