@@ -27,8 +27,9 @@ import time
 import numpy as np
 import ray
 
+from actors.engine.channel_bytes import CHANNEL_BYTES
 from actors.engine.collectives import Layout
-from actors.engine.ray_executor import CHANNEL_BYTES, RayExecutor
+from actors.engine.ray_executor import RayExecutor
 from actors.engine.step_plan import PlanEntry, StepPlan, StepResult
 from actors.engine.worker import StageOutput, WorkerSpec
 from bench.local_serve import local_ray

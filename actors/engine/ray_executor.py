@@ -19,7 +19,6 @@ the group and starts a fresh one.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -27,6 +26,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.executor import WorkerFailure
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker import Worker, WorkerSpec
@@ -44,10 +44,6 @@ _DEATH = (
     ray.exceptions.GetTimeoutError,
     ray.exceptions.NodeDiedError,
 )
-
-# Compiled-graph channels hold at most this per message unless every process sees a larger
-# ``RAY_CGRAPH_buffer_size_bytes`` (``_buffer_size_bytes`` alone makes teardown hang).
-CHANNEL_BYTES = 1 << 24
 
 
 def teardown_quietly(graph: Any) -> None:
@@ -93,10 +89,9 @@ class RayExecutor:
         self._graph: Any = None
         self._pgs: list[Any] = []
         self._updates: list[Any] = []  # object refs of every weight update, oldest first
-        self._env = {"RAY_CGRAPH_buffer_size_bytes": str(CHANNEL_BYTES)}
-        os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(CHANNEL_BYTES))
         if not ray.is_initialized():
-            ray.init(runtime_env={"env_vars": self._env})
+            ray.init()
+        use_channel_bytes()
         self._start()
 
     # -- worker group -----------------------------------------------------------------------
@@ -131,7 +126,6 @@ class RayExecutor:
                     num_gpus=bundle.get("GPU", 0),
                     resources=self.resources,
                     scheduling_strategy=strategy,
-                    runtime_env={"env_vars": self._env},
                     max_restarts=0,
                 ).remote(self.spec, coords, self.hooks)
             )

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.collectives import Collectives, Layout
 from actors.engine.decode_graphs import DecodeGraphRunner
 from actors.engine.sampling import TokenLogprob, sample_tokens
@@ -81,6 +82,7 @@ class Worker:
     ) -> None:
         """``hooks``: a ``WorkerHooks`` (in process), or a picklable factory called with
         the worker's coordinates and layout in the worker's own process."""
+        use_channel_bytes()
         self.spec = spec
         if callable(hooks):
             hooks = hooks(coords, spec.layout)

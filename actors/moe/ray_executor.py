@@ -19,14 +19,14 @@ fresh set of workers (the controller then recomputes the running requests' KV).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import ray
 
+from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.executor import WorkerFailure
-from actors.engine.ray_executor import _DEATH, CHANNEL_BYTES, teardown_quietly
+from actors.engine.ray_executor import _DEATH, teardown_quietly
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.moe.executor_base import MoEExecutorBase
 from actors.moe.messages import MoESpec
@@ -67,10 +67,9 @@ class RayMoEExecutor(MoEExecutorBase):
         self.attention: list[Any] = []
         self.experts: list[Any] = []
         self._graph: Any = None
-        self._env = {"RAY_CGRAPH_buffer_size_bytes": str(CHANNEL_BYTES)}
-        os.environ.setdefault("RAY_CGRAPH_buffer_size_bytes", str(CHANNEL_BYTES))
         if not ray.is_initialized():
-            ray.init(runtime_env={"env_vars": self._env})
+            ray.init()
+        use_channel_bytes()
         self._start()
 
     # -- workers ----------------------------------------------------------------------------
@@ -79,7 +78,6 @@ class RayMoEExecutor(MoEExecutorBase):
             num_cpus=self.num_cpus_per_worker,
             num_gpus=1 if self.spec.device == "cuda" else 0,
             resources=self.kind_resources[kind],
-            runtime_env={"env_vars": self._env},
             max_restarts=0,
         )
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.sampling import sample_tokens
 from actors.engine.step_plan import StepPlan
 from actors.engine.thread_priority import once_on_this_thread, run_process_at_normal_priority
@@ -111,6 +112,7 @@ class _MicroBatch:
 
 class AttentionWorker:
     def __init__(self, spec: MoESpec, index: int) -> None:
+        use_channel_bytes()
         self.link = compute_link(spec, f"attention{index}")
         self.spec = spec
         self.index = index
@@ -274,6 +276,7 @@ class AttentionWorker:
 
 class ExpertWorker:
     def __init__(self, spec: MoESpec, index: int) -> None:
+        use_channel_bytes()
         self.link = compute_link(spec, f"expert{index}")
         self.spec = spec
         self.index = index

@@ -8,8 +8,6 @@ prompt is long enough to spill across KV-parallel ranks: with 48 tokens per rank
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 import torch
@@ -18,7 +16,6 @@ from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.engine.sampling import SamplingParams  # noqa: E402
 from models.tiny import tiny_model_dir  # noqa: E402
 
-CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 37, 70)]
 LONG = 2  # index of the prompt that spans KV ranks
 OPTIONS = dict(dtype=torch.float64, chunk_size=20, num_blocks=64, kvp_rank_tokens=48)
@@ -52,8 +49,7 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.update(CHANNEL_ENV)
-    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 

@@ -6,7 +6,6 @@ the requests finish with the same tokens."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -19,15 +18,13 @@ from actors.engine.replica_controller import ReplicaController  # noqa: E402
 from actors.moe.ray_executor import RayMoEExecutor  # noqa: E402
 from models import write_tiny_model  # noqa: E402
 
-CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 NEW_TOKENS = 6
 LAYOUT = dict(attention_workers=2, expert_workers=3, micro_batches=3)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.update(CHANNEL_ENV)
-    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 

@@ -28,7 +28,6 @@ MODEL = "SmolLM2-135M-Instruct"
 TIE = 1e-3
 NEW_TOKENS = 12
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
-CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 OPTIONS = dict(dtype=torch.float32, block_size=16, num_blocks=64, chunk_size=16, kvp_rank_tokens=32)
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
 
@@ -43,10 +42,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def cluster(model):
-    import os
-
-    os.environ.update(CHANNEL_ENV)
-    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 

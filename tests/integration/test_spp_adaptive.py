@@ -10,7 +10,6 @@ predictor has to learn from the stages' measured times; the chunks are then its 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -29,7 +28,6 @@ from models.tiny import tiny_model_dir  # noqa: E402
 # The hook factory travels to the workers by value: they cannot import this test module.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CHANNEL_ENV = {"RAY_CGRAPH_buffer_size_bytes": str(1 << 24)}
 PAIR_SECONDS = 1e-7  # per stage
 TARGET = 0.05  # seconds: the packer's target step time
 OPTIONS = dict(dtype=torch.float64, num_blocks=160, block_size=16)
@@ -40,8 +38,7 @@ WARM = [[(k + 11 * i) % 250 + 3 for i in range(500 + 97 * k)] for k in range(6)]
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.update(CHANNEL_ENV)
-    ray.init("local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": CHANNEL_ENV})
+    ray.init("local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 
