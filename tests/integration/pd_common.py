@@ -41,7 +41,6 @@ def cluster():
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
     )
     yield
     ray.shutdown()
@@ -56,11 +55,11 @@ def two_node_cluster(*paths: Path) -> Iterator[Any]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
-    pythonpath = os.pathsep.join(str(p) for p in (REPO, *paths))
+    # the workers import the repository from the driver's working directory, as Ray adds it;
+    # ``paths`` (a test module's actor, a package outside the environment) they are given
+    env = {"PYTHONPATH": os.pathsep.join(map(str, paths))} if paths else None
     ray.init(
-        address=cluster.address,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        address=cluster.address, log_to_driver=False, runtime_env={"env_vars": env} if env else None
     )
     yield cluster
     ray.shutdown()

@@ -34,11 +34,7 @@ def region_nodes():
     us = cluster.add_node(num_cpus=1, resources={"region-us": 1})
     eu = cluster.add_node(num_cpus=1, resources={"region-eu": 1})
     cluster.wait_for_nodes()
-    ray.init(
-        address=cluster.address,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
+    ray.init(address=cluster.address, log_to_driver=False)
     yield {"head": cluster.head_node.node_id, "us": us.node_id, "eu": eu.node_id}
     ray.shutdown()
     cluster.shutdown()
