@@ -45,8 +45,9 @@ def local_ray(
     first node the head with ``num_cpus``)."""
     import ray
 
-    env = dict(env or {})
-    os.environ.update(env)  # with ``nodes``, the raylets and their workers inherit it
+    # the raylets inherit it, and their workers (no runtime environment: with one, Ray starts
+    # every worker through its environment set-up)
+    os.environ.update(env or {})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cluster = None
     if nodes:
@@ -65,14 +66,13 @@ def local_ray(
             for cpus in nodes:
                 cluster.add_node(num_cpus=cpus)
             cluster.wait_for_nodes()
-            ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": env})
+            ray.init(address=cluster.address, log_to_driver=False)
         else:
             ray.init(
                 "local",
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 log_to_driver=False,
-                runtime_env={"env_vars": env},
                 _system_config={"worker_niceness": 0},
             )
         yield
