@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # the Serve config `make serve` runs; CONFIG=serve_config_pd.yaml: P/D as one cluster
 CONFIG ?= serve_config.yaml
+# mypy's incremental cache, kept across checkouts (mypy checks each cached file's hash): a
+# fresh clone's type check takes seconds instead of about a minute
+MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/meridian-mypy
 
 .PHONY: setup serve test bench
 
@@ -36,7 +39,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	$(PY) -m pytest -q -rs --durations=15
 
 bench: $(STAMP)
