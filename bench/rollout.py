@@ -65,9 +65,9 @@ def model_folder(name: str, work: Path) -> Path:
 
         return write_qwen2_05b(work / "qwen2-0.5b")
     from models.gguf_convert import convert_gguf
-    from models.pretrained import resolve_model
+    from models.pretrained import pretrained_file
 
-    return convert_gguf(resolve_model("SmolLM2-135M-Instruct"), work / "smollm2")
+    return convert_gguf(pretrained_file("SmolLM2-135M-Instruct"), work / "smollm2")
 
 
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str, str]:

