@@ -45,7 +45,9 @@ def resolve_model(ref: str | Path) -> Path:
     path = Path(ref)
     if path.exists() or str(ref) not in PRETRAINED:
         return path
-    return converted(pretrained_file(str(ref)))
+    module, package, filename = PRETRAINED[str(ref)]
+    identity = f"{package}=={importlib.metadata.version(package)}/{filename}"
+    return converted(pretrained_file(str(ref)), identity)
 
 
 def pretrained_file(name: str) -> Path:
@@ -58,15 +60,15 @@ def pretrained_file(name: str) -> Path:
 CONVERTER = ("gguf_checkpoint.py", "gguf_convert.py", "gguf_tokenizer.py")
 
 
-def converted(gguf: Path) -> Path:
+def converted(gguf: Path, identity: str) -> Path:
     """``gguf`` as a Hugging Face folder (float32, ``models.gguf_convert``: the same tensors
     and tokenizer) in the model cache, converted by the first process that asks. Parsing the
     file's vocabulary and dequantizing its weights took about 7 s of CPU in every process
     that loaded it (each replica, worker and ingress); the folder loads in under half a
-    second. Keyed by the file (path, size, modification time), the converter's sources and
-    the ``gguf`` package's version."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    second. Keyed by ``identity`` (a package's name, version and file: the same in every
+    environment that installs it), the file's size, the converter's sources and the
+    ``gguf`` package's version."""
+    key = hashlib.sha256(f"{identity}\0{gguf.stat().st_size}".encode())
     key.update(importlib.metadata.version("gguf").encode())
     for source in CONVERTER:
         key.update((Path(__file__).parent / source).read_bytes())

@@ -208,11 +208,12 @@ def test_converter_writes_a_folder_transformers_loads(tmp_path):
 
 def test_a_packaged_gguf_is_converted_once_into_the_model_cache(tmp_path, monkeypatch):
     """``converted``: the first call writes the folder (the GGUF's very weights, tokenizer and
-    chat template), later calls read it; a changed file gets a folder of its own."""
+    chat template), later calls read it; another file (here, another size) gets a folder of
+    its own."""
     monkeypatch.setenv("MERIDIAN_CACHE", str(tmp_path / "cache"))
     folder = write_tiny_model(tmp_path / "llama", "dense", seed=9, **NO_ROPE_SCALING)
     path = write_gguf(folder, tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    first = converted(path)
+    first = converted(path, "m==1/m.gguf")
     assert first.parent == tmp_path / "cache" and first.name.startswith("m-")
     same_parameters(load_model(first), load_model(path))
     messages = [{"role": "user", "content": "hi"}]
@@ -220,10 +221,10 @@ def test_a_packaged_gguf_is_converted_once_into_the_model_cache(tmp_path, monkey
     assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages)
     assert ours.encode("Hello, world! 123") == theirs.encode("Hello, world! 123")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert converted(path) == first
+    assert converted(path, "m==1/m.gguf") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
     write_gguf(folder, path)  # the same file name, now float weights
-    second = converted(path)
+    second = converted(path, "m==1/m.gguf")
     assert second != first
     same_parameters(load_model(second), load_model(folder))
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
