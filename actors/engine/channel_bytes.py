@@ -1,22 +1,27 @@
-"""The size a worker group's compiled-graph channels start at, set in every process of the
-group: its driver and each of its worker actors."""
+"""The size a worker group's actors start their compiled-graph channel buffers at."""
 
 from __future__ import annotations
 
 import sys
 
-# Channels start at this many bytes a message, and grow when a larger message comes.
 CHANNEL_BYTES = 1 << 24
 
 
 def use_channel_bytes() -> None:
-    """Start this process's compiled-graph channels at ``CHANNEL_BYTES`` or more: what
-    ``RAY_CGRAPH_buffer_size_bytes`` does, but set in the process itself. (A variable passed
-    as a runtime environment makes Ray start each worker through its environment set-up, half
-    a second of CPU, and keeps it from reusing an idle worker; the compile option alone makes
-    the graph's teardown hang.) A process without Ray (a worker run in process) has no
-    channels: nothing to do."""
+    """In a Ray actor's process (a worker of a group), start compiled-graph channel buffers
+    at ``CHANNEL_BYTES`` or more: what ``RAY_CGRAPH_buffer_size_bytes`` in the worker's
+    environment did, set in the process instead. (Passed as a runtime environment, the
+    variable made Ray start each worker through its environment set-up, half a second of
+    CPU, and kept it from reusing an idle worker; the compile option alone makes the graph's
+    teardown hang.) Elsewhere nothing changes: a group's driver (a replica, a test) keeps
+    Ray's default, since the channels it creates, each compile, would cost 16 MiB each (a
+    P/D app whose idle graphs are torn down and compiled again served 1.6x slower); a
+    worker run in process has no channels."""
     if "ray" not in sys.modules:
+        return
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
         return
     from ray.dag.context import DAGContext
 

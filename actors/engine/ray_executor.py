@@ -26,7 +26,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.executor import WorkerFailure
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker import Worker, WorkerSpec
@@ -91,7 +90,6 @@ class RayExecutor:
         self._updates: list[Any] = []  # object refs of every weight update, oldest first
         if not ray.is_initialized():
             ray.init()
-        use_channel_bytes()
         self._start()
 
     # -- worker group -----------------------------------------------------------------------

@@ -24,7 +24,6 @@ from typing import Any
 
 import ray
 
-from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.executor import WorkerFailure
 from actors.engine.ray_executor import _DEATH, teardown_quietly
 from actors.engine.step_plan import StepPlan, StepResult
@@ -69,7 +68,6 @@ class RayMoEExecutor(MoEExecutorBase):
         self._graph: Any = None
         if not ray.is_initialized():
             ray.init()
-        use_channel_bytes()
         self._start()
 
     # -- workers ----------------------------------------------------------------------------
