@@ -8,6 +8,10 @@ CONFIG ?= serve_config.yaml
 # mypy's incremental cache, kept across checkouts (mypy checks each cached file's hash): a
 # fresh clone's type check takes seconds instead of about a minute
 MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/meridian-mypy
+# the project's bytecode, written up front: where PYTHONDONTWRITEBYTECODE is set, every
+# process (each Ray worker, replica and ingress) would parse the sources again
+COMPILE = $(PY) -m compileall -q -j 0 actors models kernels store policies placement sim bench \
+	tests errors.py serve_app.py > /dev/null
 
 .PHONY: setup serve test bench
 
@@ -34,12 +38,14 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 serve: $(STAMP)
+	$(COMPILE)
 	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8000 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8050 $(VENV)/bin/serve run $(CONFIG)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
+	$(COMPILE)
 	$(PY) -m pytest -q -rs --durations=15
 
 bench: $(STAMP)
