@@ -71,7 +71,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def server(local_ray_cluster, tmp_path_factory):
+def server(local_ray_cluster, tmp_path_factory, expected):
     cluster = local_ray_cluster(dashboard=False)
     app_args = {
         "model_name": MODEL,
@@ -83,10 +83,27 @@ def server(local_ray_cluster, tmp_path_factory):
         yield Server(url, cluster)
 
 
+REGION_PROMPTS = {
+    region: [ids(seed * 10 + n, n) for n in (7, 150)] for region, seed in (("us", 1), ("eu", 2))
+}
+TURN1 = ids(31, 40)
+TURN1_ANSWER = 24
+TURN2_MESSAGE = ids(32, 9)
+
+
 @pytest.fixture(scope="module")
-def reference():
-    """The single-process engine on the same (built-in tiny) weights, fp64, FCFS."""
-    return LLM(dtype="float64", block_size=BS)
+def expected() -> dict[tuple[int, ...], list[int]]:
+    """Prompt -> the single-process engine's greedy tokens on the same (built-in tiny)
+    weights, fp64, FCFS, for every prompt the tests send; computed before the cluster
+    starts (``server`` asks for it), since beside the cluster's waiting workers this
+    process got a core's fraction (one turn's reference took 46 s)."""
+    reference = LLM(dtype="float64", block_size=BS)
+    out = {tuple(p): greedy(reference, p, 12) for ps in REGION_PROMPTS.values() for p in ps}
+    answer = greedy(reference, TURN1, TURN1_ANSWER)
+    out[tuple(TURN1)] = answer
+    turn2 = TURN1 + answer + TURN2_MESSAGE
+    out[tuple(turn2)] = greedy(reference, turn2, 12)
+    return out
 
 
 def complete(server: Server, region: str, prompt: list[int], n: int) -> httpx.Response:
@@ -135,40 +152,38 @@ def wait_free(server: Server, region: str) -> None:
         time.sleep(0.1)
 
 
-def test_each_region_serves_exact_greedy_tokens(server, reference):
+def test_each_region_serves_exact_greedy_tokens(server, expected):
     """Short and multi-chunk prompts (up to 5 chunks of the 32-token budget) through each
     region's balancer, one at a time, so each is placed in its own region."""
-    for region, seed in (("us", 1), ("eu", 2)):
-        for n_prompt in (7, 150):
+    for region, prompts in REGION_PROMPTS.items():
+        for prompt in prompts:
             wait_free(server, region)
             before = placed(server)
-            prompt = ids(seed * 10 + n_prompt, n_prompt)
             r = complete(server, region, prompt, 12)
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == greedy(reference, prompt, 12)
+            assert r.json()["choices"][0]["token_ids"] == expected[tuple(prompt)]
             after = placed(server)
             assert after[region] - before[region] == 1, (region, before, after)
 
 
-def test_a_second_turn_reads_the_written_back_answer_from_the_store(server, reference):
+def test_a_second_turn_reads_the_written_back_answer_from_the_store(server, expected):
     """Turn 1 (40 prompt + 24 answer tokens) in ``us``: decode writes the answer's blocks
     back as they fill, before the answer returns. Turn 2 is turn 1, its answer and a new
     message: it reuses at least three blocks, the third (tokens 32-47, half of them the
     answer, which the prefill replica never computed) read from the store, which counts
     the hit, and its tokens stay exact."""
-    turn1 = ids(31, 40)
-    r = complete(server, "us", turn1, 24)
+    r = complete(server, "us", TURN1, TURN1_ANSWER)
     assert r.status_code == 200, r.text
     answer = r.json()["choices"][0]["token_ids"]
-    assert answer == greedy(reference, turn1, 24)
+    assert answer == expected[tuple(TURN1)]
     hits = store_hits(server)
-    turn2 = turn1 + answer + ids(32, 9)
+    turn2 = TURN1 + answer + TURN2_MESSAGE
     wait_free(server, "us")  # placed in ``us``, where the store is (not forwarded to eu)
     before = placed(server)
     r = complete(server, "us", turn2, 12)
     assert r.status_code == 200, r.text
     assert placed(server)["us"] - before["us"] == 1
-    assert r.json()["choices"][0]["token_ids"] == greedy(reference, turn2, 12)
+    assert r.json()["choices"][0]["token_ids"] == expected[tuple(turn2)]
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * BS
     deadline = time.monotonic() + 30
     while store_hits(server) <= hits:  # replicas report their counters every 0.1 s
