@@ -41,13 +41,15 @@ def package_file(module: str, package: str, *parts: str) -> Path:
 
 
 def resolve_model(ref: str | Path) -> Path:
-    """The path of model ``ref``: an existing path, or a pretrained model's file by name."""
+    """The path of model ``ref``: an existing path, or a pretrained model's converted folder
+    by name."""
     path = Path(ref)
     if path.exists() or str(ref) not in PRETRAINED:
         return path
-    module, package, filename = PRETRAINED[str(ref)]
+    gguf = pretrained_file(str(ref))  # PackageUnavailable, naming it, when not installed
+    _, package, filename = PRETRAINED[str(ref)]
     identity = f"{package}=={importlib.metadata.version(package)}/{filename}"
-    return converted(pretrained_file(str(ref)), identity)
+    return converted(gguf, identity)
 
 
 def pretrained_file(name: str) -> Path:

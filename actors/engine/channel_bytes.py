@@ -14,9 +14,8 @@ def use_channel_bytes() -> None:
     variable made Ray start each worker through its environment set-up, half a second of
     CPU, and kept it from reusing an idle worker; the compile option alone makes the graph's
     teardown hang.) Elsewhere nothing changes: a group's driver (a replica, a test) keeps
-    Ray's default, since the channels it creates, each compile, would cost 16 MiB each (a
-    P/D app whose idle graphs are torn down and compiled again served 1.6x slower); a
-    worker run in process has no channels."""
+    Ray's default, as it did with the variable (it had imported ``ray.dag.context``, which
+    reads it, before the executor set it); a worker run in process has no channels."""
     if "ray" not in sys.modules:
         return
     import ray

@@ -1,8 +1,8 @@
-"""The pretrained SmolLM2-135M-Instruct (from its GGUF file) gives the single-process
-engine's greedy tokens in every layout: prefill/decode disaggregated (1 + 1), and replicas
-split tp=3 x kvp=2 and spp=2 x kvp=2 over worker actors, on a local Ray cluster (its 9
-query and 3 KV heads split by 3, not 2; two layouts of 4-6 workers rather than one of 12,
-which two cores cannot carry).
+"""The pretrained SmolLM2-135M-Instruct (by name: its GGUF file converted once into the model
+cache) gives the single-process engine's greedy tokens in every layout: prefill/decode
+disaggregated (1 + 1), and replicas split tp=3 x kvp=2 and spp=2 x kvp=2 over worker actors,
+on a local Ray cluster (its 9 query and 3 KV heads split by 3, not 2; two layouts of 4-6
+workers rather than one of 12, which two cores cannot carry).
 
 float32, as served: where a layout's token differs from the reference, the reference's two
 best logprobs at that step must be a tie (closer than ``TIE``); nothing after it is compared.

