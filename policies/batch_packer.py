@@ -4,9 +4,14 @@ Given the iteration's decodes (already in the batch) and the prefills that want 
 priority order, it sizes each prefill's chunk with a runtime predictor:
 
 - the long prefill (the one with the most tokens left) gets the largest chunk that keeps
-  the predicted batch time under ``target_batch_time`` (the decodes' TPOT target), never
-  below the predictor's efficient minimum at its context offset. Attention grows with
-  the context, so the same time buys fewer tokens as its KV grows: chunks shrink.
+  the predicted batch time under the step's target, never below the predictor's efficient
+  minimum at its context offset. The target is ``target_batch_time`` (seconds: the
+  decodes' TPOT target), or ``decode_slowdown`` times the predicted time of the step's
+  decodes alone (a decode's gap grows at most that much while prompts prefill beside it;
+  a step without decodes has no target but the budget). A relative target needs no
+  per-model figure, and a predictor's uniform error (its cold start) cancels out of it.
+  Attention grows with the context, so the same time buys fewer tokens as its KV grows:
+  chunks shrink.
 - prefills ranked ahead of the long one (more urgent) take what they need first, up to
   the target; those ranked behind it ride in the room it leaves: a share ``min(max_share,
   their highest urgency)`` of the time left is theirs (urgency from the ordering, 1 -
@@ -21,6 +26,7 @@ Pure and stdlib only: the predictor is injected (``placement.runtime_predictor``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,19 +63,25 @@ class BatchPacker:
     def __init__(
         self,
         predictor: StepPredictor,
-        target_batch_time: float,
+        target_batch_time: float | None = None,
         max_share: float = 0.5,
         max_chunk: int | None = None,
         min_chunk: int = 1,
+        decode_slowdown: float | None = None,
     ) -> None:
-        if target_batch_time <= 0:
+        if (target_batch_time is None) == (decode_slowdown is None):
+            raise ValueError("give target_batch_time or decode_slowdown, one of them")
+        if target_batch_time is not None and not target_batch_time > 0:
             raise ValueError("target_batch_time must be positive (seconds per iteration)")
+        if decode_slowdown is not None and not decode_slowdown > 1:
+            raise ValueError("decode_slowdown must be above 1 (a step's time over its decodes')")
         if not 0.0 <= max_share <= 1.0:
             raise ValueError("max_share must be in [0, 1]")
         if (max_chunk is not None and max_chunk < 1) or min_chunk < 1:
             raise ValueError("max_chunk and min_chunk must be at least 1")
         self.predictor = predictor
         self.target = target_batch_time
+        self.decode_slowdown = decode_slowdown
         self.max_share = max_share
         self.max_chunk = max_chunk
         self.min_chunk = min_chunk
@@ -80,6 +92,16 @@ class BatchPacker:
         n = max(self.min_chunk, self.predictor.efficient_chunk(context))
         return n if self.max_chunk is None else min(n, self.max_chunk)
 
+    def step_target(self, decodes: Batch) -> float:
+        """Seconds this step may take: the fixed target, or ``decode_slowdown`` times the
+        decodes' own predicted time (inf without decodes)."""
+        if self.target is not None:
+            return self.target
+        if not decodes:
+            return math.inf
+        assert self.decode_slowdown is not None
+        return self.decode_slowdown * self.predictor.batch_time(decodes)
+
     def pack(
         self, decodes: Batch, candidates: Sequence[PrefillCandidate], budget: int
     ) -> list[int]:
@@ -89,6 +111,7 @@ class BatchPacker:
         if not candidates or budget <= 0:
             return chunks
         p = self.predictor
+        target = self.step_target(decodes)
         batch = list(decodes)
         longest = max(range(len(candidates)), key=lambda i: candidates[i].uncomputed)
         ahead, behind = range(longest), range(longest + 1, len(candidates))
@@ -115,23 +138,21 @@ class BatchPacker:
 
         # Prefills more urgent than the long one take what they need, up to the target.
         for i in ahead:
-            grow(i, self.target)
+            grow(i, target)
         # The long one, leaving the less urgent ones their share of the room.
         share = 0.0
         if behind:
             share = min(self.max_share, max(candidates[i].urgency for i in behind))
         start = p.batch_time(batch)
-        grow(longest, start + (1.0 - share) * max(0.0, self.target - start))
+        room = max(0.0, target - start)
+        grow(longest, start + (1.0 - share) * room if share < 1.0 else start)
         big = candidates[longest]
         floor = min(self.floor(big.context), big.uncomputed)
         have = chunks[longest]
         if have < floor:  # below its efficient minimum: its floor if the target allows
             if have:
                 batch.remove((have, big.context))
-            if (
-                floor - have <= budget
-                and p.batch_time([*batch, (floor, big.context)]) <= self.target
-            ):
+            if floor - have <= budget and p.batch_time([*batch, (floor, big.context)]) <= target:
                 batch.append((floor, big.context))
                 budget -= floor - have
                 chunks[longest] = floor
@@ -140,9 +161,9 @@ class BatchPacker:
                 chunks[longest] = 0
         # The less urgent ones ride in the rest, in priority order; then whatever is left.
         for i in behind:
-            grow(i, self.target)
+            grow(i, target)
         if chunks[longest] and budget > 0:
-            grow(longest, self.target)
+            grow(longest, target)
         if not any(chunks):  # progress: the most urgent runs its efficient minimum
             first = candidates[0]
             n = min(self.floor(first.context), first.uncomputed, budget)

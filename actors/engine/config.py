@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from actors.engine.decode_buckets import default_buckets, normalize_buckets
-from actors.engine.defaults import CHUNK_SIZE, TOKEN_BUDGET
+from actors.engine.defaults import CHUNK_SIZE, DECODE_SLOWDOWN, TOKEN_BUDGET
 from policies.chunking import ChunkRule
 from policies.ordering import Ordering
 from policies.slack import POLICIES
@@ -47,11 +47,14 @@ class EngineConfig:
     Scheduling (Medha): ``scheduling`` orders prefills, "fcfs" (default), "edf", "lrs" or
     "ilrs" (``policies.slack``), by TTFT deadlines: a request's ``ttft_slo`` (sampling
     parameter), else ``default_ttft_slo``, else ``ttft_slo_factor`` x its predicted prefill
-    time alone, at least ``min_ttft_slo`` seconds. ``target_batch_time`` (seconds, the
-    decodes' TPOT target) turns on the batch packer (``policies.batch_packer``): adaptive
-    chunks under that predicted step time and prefill-prefill batching, the short
-    prefills' share of a step at most ``max_prefill_share``; ``chunk_size`` then caps a
-    chunk. ``attention_quota`` (seconds; DualPath's intra-engine rule, instead of
+    time alone, at least ``min_ttft_slo`` seconds. Prompt chunks are fixed (``chunk_size``, or
+    ``chunk_rule``'s) unless a target turns on Medha's batch packer
+    (``policies.batch_packer``: adaptive chunks and prefill-prefill batching, the short
+    prefills' share of a step at most ``max_prefill_share``, ``chunk_size`` capping a
+    chunk): ``target_batch_time`` (seconds, the decodes' TPOT target) or
+    ``decode_slowdown`` (k: each step at most k times its decodes' own predicted step; the
+    fixed target wins where both are given; ignored beside a ``chunk_rule``).
+    ``attention_quota`` (seconds; DualPath's intra-engine rule, instead of
     ``target_batch_time``) fills each step in FIFO order while its predicted attention time
     stays within the quota and chunks the request that would overflow it
     (``policies.dualpath.AttentionQuotaPacker``). All use the replica's runtime predictor
@@ -128,6 +131,7 @@ class EngineConfig:
     ttft_slo_factor: float = 3.0
     min_ttft_slo: float = 0.0
     target_batch_time: float | None = None
+    decode_slowdown: float | None = DECODE_SLOWDOWN
     max_prefill_share: float = 0.5
     attention_quota: float | None = None
 
@@ -146,6 +150,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds or None")
+        if self.decode_slowdown is not None and not self.decode_slowdown > 1:
+            raise ValueError(
+                "decode_slowdown must be above 1 (a step's time over its decodes' alone) or "
+                f"None for fixed chunks, got {self.decode_slowdown}"
+            )
         if not self.ttft_slo_factor > 0 or self.min_ttft_slo < 0:
             raise ValueError("ttft_slo_factor must be positive and min_ttft_slo non-negative")
         if not 0.0 <= self.max_prefill_share <= 1.0:

@@ -25,6 +25,16 @@ to the chunk's length, so a long chunk stalls every running decode; 2048 served 
 requests/s than 512 on the bench model but doubled TTFT. ``CHUNK_SIZE`` (None: the budget)
 caps one request's chunk below it.
 
+``DECODE_SLOWDOWN`` (None: fixed chunks): ``decode_slowdown: k`` sizes prompt chunks so a step
+beside decodes is predicted to take at most k times the decodes' own step (Medha's batch
+packer with a target relative to the replica's measured steps, ``policies.batch_packer``;
+no per-model figure, and the predictor's cold start cancels out). Not the default: on
+SmolLM2 with ShareGPT at 32 streams, k = 2 served 1.65 req/s against fixed chunks' 2.04 in
+the same hour (three interleaved runs each beside vLLM, 2026-11-29) and did not shorten
+the client's p99 gap between tokens (2.5 s against 2.2 s): prompts then prefill at about
+half the engine's pace while decodes run, the decode batch thins, and the tail is not the
+long mixed steps alone (docs/benchmarks.md).
+
 ``REPORT_INTERVAL_S`` (0.5 s): how often a busy Serve replica pushes its block events, stats
 and metrics to the router deployment (an idle one every 2 s). Each push is a Serve handle
 call that costs the replica's Python threads and the router's; the router records its own
@@ -62,6 +72,7 @@ ENGINE_NICE = 0
 PIN_CORES = True
 TOKEN_BUDGET = 512
 CHUNK_SIZE: int | None = None
+DECODE_SLOWDOWN: float | None = None
 REPORT_INTERVAL_S = 0.5
 REGION_REPORT_INTERVAL_S = 0.1
 DECODE_WAIT_S = 30.0

@@ -214,6 +214,63 @@ def test_packer_on_plain_data():
         BatchPacker(pred, target_batch_time=0)
 
 
+def test_a_relative_target_holds_each_step_to_a_multiple_of_its_decodes_own():
+    pred = predictor(pairs=2e-9)
+    packer = BatchPacker(pred, decode_slowdown=2.0)
+    long = PrefillCandidate(uncomputed=50_000, context=1000)
+    for decodes in ([(1, 500)] * 32, [(1, 500)] * 64, [(1, 4000)] * 16):
+        alone = pred.batch_time(decodes)
+        (n,) = packer.pack(decodes, [long], budget=100_000)
+        with_chunk = pred.batch_time([*decodes, (n, 1000)])
+        assert n > 0 and with_chunk <= 2.0 * alone + 1e-12
+        assert pred.batch_time([*decodes, (n + 1, 1000)]) > 2.0 * alone  # the largest such
+    # more decodes, a longer step to share: the chunk grows with the decodes' time
+    few, many = ([(1, 500)] * k for k in (32, 128))
+    assert packer.pack(few, [long], 100_000)[0] < packer.pack(many, [long], 100_000)[0]
+    # decodes too quick to share a step worth running: the chunk's efficient minimum
+    assert packer.pack([(1, 500)] * 4, [long], 100_000) == [packer.floor(1000)]
+    # without decodes nothing but the budget bounds the step
+    assert packer.pack([], [long], budget=4096) == [4096]
+    # a uniform error of the predictor (its cold start) cancels out of the target
+    scaled = predictor(pairs=2e-9)
+    m = pred.prefill_time
+    assert m is not None
+    scaled.prefill_time = LinearPrefillTime(
+        base=20 * m.base,
+        per_new_token=20 * m.per_new_token,
+        per_cached_token=20 * m.per_cached_token,
+        per_attention_pair=20 * m.per_attention_pair,
+    )
+    decodes = [(1, 500)] * 16
+    assert BatchPacker(scaled, decode_slowdown=2.0).pack(decodes, [long], 100_000) == (
+        packer.pack(decodes, [long], 100_000)
+    )
+    for bad in ({}, {"target_batch_time": 0.1, "decode_slowdown": 2.0}):
+        with pytest.raises(ValueError, match="one of them"):
+            BatchPacker(pred, **bad)
+    with pytest.raises(ValueError, match="decode_slowdown must be above 1"):
+        BatchPacker(pred, decode_slowdown=1.0)
+
+
+def test_an_engine_packs_chunks_relative_to_its_decodes_when_asked():
+    from actors.engine.config import EngineConfig
+    from actors.engine.controller_builder import _scheduler
+
+    kv = KVCacheManager(BlockPool(64, 16), enable_prefix_caching=False)
+    _, relative = _scheduler(EngineConfig(decode_slowdown=2.5), kv)  # type: ignore[arg-type]
+    assert isinstance(relative.packer, BatchPacker)
+    assert relative.packer.decode_slowdown == 2.5 and relative.packer.target is None
+    both = EngineConfig(decode_slowdown=2.5, target_batch_time=0.2)  # the fixed target wins
+    _, fixed_target = _scheduler(both, kv)  # type: ignore[arg-type]
+    assert isinstance(fixed_target.packer, BatchPacker)
+    assert fixed_target.packer.target == 0.2 and fixed_target.packer.decode_slowdown is None
+    ruled = EngineConfig(decode_slowdown=2.5, chunk_rule=FixedChunk(64))
+    for fixed in (EngineConfig(), ruled):  # the default: fixed chunks
+        assert _scheduler(fixed, kv)[1].packer is None  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode_slowdown must be above 1"):
+        EngineConfig(decode_slowdown=0.5)
+
+
 def test_engine_and_serve_group_options():
     from actors.engine.config import EngineConfig
     from actors.serving.config import ReplicaGroupConfig
