@@ -58,7 +58,10 @@ Meridian serves ``--model-path`` (a ``.gguf`` file or a Hugging Face folder) fro
 colocated replica (engine options as above); ``--peer-url`` adds a peer server on the same
 weights, interleaved; there is no in-process side. ``--request-rate R``: Poisson arrivals
 at R conversations/s, at most N in flight; else a closed loop of N streams. Goodput: the
-requests per second that met ``--ttft-slo`` and ``--tpot-slo``.
+requests per second that met ``--ttft-slo`` and ``--tpot-slo``. Each chat run also reports
+the client's own wait (``bench/client_wait.py``): how late its event loop woke at most and
+how long its thread sat runnable without a CPU, the part of a gap between tokens that the
+client, sharing the server's cores, added itself.
 
     python bench/serve.py --dataset sharegpt --model-path M.gguf --streams 8 32 \
         --peer-url http://127.0.0.1:8001 --peer-model DIR

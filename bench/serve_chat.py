@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.client_wait import LoopWatch
 from bench.interleave import median_ratio, turns
 from bench.serve_records import Sample, TokenClock
 
@@ -217,6 +218,8 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
         for rep in range(args.repeats):
             for name, client in turns(sides, rep):
                 run = Run(name, c, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+                watch = LoopWatch()
+                watching = asyncio.ensure_future(watch.run())
                 run.duration, run.samples = await drive(
                     client.conversation,
                     slices[ci * args.repeats + rep],
@@ -224,6 +227,10 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
                     args.request_rate,
                     seed=1000 * rep + c,
                 )
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
+                run.client_lag = watch.max_lag
+                run.client_runqueue = float("nan") if watch.runqueue_s is None else watch.runqueue_s
                 run.input_tokens = sum(s.prompt_tokens for s in run.samples)
                 results.setdefault((name, c), []).append(run)
                 m = run.metrics()

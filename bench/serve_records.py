@@ -9,6 +9,7 @@ carry the first turn and its answer as a prefix, which a prefix cache can skip."
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     input_tokens: int = 0
     engine_itl: float = float("nan")  # the engine's own mean gap between tokens (its metric)
+    client_lag: float = float("nan")  # seconds the bench's loop woke late, at most (client_wait)
+    client_runqueue: float = float("nan")  # seconds its loop thread waited for a CPU
     ttft_slo: float = float("inf")  # seconds
     tpot_slo: float = float("inf")  # seconds
 
@@ -95,6 +98,9 @@ class Run:
             "tot_tok_s": (out_tokens + self.input_tokens) / self.duration,
             "engine_itl": self.engine_itl * 1e3,
         }
+        if not math.isnan(self.client_lag):  # measured (chat runs)
+            m["client_lag"] = self.client_lag * 1e3
+            m["client_runqueue"] = self.client_runqueue
         for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
             m[f"mean_{name}"] = statistics.fmean(xs) if xs else float("nan")
             m[f"median_{name}"] = statistics.median(xs) if xs else float("nan")
@@ -141,6 +147,9 @@ ROWS = [
     ("P99 second-turn TTFT (ms):", "p99_ttft_turn2", "{:.2f}"),
     ("Engine side (the replica's metrics)", None, None),
     ("Mean engine ITL (ms):", "engine_itl", "{:.2f}"),
+    ("The client's own wait (bench/client_wait.py)", None, None),
+    ("Max event-loop lag (ms):", "client_lag", "{:.0f}"),
+    ("Run-queue wait (s):", "client_runqueue", "{:.2f}"),
 ]
 
 

@@ -94,3 +94,32 @@ def test_wait_for_answers_times_out_and_stops_when_gone():
         wait_for(lambda: None, "the app", 0, every_s=0)
     with pytest.raises(RuntimeError, match="exited with 1"):
         wait_for(lambda: None, "the app", 5, gone=lambda: "exited with 1", every_s=0)
+
+
+def test_loop_watch_sees_the_client_loop_blocked_and_its_run_queue_wait():
+    import sys
+    import time
+
+    from bench.client_wait import LoopWatch, runqueue_seconds
+    from bench.serve_records import Run
+
+    async def blocked_once() -> LoopWatch:
+        watch = LoopWatch(period=0.001)
+        task = asyncio.ensure_future(watch.run())
+        await asyncio.sleep(0.01)  # the watch is sleeping in its loop
+        time.sleep(0.2)  # the loop cannot run: the watch wakes at least this late
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return watch
+
+    watch = asyncio.run(blocked_once())
+    assert watch.max_lag >= 0.2 - 0.001
+    if sys.platform.startswith("linux"):  # the kernel's count for this thread
+        assert runqueue_seconds() is not None
+        assert watch.runqueue_s is not None and watch.runqueue_s >= 0.0
+    run = Run("x", 1, duration=1.0)
+    assert "client_lag" not in run.metrics()  # not measured: no row
+    run.client_lag, run.client_runqueue = watch.max_lag, 0.5
+    m = run.metrics()
+    assert m["client_lag"] == watch.max_lag * 1e3 and m["client_runqueue"] == 0.5
