@@ -123,3 +123,45 @@ def test_loop_watch_sees_the_client_loop_blocked_and_its_run_queue_wait():
     run.client_lag, run.client_runqueue = watch.max_lag, 0.5
     m = run.metrics()
     assert m["client_lag"] == watch.max_lag * 1e3 and m["client_runqueue"] == 0.5
+
+
+def test_a_bench_stopped_during_the_grace_period_still_kills_the_server_session(tmp_path):
+    """SIGTERM to a bench raises SystemExit; a server that ignores SIGINT must not outlive
+    it (``stop_session`` kills the session on the way out)."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from bench.session import start_session, stop_session
+
+    server = start_session(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "open('ready', 'w').close(); time.sleep(600)",
+        ],
+        tmp_path / "log",
+        cwd=tmp_path,
+    )
+    try:
+        while server.poll() is None and not (tmp_path / "ready").exists():
+            threading.Event().wait(0.01)
+
+        def stop_bench(*_: object) -> None:
+            raise SystemExit(143)
+
+        previous = signal.signal(signal.SIGUSR1, stop_bench)
+        try:
+            timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+            timer.start()
+            with pytest.raises(SystemExit):
+                stop_session(server, grace_s=60)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert server.poll() is not None  # killed, not left running
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
