@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SCHEDSTAT = Path("/proc/thread-self/schedstat")
@@ -35,20 +36,29 @@ def runqueue_seconds() -> float | None:
 
 
 class LoopWatch:
-    def __init__(self, period: float = 0.01) -> None:
+    """``clock`` and ``runqueue`` are the readings it takes (injected by tests)."""
+
+    def __init__(
+        self,
+        period: float = 0.01,
+        clock: Callable[[], float] = time.perf_counter,
+        runqueue: Callable[[], float | None] = runqueue_seconds,
+    ) -> None:
         self.period = period
+        self.clock = clock
+        self.runqueue = runqueue
         self.max_lag = 0.0  # seconds a wake-up came late, at most
         self.runqueue_s: float | None = None  # the loop thread's run-queue wait over the run
-        self._start = runqueue_seconds()
+        self._start = runqueue()
 
     async def run(self) -> None:
         """Until cancelled: wake every ``period`` and keep the worst lateness."""
         try:
             while True:
-                before = time.perf_counter()
+                before = self.clock()
                 await asyncio.sleep(self.period)
-                self.max_lag = max(self.max_lag, time.perf_counter() - before - self.period)
+                self.max_lag = max(self.max_lag, self.clock() - before - self.period)
         finally:
-            now = runqueue_seconds()
+            now = self.runqueue()
             if now is not None and self._start is not None:
                 self.runqueue_s = now - self._start

@@ -52,8 +52,8 @@ class EngineConfig:
     (``policies.batch_packer``: adaptive chunks and prefill-prefill batching, the short
     prefills' share of a step at most ``max_prefill_share``, ``chunk_size`` capping a
     chunk): ``target_batch_time`` (seconds, the decodes' TPOT target) or
-    ``decode_slowdown`` (k: each step at most k times its decodes' own predicted step; the
-    fixed target wins where both are given; ignored beside a ``chunk_rule``).
+    ``decode_slowdown`` (k: each step at most k times its decodes' own predicted step; not
+    beside ``target_batch_time``, ``attention_quota`` or a ``chunk_rule``).
     ``attention_quota`` (seconds; DualPath's intra-engine rule, instead of
     ``target_batch_time``) fills each step in FIFO order while its predicted attention time
     stays within the quota and chunks the request that would overflow it
@@ -150,11 +150,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds or None")
-        if self.decode_slowdown is not None and not self.decode_slowdown > 1:
-            raise ValueError(
-                "decode_slowdown must be above 1 (a step's time over its decodes' alone) or "
-                f"None for fixed chunks, got {self.decode_slowdown}"
-            )
+        if self.decode_slowdown is not None:
+            if not self.decode_slowdown > 1:
+                raise ValueError(
+                    "decode_slowdown must be above 1 (a step's time over its decodes' alone) "
+                    f"or None for fixed chunks, got {self.decode_slowdown}"
+                )
+            for other in ("target_batch_time", "attention_quota", "chunk_rule"):
+                if getattr(self, other) is not None:
+                    raise ValueError(f"give decode_slowdown or {other}, not both")
         if not self.ttft_slo_factor > 0 or self.min_ttft_slo < 0:
             raise ValueError("ttft_slo_factor must be positive and min_ttft_slo non-negative")
         if not 0.0 <= self.max_prefill_share <= 1.0:

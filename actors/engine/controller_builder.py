@@ -183,13 +183,8 @@ def _scheduler(config: EngineConfig, kv: KVCache) -> tuple[RuntimePredictor | No
     predictor: RuntimePredictor | None = None
     ordering: Ordering | None = config.ordering
     packer: Packer | None = None
-    relative = (
-        config.decode_slowdown is not None
-        and config.target_batch_time is None
-        and config.attention_quota is None
-        and config.chunk_rule is None
-    )
-    packing = config.target_batch_time is not None or config.attention_quota is not None or relative
+    medha = config.target_batch_time is not None or config.decode_slowdown is not None
+    packing = medha or config.attention_quota is not None
     if config.scheduling != "fcfs" or packing:
         predictor = RuntimePredictor(
             chunk_size=config.chunk_size or 512, min_samples=8, refit_every=8
@@ -204,14 +199,14 @@ def _scheduler(config: EngineConfig, kv: KVCache) -> tuple[RuntimePredictor | No
             stages=config.spp,  # a prompt's chunks pipeline through the stages
         )
         ordering = make_ordering(config.scheduling, deadlines)
-    if config.target_batch_time is not None or relative:
+    if medha:
         assert predictor is not None
         packer = BatchPacker(
             TailStepTime(predictor),  # chunks sized to the steps' measured tail, not mean
             config.target_batch_time,
             config.max_prefill_share,
             max_chunk=config.chunk_size,
-            decode_slowdown=config.decode_slowdown if relative else None,
+            decode_slowdown=config.decode_slowdown,
         )
     if config.attention_quota is not None:  # DualPath's intra-engine rule
         assert predictor is not None

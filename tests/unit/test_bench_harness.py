@@ -96,33 +96,41 @@ def test_wait_for_answers_times_out_and_stops_when_gone():
         wait_for(lambda: None, "the app", 5, gone=lambda: "exited with 1", every_s=0)
 
 
-def test_loop_watch_sees_the_client_loop_blocked_and_its_run_queue_wait():
+def test_loop_watch_keeps_the_worst_lateness_and_the_run_queue_wait():
     import sys
-    import time
 
     from bench.client_wait import LoopWatch, runqueue_seconds
     from bench.serve_records import Run
 
-    async def blocked_once() -> LoopWatch:
-        watch = LoopWatch(period=0.001)
+    readings = iter([1.0, 3.5])  # the thread's run-queue seconds at the start and the end
+    calls = [0]
+
+    def clock() -> float:
+        """Each wake-up reads it twice: the second wakes 0.5 s after the first's start
+        (0.01 s asked), every other one on time."""
+        n = calls[0] = calls[0] + 1
+        wake, end = divmod(n - 1, 2)
+        late = 0.5 if wake == 1 else 0.01
+        return 10.0 * wake + (late if end else 0.0)
+
+    async def watched() -> LoopWatch:
+        watch = LoopWatch(0.01, clock=clock, runqueue=lambda: next(readings))
         task = asyncio.ensure_future(watch.run())
-        await asyncio.sleep(0.01)  # the watch is sleeping in its loop
-        time.sleep(0.2)  # the loop cannot run: the watch wakes at least this late
-        await asyncio.sleep(0.01)
+        while calls[0] < 8:  # four wake-ups measured
+            await asyncio.sleep(0.001)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return watch
 
-    watch = asyncio.run(blocked_once())
-    assert watch.max_lag >= 0.2 - 0.001
+    watch = asyncio.run(watched())
+    assert watch.max_lag == pytest.approx(0.49) and watch.runqueue_s == pytest.approx(2.5)
     if sys.platform.startswith("linux"):  # the kernel's count for this thread
-        assert runqueue_seconds() is not None
-        assert watch.runqueue_s is not None and watch.runqueue_s >= 0.0
+        assert isinstance(runqueue_seconds(), float)
     run = Run("x", 1, duration=1.0)
     assert "client_lag" not in run.metrics()  # not measured: no row
-    run.client_lag, run.client_runqueue = watch.max_lag, 0.5
+    run.client_lag, run.client_runqueue = watch.max_lag, 2.5
     m = run.metrics()
-    assert m["client_lag"] == watch.max_lag * 1e3 and m["client_runqueue"] == 0.5
+    assert m["client_lag"] == pytest.approx(490.0) and m["client_runqueue"] == 2.5
 
 
 def test_a_bench_stopped_during_the_grace_period_still_kills_the_server_session(tmp_path):

@@ -260,15 +260,13 @@ def test_an_engine_packs_chunks_relative_to_its_decodes_when_asked():
     _, relative = _scheduler(EngineConfig(decode_slowdown=2.5), kv)  # type: ignore[arg-type]
     assert isinstance(relative.packer, BatchPacker)
     assert relative.packer.decode_slowdown == 2.5 and relative.packer.target is None
-    both = EngineConfig(decode_slowdown=2.5, target_batch_time=0.2)  # the fixed target wins
-    _, fixed_target = _scheduler(both, kv)  # type: ignore[arg-type]
-    assert isinstance(fixed_target.packer, BatchPacker)
-    assert fixed_target.packer.target == 0.2 and fixed_target.packer.decode_slowdown is None
-    ruled = EngineConfig(decode_slowdown=2.5, chunk_rule=FixedChunk(64))
-    for fixed in (EngineConfig(), ruled):  # the default: fixed chunks
-        assert _scheduler(fixed, kv)[1].packer is None  # type: ignore[arg-type]
+    assert _scheduler(EngineConfig(), kv)[1].packer is None  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="decode_slowdown must be above 1"):
         EngineConfig(decode_slowdown=0.5)
+    others = {"target_batch_time": 0.2, "attention_quota": 0.1, "chunk_rule": FixedChunk(64)}
+    for name, value in others.items():
+        with pytest.raises(ValueError, match=f"give decode_slowdown or {name}, not both"):
+            EngineConfig(decode_slowdown=2.5, **{name: value})
 
 
 def test_engine_and_serve_group_options():
