@@ -19,14 +19,13 @@ import math
 
 import pytest
 import torch
-import transformers
 from test_models_hf import BLOCK, Runner
 
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.sampling import SamplingParams
 from errors import PackageUnavailable
 from models import load_model, load_tokenizer
-from models.hf_reference import hf_pretrained
+from models.hf_reference import hf_pretrained, hf_tokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(600)]
 torch.set_num_threads(2)
@@ -44,9 +43,7 @@ QUESTIONS = [
 def hf(smollm2_gguf):
     """transformers' model and tokenizer from the same GGUF file (float32)."""
     model = hf_pretrained(smollm2_gguf)
-    tok = transformers.AutoTokenizer.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
-    )
+    tok = hf_tokenizer(smollm2_gguf)
     assert model.dtype == torch.float32
     return model, tok
 
