@@ -9,7 +9,8 @@ every group ask it, so all of them agree on the order and number of updates.
   data outlives the caller and the router), appends it as the next version, wakes every
   watcher, and returns once every live replica has loaded it. The router does not read or
   check weights: the store's process does, warmed when it starts (``warm``: torch and the
-  model's meta build, ~10 s cold under load), and it outlives a killed router.
+  model's meta build, ~10 s cold under load, which the app's first update waits for), and
+  it outlives a killed router.
 - Replicas (``replica_weights.py``) long-poll ``next_version``, fetch the updates they lack
   with ``since`` and say ``loaded``. A replica that starts later loads every update of the
   log before it serves (its first request waits for that).
@@ -23,13 +24,13 @@ every group ask it, so all of them agree on the order and number of updates.
 
 - What must outlive the router (``LogState``: the updates and the sleep state) is saved,
   before anyone sees it, in a ``WeightLogStore``: under Serve a detached named actor of the
-  app (``RemoteLogStore``), which also owns every update's tensors (it reads, checks and
-  puts them in the object store itself, ``keep``), so Serve's replacement of a
-  dead router reads the log back whole and goes on from its version and sleep state. The
-  rest (which replica loaded or slept what) is rebuilt from the replicas' next reports.
-  The store dies with the app: the router's graceful shutdown kills it when Serve is
-  deleting the app (``RemoteLogStore.release``), and a store found under the app's name
-  with another model is replaced, never read.
+  app (``RemoteLogStore``), started by the app's first update or sleep, which also owns
+  every update's tensors (it reads, checks and puts them in the object store itself,
+  ``keep``), so Serve's replacement of a dead router reads the log back whole and goes on
+  from its version and sleep state. The rest (which replica loaded or slept what) is
+  rebuilt from the replicas' next reports. The store dies with the app: the router's
+  graceful shutdown kills it when Serve is deleting the app (``RemoteLogStore.release``),
+  and a store found under the app's name with another model is killed, never read.
 
 Invariants: update ``i`` (1-based) is weight version ``i`` on every replica, across router
 restarts (a restarted router's log is the store's, so it never numbers an update a replica
@@ -139,43 +140,51 @@ STORE_NAMESPACE = "meridian-weights"
 
 class RemoteLogStore:
     """The app's ``WeightLogStore`` as a detached actor named ``<app>/weight-log`` in
-    ``STORE_NAMESPACE`` (Ray's ``get_if_exists``: a restarted router attaches to the one it
-    had); it owns the updates' tensors in the object store."""
+    ``STORE_NAMESPACE``, started by the first update or sleep (an app that never updates
+    its weights runs no such process; that first call pays the store's warm-up). A
+    restarted router attaches to the one its app had, if any; it owns the updates'
+    tensors in the object store."""
 
     def __init__(self, app: str, model: str | None) -> None:
         import ray
 
         self.app = app
+        self.model = model
         self.name = f"{app}/weight-log"
-        self.owner = self._start(model)
-        state = ray.get(self.owner.read.remote())
+        self.owner: Any = None  # None: no update or sleep saved yet, the log is empty
+        self.state = LogState(model)
+        try:
+            found: Any = ray.get_actor(self.name, namespace=STORE_NAMESPACE)
+        except ValueError:
+            return
+        state = ray.get(found.read.remote())
         if state.model != model:  # another app's log under this name: never read it
             log.warning("replacing the weight log of %s (model %s)", self.name, state.model)
-            ray.kill(self.owner)
-            self.owner = self._start(model)
-            state = ray.get(self.owner.read.remote())
-        self.state: LogState = state
+            ray.kill(found)
+            return
+        self.owner, self.state = found, state
 
-    def _start(self, model: str | None) -> Any:
+    def _started(self) -> Any:
         import ray
 
-        actor: Any = ray.remote(WeightLogStore)
-        owner = actor.options(
-            name=self.name,
-            namespace=STORE_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=1,
-        ).remote(model)
-        owner.warm.remote()  # a restarted router's store is warm already: a no-op thread
-        return owner
+        if self.owner is None:
+            actor: Any = ray.remote(WeightLogStore)
+            self.owner = actor.options(
+                name=self.name,
+                namespace=STORE_NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                num_cpus=0,
+                max_concurrency=1,
+            ).remote(self.model)
+            self.owner.warm.remote()
+        return self.owner
 
     def read(self) -> LogState:
         return self.state
 
     async def save(self, state: LogState) -> None:
-        await self.owner.save.remote(state)
+        await self._started().save.remote(state)
         self.state = state
 
     async def keep(self, source: Any) -> list[Any]:
@@ -185,7 +194,7 @@ class RemoteLogStore:
         import ray
 
         try:
-            return list(await self.owner.keep.remote(source))
+            return list(await self._started().keep.remote(source))
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, MeridianError):
                 raise e.cause from None
@@ -197,6 +206,8 @@ class RemoteLogStore:
         import ray
         from ray import serve
 
+        if self.owner is None:
+            return
         try:
             app = serve.status().applications.get(self.app)
             deleting = app is None or str(app.status).endswith("DELETING")

@@ -22,6 +22,7 @@ import torch
 from serve_common import APP, Server, serve_running
 
 from actors import LLM, SamplingParams
+from actors.serving.weight_updates import STORE_NAMESPACE
 from errors import InvalidRequestError
 from models import write_tiny_model
 from models.hf_reference import hf_greedy
@@ -97,6 +98,10 @@ def test_updates_through_the_admin_route_and_the_handle(server, weights, prompts
     base, (v1_dir, _), (v2_dir, t2) = weights
     old, new1, new2 = (hf_greedy(d, prompts, NEW) for d in (base, v1_dir, v2_dir))
     assert old != new1 != new2
+    import ray
+
+    with pytest.raises(ValueError):  # no update yet: the app runs no weight log process
+        ray.get_actor(f"{APP}/weight-log", namespace=STORE_NAMESPACE)
     user = LLM.attach(server.url, api_key=USER)
     runs = run_everywhere(user, prompts)
     assert_tokens(runs, old)
