@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def make_serve_env(makefile: Path = ROOT / "Makefile") -> dict[str, str]:
     """The ``VAR=value`` words before ``serve run`` in the Makefile's ``serve`` recipe."""
-    lines = makefile.read_text().splitlines()
+    lines = makefile.read_text().replace("\\\n", " ").splitlines()  # continuations joined
     start = lines.index("serve: $(STAMP)")
     for line in lines[start + 1 :]:
         if not line.startswith("\t"):

@@ -14,6 +14,7 @@ import pytest
 
 from bench.app_probe import wait_for
 from bench.interleave import interleaved, median_ratio, medians, schedule, turns
+from bench.serve_defaults import make_serve_env
 from bench.sse import StreamCut, StreamError, sse_chunks, sse_json
 from sim.metrics import percentile
 
@@ -173,3 +174,18 @@ def test_a_bench_stopped_during_the_grace_period_still_kills_the_server_session(
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def test_make_serve_env_reads_the_variables_of_a_continued_serve_recipe(tmp_path):
+    makefile = tmp_path / "Makefile"
+    makefile.write_text(
+        "serve: $(STAMP)\n"
+        "\t$(COMPILE)\n"
+        "\tA=1 B='two words' \\\n"
+        "\tC=3 \\\n"
+        "\t$(VENV)/bin/serve run $(CONFIG)\n"
+        "\n"
+        "test: $(STAMP)\n"
+        "\tD=4 $(VENV)/bin/serve run other.yaml\n"
+    )
+    assert make_serve_env(makefile) == {"A": "1", "B": "two words", "C": "3"}
