@@ -48,13 +48,15 @@ def hf_gguf_folder(gguf: Path) -> Path:
     own tokenizer converter), saved once per machine as a Hugging Face folder in the model
     cache: reading the file takes transformers about 25 s, the folder under half a second.
     Nothing of Meridian's loader is in it, so the exactness tests still compare two
-    independent readings of the file. Keyed by the file's name, size and modification time
-    and transformers' version."""
+    independent readings of the file. Keyed by the file's bytes (a fresh install of the same
+    package writes the same file at another time) and transformers' version."""
     import transformers
 
-    stat = gguf.stat()
-    identity = f"{gguf.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(transformers.__version__.encode())
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
 
     def write(folder: Path) -> None:
         auto = transformers.AutoModelForCausalLM
