@@ -3,6 +3,7 @@ tokens on the same model folder (float64 on the CPU unless told otherwise)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,7 @@ def hf_pretrained(model: str | Path) -> Any:
     transformers' own dequantizer (float32, ``hf_gguf_folder``), in eval mode."""
     import transformers
 
-    path = Path(model)
-    folder = hf_gguf_folder(path) if path.suffix == ".gguf" else path
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(_hf_folder(model)).eval()
 
 
 def hf_tokenizer(model: str | Path) -> Any:
@@ -38,11 +37,15 @@ def hf_tokenizer(model: str | Path) -> Any:
     transformers' own converter of its vocabulary."""
     import transformers
 
+    return transformers.AutoTokenizer.from_pretrained(_hf_folder(model))
+
+
+def _hf_folder(model: str | Path) -> str:
     path = Path(model)
-    folder = hf_gguf_folder(path) if path.suffix == ".gguf" else path
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
+    return str(hf_gguf_folder(path) if path.suffix == ".gguf" else path)
 
 
+@functools.cache  # the file is hashed once per process (the model and its tokenizer)
 def hf_gguf_folder(gguf: Path) -> Path:
     """What transformers reads from a ``.gguf`` file (its own dequantizer, float32, and its
     own tokenizer converter), saved once per machine as a Hugging Face folder in the model

@@ -8,9 +8,8 @@ every group ask it, so all of them agree on the order and number of updates.
   and put it in Ray's object store once as ``SharedWeights`` (owned by the store, so the
   data outlives the caller and the router), appends it as the next version, wakes every
   watcher, and returns once every live replica has loaded it. The router does not read or
-  check weights: the store's process does, warmed when it starts (``warm``: torch and the
-  model's meta build, ~10 s cold under load, which the app's first update waits for), and
-  it outlives a killed router.
+  check weights: the store's process does (its first check imports torch and builds the
+  model on the meta device, ~10 s cold under load), and it outlives a killed router.
 - Replicas (``replica_weights.py``) long-poll ``next_version``, fetch the updates they lack
   with ``since`` and say ``loaded``. A replica that starts later loads every update of the
   log before it serves (its first request waits for that).
@@ -45,10 +44,8 @@ starts an empty store whose versions the replicas already hold: deploy the app a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,15 +94,6 @@ class WeightLogStore:
     async def save(self, state: LogState) -> None:
         self.state = state
 
-    def warm(self) -> None:
-        """Make ``keep``'s first check fast: in a thread (``read`` and ``save`` answer
-        meanwhile), import torch and build the model on the meta device (``expected``)."""
-        threading.Thread(target=self._warm, daemon=True, name="meridian-log-warm").start()
-
-    def _warm(self) -> None:
-        with contextlib.suppress(Exception):  # raised to the update that needs it
-            self.expected()
-
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Every tensor name of the log's model with its shape (what an update may name)."""
         if self._expected is None:
@@ -141,7 +129,7 @@ STORE_NAMESPACE = "meridian-weights"
 class RemoteLogStore:
     """The app's ``WeightLogStore`` as a detached actor named ``<app>/weight-log`` in
     ``STORE_NAMESPACE``, started by the first update or sleep (an app that never updates
-    its weights runs no such process; that first call pays the store's warm-up). A
+    its weights runs no such process; the first update pays its start). A
     restarted router attaches to the one its app had, if any; it owns the updates'
     tensors in the object store."""
 
@@ -177,7 +165,6 @@ class RemoteLogStore:
                 num_cpus=0,
                 max_concurrency=1,
             ).remote(self.model)
-            self.owner.warm.remote()
         return self.owner
 
     def read(self) -> LogState:

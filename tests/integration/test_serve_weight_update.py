@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+import ray
 import torch
 from serve_common import APP, Server, serve_running
 
@@ -71,8 +72,6 @@ def server(local_ray_cluster, tmp_path_factory, weights):
         ],
     }
     with serve_running(cluster, app_args, tmp_path_factory.mktemp("serve"), NUM_REPLICAS) as url:
-        import ray
-
         cluster.connect()  # for LLM.attach(APP) and to kill a replica
         try:
             yield Server(url, cluster, USER)
@@ -98,8 +97,6 @@ def test_updates_through_the_admin_route_and_the_handle(server, weights, prompts
     base, (v1_dir, _), (v2_dir, t2) = weights
     old, new1, new2 = (hf_greedy(d, prompts, NEW) for d in (base, v1_dir, v2_dir))
     assert old != new1 != new2
-    import ray
-
     with pytest.raises(ValueError):  # no update yet: the app runs no weight log process
         ray.get_actor(f"{APP}/weight-log", namespace=STORE_NAMESPACE)
     user = LLM.attach(server.url, api_key=USER)
@@ -140,7 +137,6 @@ def test_updates_through_the_admin_route_and_the_handle(server, weights, prompts
 def test_a_replica_started_after_the_updates_serves_the_newest_weights(server, weights, prompts):
     """Kill a colocated replica; Serve starts another, which loads both updates (the
     router's log) before its first request. Runs after the updates above."""
-    import ray
     from ray import serve
     from ray._private import state
 
@@ -205,7 +201,6 @@ def test_the_weight_log_outlives_a_killed_router(server, weights, prompts):
     """Kill the Router actor; Serve's replacement reads the log back (the tensors too) and
     numbers the next update after it, and every replica loads that update. Runs after the
     three updates above (version 3: the first folder's weights again)."""
-    import ray
     from ray import serve
     from ray._private import state
 
