@@ -48,7 +48,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	$(COMPILE)
-	$(PY) -m pytest -q -rs --durations=15
+	$(PY) -m pytest -q -rsfE --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/engine_cpu.py
