@@ -15,6 +15,7 @@ def cpu_hog() -> Iterator[None]:
     hog = subprocess.Popen(
         [sys.executable, "-c", "while True: pass"],
         preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, 0),
+        start_new_session=True,  # not in the bench client's session (client_session.py)
     )
     try:
         yield

@@ -61,7 +61,11 @@ at R conversations/s, at most N in flight; else a closed loop of N streams. Good
 requests per second that met ``--ttft-slo`` and ``--tpot-slo``. Each chat run also reports
 the client's own wait (``bench/client_wait.py``): how late its event loop woke at most and
 how long its thread sat runnable without a CPU, the part of a gap between tokens that the
-client, sharing the server's cores, added itself.
+client, sharing the server's cores, added itself. With ``--defaults`` or ``--base-url``
+(every server in a session of its own) the client runs in its own session at a raised
+priority (``--client-nice``, default -10; ``bench/client_session.py``), as a client on
+another machine would: on two cores beside two busy engines its wait otherwise reached
+seconds and made most of Meridian's 32-stream tail.
 
     python bench/serve.py --dataset sharegpt --model-path M.gguf --streams 8 32 \
         --peer-url http://127.0.0.1:8001 --peer-model DIR
@@ -98,12 +102,14 @@ import asyncio
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.bench_model import MODEL, write_bench_model
+from bench.client_session import CLIENT_NICE, rerun_as_client
 from bench.local_serve import serve_app
 from bench.peer import vllm_server
 from bench.serve_chat import ChatClient, run_chat
@@ -316,6 +322,14 @@ def main() -> None:
         action="store_true",
         help="with --defaults: each run's CPU time by part (engines, ingress, proxy, client...)",
     )
+    ap.add_argument(
+        "--client-nice",
+        type=int,
+        default=CLIENT_NICE,
+        help="with --defaults or --base-url (servers in sessions of their own): the client "
+        "runs in its own session at this priority, as a client on another machine "
+        "(bench/client_session.py); 0: as started",
+    )
     args = ap.parse_args()
     chat = args.dataset != "random"
     if args.kv_cache_mib is None:
@@ -337,6 +351,10 @@ def main() -> None:
         ap.error("--cpu-hog needs --defaults and the random dataset")
     if args.cpu_profile and (chat or not args.defaults):
         ap.error("--cpu-profile needs --defaults and the random dataset")
+    if args.defaults or args.base_url:  # else the app runs in this session: nothing to raise
+        status = rerun_as_client(args.client_nice)
+        if status is not None:
+            sys.exit(status)
     peer: contextlib.AbstractContextManager[tuple[str, str] | None] = contextlib.nullcontext()
     if args.peer_python:
         model_dir = Path(args.model_dir)

@@ -1,7 +1,8 @@
 """The bench harness (``bench.sse``, ``bench.interleave``, ``bench.app_probe``): one SSE
 parser that tells a complete stream from an error and from a cut one, one interleaving
 order, one wait; and the one percentile definition every bench reports
-(``sim.metrics.percentile``: numpy's default linear interpolation, q in 0-100)."""
+(``sim.metrics.percentile``: numpy's default linear interpolation, q in 0-100); the
+client re-run in a session of its own (``bench.client_session``)."""
 
 from __future__ import annotations
 
@@ -189,3 +190,61 @@ def test_make_serve_env_reads_the_variables_of_a_continued_serve_recipe(tmp_path
         "\tD=4 $(VENV)/bin/serve run other.yaml\n"
     )
     assert make_serve_env(makefile) == {"A": "1", "B": "two words", "C": "3"}
+
+
+RERUN_SCRIPT = """
+import os, signal, sys
+from bench.client_session import AUTOGROUP, autogroups, rerun_as_client
+status = rerun_as_client(5)
+if status is not None:
+    print("caller", os.getsid(0), flush=True)
+    sys.exit(status)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+nice = AUTOGROUP.read_text().split()[-1] if autogroups() else os.getpriority(os.PRIO_PROCESS, 0)
+print("rerun", os.getsid(0), nice, flush=True)
+if sys.argv[1:] == ["wait"]:
+    signal.pause()
+sys.exit(7)
+"""
+
+
+def _rerun(*argv: str):
+    import os
+    import subprocess
+    import sys
+
+    from bench.client_session import RERUN
+
+    env = {k: v for k, v in os.environ.items() if k != RERUN}
+    cmd = [sys.executable, "-c", RERUN_SCRIPT, *argv]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def test_the_bench_client_reruns_in_a_session_of_its_own_at_the_asked_priority():
+    """A raised nice (5) needs no privilege: the re-run is in a new session whose priority
+    is 5, and the command the user ran exits with the re-run's status."""
+    proc = _rerun()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 7
+    said, rerun, caller = out.splitlines()
+    assert said.startswith("client: its own session,") and "nice 5 " in said
+    _, rerun_sid, nice = rerun.split()
+    _, caller_sid = caller.split()
+    assert rerun_sid != caller_sid and nice == "5"
+
+
+def test_a_signal_to_the_bench_reaches_its_rerun():
+    import signal
+
+    proc = _rerun("wait")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("client:")
+    assert proc.stdout.readline().startswith("rerun")  # its SIGTERM handler is set
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+
+
+def test_nice_0_reruns_nothing():
+    from bench.client_session import rerun_as_client
+
+    assert rerun_as_client(0) is None
