@@ -1,15 +1,15 @@
-"""The bench client as a client on another machine would see the server: its own session,
-run ahead of the servers it measures.
+"""The bench client in a session of its own, run ahead of the servers it measures: to tell
+the client's own wait from the servers' gaps.
 
 On a small node the engines keep every core busy, and the bench's client (reading its
 streams, stamping each chunk) waits for a CPU like any other process. Under Linux's
-per-session autogroups that wait reached seconds (``bench/client_wait.py``): the client's
-stamps, not the server, made the long gaps between tokens, and a closed-loop client sent
-its next request late. A client on another machine has no such wait. So a bench whose
+per-session autogroups that wait reached seconds (``bench/client_wait.py``). A bench whose
 servers run in sessions of their own (``serve run`` and vLLM's server, started with
-``bench/session.py``; a ``--base-url`` server) runs its client again in a new session and
-raises that session's priority: every server side is measured by the same client, and the
-servers' own processes keep their priorities. The client's own wait is still printed.
+``bench/session.py``; a ``--base-url`` server) can run its client again in a new session
+and raise that session's priority (``--client-nice``): the client then waits for nothing,
+but it takes its CPU from the servers the moment it wants it, which a client on another
+machine would not. Neither setting is a remote client; comparing the two says which part
+of a tail is the client's. Off by default.
 
     status = rerun_as_client(nice)   # in the command the user ran: its exit status
     if status is not None:
@@ -28,7 +28,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-CLIENT_NICE = -10  # the client's session priority by default
 RERUN = "MERIDIAN_BENCH_CLIENT_SESSION"  # set in the re-run's environment: run, do not rerun
 AUTOGROUP = Path("/proc/self/autogroup")
 AUTOGROUP_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
@@ -77,4 +76,4 @@ def raise_session_priority(nice: int) -> str:
     except OSError as e:
         return f"client: its own session, priority unchanged ({e}: needs CAP_SYS_NICE)"
     what = "autogroup nice" if grouped else "nice"
-    return f"client: its own session, {what} {nice} (as a client on another machine)"
+    return f"client: its own session, {what} {nice}"

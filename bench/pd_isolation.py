@@ -20,8 +20,8 @@ as the short prompts, a 3,072-token window of MT-bench's reference answers as th
 
 ``--http``: the same scenario through the public API (``bench/pd_isolation_http.py``): a
 colocated and a 1+1 P/D app, each started by ``serve run`` at defaults, HTTP streaming
-clients, run in a session of their own at a raised priority as clients on another machine
-would be (``--client-nice``, ``bench/client_session.py``); the last line is then
+clients (``--client-nice N``: in a session of their own at priority N,
+``bench/client_session.py``); the last line is then
 ``isolation-http: <P/D p99 during / P/D p50 before>`` (target at most 1.5 on the 2-core
 machine).
 
@@ -49,7 +49,7 @@ from actors.engine.replica_controller import ReplicaController
 from actors.engine.replica_loop import split_cores
 from actors.engine.sampling import SamplingParams
 from bench.bench_model import write_bench_model
-from bench.client_session import CLIENT_NICE, rerun_as_client
+from bench.client_session import rerun_as_client
 from bench.interleave import interleaved
 from bench.local_serve import local_ray
 from bench.real_prompts import add_model_options, chosen_model
@@ -159,10 +159,9 @@ def main() -> None:
     ap.add_argument(
         "--client-nice",
         type=int,
-        default=CLIENT_NICE,
-        help="with --http (the apps in sessions of their own): the client runs in its own "
-        "session at this priority, as a client on another machine "
-        "(bench/client_session.py); 0: as started",
+        default=0,
+        help="with --http (the apps in sessions of their own): run the clients in their own "
+        "session at this priority, e.g. -10 (bench/client_session.py); 0: as started",
     )
     args = ap.parse_args()
     if args.http:

@@ -61,11 +61,10 @@ at R conversations/s, at most N in flight; else a closed loop of N streams. Good
 requests per second that met ``--ttft-slo`` and ``--tpot-slo``. Each chat run also reports
 the client's own wait (``bench/client_wait.py``): how late its event loop woke at most and
 how long its thread sat runnable without a CPU, the part of a gap between tokens that the
-client, sharing the server's cores, added itself. With ``--defaults`` or ``--base-url``
-(every server in a session of its own) the client runs in its own session at a raised
-priority (``--client-nice``, default -10; ``bench/client_session.py``), as a client on
-another machine would: on two cores beside two busy engines its wait otherwise reached
-seconds and made most of Meridian's 32-stream tail.
+client, sharing the server's cores, added itself. ``--client-nice N`` (with ``--defaults``
+or ``--base-url``: every server in a session of its own) runs the client in its own
+session at priority N (``bench/client_session.py``): its wait then vanishes, and what is
+left of a tail is the servers'.
 
     python bench/serve.py --dataset sharegpt --model-path M.gguf --streams 8 32 \
         --peer-url http://127.0.0.1:8001 --peer-model DIR
@@ -109,7 +108,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_model import MODEL, write_bench_model
-from bench.client_session import CLIENT_NICE, rerun_as_client
+from bench.client_session import rerun_as_client
 from bench.local_serve import serve_app
 from bench.peer import vllm_server
 from bench.serve_chat import ChatClient, run_chat
@@ -325,10 +324,10 @@ def main() -> None:
     ap.add_argument(
         "--client-nice",
         type=int,
-        default=CLIENT_NICE,
-        help="with --defaults or --base-url (servers in sessions of their own): the client "
-        "runs in its own session at this priority, as a client on another machine "
-        "(bench/client_session.py); 0: as started",
+        default=0,
+        help="with --defaults or --base-url (servers in sessions of their own): run the "
+        "client in its own session at this priority, e.g. -10 (bench/client_session.py); "
+        "0: as started",
     )
     args = ap.parse_args()
     chat = args.dataset != "random"

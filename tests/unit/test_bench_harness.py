@@ -227,7 +227,7 @@ def test_the_bench_client_reruns_in_a_session_of_its_own_at_the_asked_priority()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 7
     said, rerun, caller = out.splitlines()
-    assert said.startswith("client: its own session,") and "nice 5 " in said
+    assert said.startswith("client: its own session,") and said.endswith(" nice 5")
     _, rerun_sid, nice = rerun.split()
     _, caller_sid = caller.split()
     assert rerun_sid != caller_sid and nice == "5"
