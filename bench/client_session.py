@@ -43,15 +43,25 @@ def rerun_as_client(nice: int) -> int | None:
     if os.environ.get(RERUN):
         print(raise_session_priority(int(os.environ[RERUN])), flush=True)
         return None
+    started: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []  # signals that came before the re-run existed
+
+    def forward(signum: int, _frame: object) -> None:
+        if started:
+            started[0].send_signal(signum)
+        else:
+            pending.append(signum)
+
+    # set before the re-run starts: a signal must never end this command and leave the
+    # re-run (in a session of its own, out of the terminal's reach) running
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
     child = subprocess.Popen(
         sys.orig_argv, env=os.environ | {RERUN: str(nice)}, start_new_session=True
     )
-
-    def forward(signum: int, _frame: object) -> None:
+    started.append(child)
+    for signum in pending:
         child.send_signal(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, forward)
     return child.wait()  # a forwarded signal does not end the wait: the child ends it
 
 
