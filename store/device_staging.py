@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.devices import with_index
 from store.kv_store_errors import InvalidBlockError, KVStoreError
 
 
@@ -90,7 +91,7 @@ class DeviceStaging:
         self.consumer = consumer
         self.piece_bytes = piece_bytes
         self.max_blocks = max_blocks
-        self.device = torch.device(device)
+        self.device = with_index(device)  # compares equal to its tensors' device
         self.cuda = self.device.type == "cuda"
         shape = (2, max_blocks, piece_bytes)  # K pieces, then V pieces
         self.buffers = [

@@ -196,6 +196,10 @@ class KVCacheImport:
         self.device = self.kv_caches[0][0].device
         self._segments = segments
         self._written = 0
+        # the last block lists written and their index tensors on the device: a step's
+        # layers write the same blocks, so they are checked and copied to the device once
+        self._index: tuple[tuple[int, ...], tuple[int, ...], torch.Tensor, torch.Tensor] | None
+        self._index = None
 
     @classmethod
     def open(
@@ -259,13 +263,11 @@ class KVCacheImport:
             raise KVHandleError("one destination block per source block")
         if not dst_blocks:
             return 0
-        self._check_blocks(dst_blocks)
         dk, dv = self._layer(layer)
         sk, sv = kv_cache
         if sk.device != self.device:
             raise KVHandleError(f"the source cache is on {sk.device}, the mapping on {self.device}")
-        src = torch.tensor(list(src_blocks), dtype=torch.long).to(self.device)
-        dst = torch.tensor(list(dst_blocks), dtype=torch.long).to(self.device)
+        src, dst = self._indices(src_blocks, dst_blocks)
         dk.index_copy_(0, dst, sk.index_select(0, src))
         dv.index_copy_(0, dst, sv.index_select(0, src))
         n = 2 * len(dst_blocks) * self.export.layout.piece_bytes
@@ -321,6 +323,22 @@ class KVCacheImport:
         if not 0 <= layer < len(self.kv_caches):
             raise KVHandleError(f"layer {layer} is outside the exporter's {len(self.kv_caches)}")
         return self.kv_caches[layer]
+
+    def _indices(
+        self, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block lists as index tensors on the mapping's device (``[n]`` int64), the
+        destinations checked; the last pair is kept for the next layer's write."""
+        src_key, dst_key = tuple(src_blocks), tuple(dst_blocks)
+        held = self._index
+        if held is not None and held[0] == src_key and held[1] == dst_key:
+            return held[2], held[3]
+        self._check_blocks(dst_key)
+        both = torch.tensor([src_key, dst_key], dtype=torch.long)
+        if self.device.type == "cuda":
+            both = both.pin_memory().to(self.device, non_blocking=True)
+        self._index = (src_key, dst_key, both[0], both[1])
+        return both[0], both[1]
 
     def _check_blocks(self, blocks: Sequence[int]) -> None:
         if not self.kv_caches:

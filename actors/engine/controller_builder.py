@@ -21,6 +21,7 @@ import torch
 from actors.engine.collectives import Layout
 from actors.engine.config import EngineConfig
 from actors.engine.executor import Executor, LocalExecutor
+from actors.engine.heap_freeze import freeze_startup_heap
 from actors.engine.kv_cache import KVCache
 from actors.engine.worker import WorkerSpec
 from actors.engine.worker_hooks import HooksFactory, WorkerHooks
@@ -79,6 +80,7 @@ def build_parts(
         config = EngineConfig.from_options(**options)
     elif options:
         raise ValueError(f"give config or keyword options, not both: {sorted(options)}")
+    freeze_startup_heap()  # before the engine: its own objects stay collectable
     folder = Path(model_dir) if model_dir is not None else tiny_model_dir("dense")
     layout = Layout(config.tp, config.spp, config.kvp)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -27,6 +27,7 @@ import torch
 from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.collectives import Collectives, Layout
 from actors.engine.decode_graphs import DecodeGraphRunner
+from actors.engine.heap_freeze import freeze_startup_heap
 from actors.engine.sampling import TokenLogprob, sample_tokens
 from actors.engine.step_plan import StepPlan, StepResult
 from actors.engine.worker_hooks import CacheGeometry, HooksFactory, PrivateKVCache, WorkerHooks
@@ -82,6 +83,7 @@ class Worker:
     ) -> None:
         """``hooks``: a ``WorkerHooks`` (in process), or a picklable factory called with
         the worker's coordinates and layout in the worker's own process."""
+        freeze_startup_heap()  # a worker actor's process: before its shard and cache
         use_channel_bytes()
         self.spec = spec
         if callable(hooks):

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from kernels.devices import with_index
 from store.kv_store_errors import BackendUnavailableError, KVStoreError, TransferError
 from store.transfer.backend import TransferBackend
 from store.transfer.endpoint import (
@@ -100,9 +101,8 @@ def group_device(kind: str, device: str | torch.device | None) -> torch.device:
         )
     if kind == "gloo":
         return torch.device("cpu")
-    chosen = torch.device(device if device is not None else "cuda")
     # with its index, so that a tensor already there compares equal and is not staged
-    return chosen if chosen.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return with_index(device if device is not None else "cuda")
 
 
 def _group(kind: str, store: Store, rank: int, local_host: str, timeout: timedelta) -> Any:

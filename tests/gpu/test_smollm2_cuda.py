@@ -1,5 +1,6 @@
 """The pretrained SmolLM2-135M-Instruct (its GGUF file, dequantized) on CUDA in bfloat16 and
-float16: our engine's greedy tokens equal transformers' on the same device and dtype.
+float16: our engine's greedy tokens equal transformers' on the same device and dtype, with
+every step eager and with pure-decode steps replayed as CUDA graphs, at batch 1 and 4.
 
 transformers runs the same weights in the same dtype, teacher-forced on our tokens, so at
 every position both have seen the same prefix. Where the two pick different tokens, half
@@ -29,10 +30,29 @@ QUESTIONS = [
 ]
 
 
+def generate(engine: ReplicaController, prompts: list[list[int]], batch: int) -> list[list[int]]:
+    """Greedy tokens of ``prompts``, ``batch`` of them decoding together."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    builder = engine.request_builder()
+    outs = []
+    for i in range(0, len(prompts), batch):
+        ids = [engine.add_request(builder.build(p, params)) for p in prompts[i : i + batch]]
+        while engine.has_unfinished():
+            engine.step()
+        outs += [engine.release(r).token_ids for r in ids]
+    return outs
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["batch1", "batch4"])
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_greedy_tokens_equal_transformers_on_cuda(smollm2_gguf, dtype):
+def test_greedy_tokens_equal_transformers_on_cuda(smollm2_gguf, dtype, cuda_graphs, batch):
     engine = ReplicaController.build(
-        str(smollm2_gguf), dtype=dtype, device="cuda", attention_backend="torch"
+        str(smollm2_gguf),
+        dtype=dtype,
+        device="cuda",
+        attention_backend="torch",
+        cuda_graphs=cuda_graphs,
     )
     assert engine.device.type == "cuda"
     tok = engine.tokenizer
@@ -40,12 +60,7 @@ def test_greedy_tokens_equal_transformers_on_cuda(smollm2_gguf, dtype):
     for q in QUESTIONS:
         text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         prompts.append(tok.encode(text, add_special_tokens=False))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    builder = engine.request_builder()
-    ids = [engine.add_request(builder.build(p, params)) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    outs = [engine.release(i).token_ids for i in ids]
+    outs = generate(engine, prompts, batch)
 
     model = hf_pretrained(smollm2_gguf).to(device="cuda", dtype=dtype)
     flips = []
@@ -60,4 +75,6 @@ def test_greedy_tokens_equal_transformers_on_cuda(smollm2_gguf, dtype):
                 gap = (logits[k, b] - logits[k, a]).item()
                 flips.append((k, gap))
                 assert gap < TIE[dtype], f"token {k}: ours {a}, transformers {b} (gap {gap:.3f})"
-    print(f"{dtype}: {len(flips)} of {NEW_TOKENS * len(prompts)} tokens differ: {flips}")
+    mode = "graphs" if cuda_graphs else "eager"
+    total = NEW_TOKENS * len(prompts)
+    print(f"{dtype} {mode} batch {batch}: {len(flips)} of {total} tokens differ: {flips}")

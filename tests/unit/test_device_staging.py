@@ -187,3 +187,11 @@ def test_a_remote_shards_reserved_ranges_get_each_layer_through_the_transfer_lay
         writer.close()
         owner.close()
         seg.close()
+
+
+def test_a_device_is_named_with_its_index_as_its_tensors_report_it():
+    from kernels.devices import with_index
+
+    assert with_index("cpu") == torch.device("cpu")
+    assert with_index("cuda:1") == torch.device("cuda", 1)  # an index given: no CUDA call
+    assert with_index(torch.device("cuda", 2)).index == 2
