@@ -32,7 +32,8 @@ that first waits for the producer's current stream (so it sees the layer's write
 ``non_blocking=True``, and an event recorded after it is what the consumer thread waits on.
 On the CPU (where pinning is unavailable) the buffers are plain host tensors and the copy is
 synchronous (an ``index_select`` straight into the buffer). Both run this same code; the
-CUDA path is tested on the CPU's code path only and has not run on a GPU.
+CUDA path ran once on a GPU (tests/gpu/README.md), where it refused the cache's tensors
+(``cuda`` against ``cuda:0``); the fix has not run on a GPU yet.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ the cache and the caller's bytes directly, as before (no extra copy). On another
 copies it to host memory in one device-to-host copy; a scatter copies the host bytes to the
 device in one copy and places the pieces from there. The per-layer, asynchronous path
 through pinned host buffers is ``store.device_staging``. The non-CPU branch is tested on
-the CPU's code path only as far as the device is a parameter; it has not run on a GPU.
+the CPU's code path as far as the device is a parameter, and gather and scatter passed on
+one GPU (tests/gpu/README.md).
 """
 
 from __future__ import annotations

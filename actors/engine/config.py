@@ -85,7 +85,8 @@ class EngineConfig:
     batch_invariant: bool = False
     # Pure-decode steps as CUDA graphs, one per batch-size bucket, inputs padded to the bucket
     # (actors/engine/decode_graphs.py; prefill and mixed steps stay eager). Off by default:
-    # the capture path has not run on a GPU yet. True on CPU runs the same padded path
+    # it ran on one GPU once (tests/gpu/README.md), its bfloat16 margins on the pretrained
+    # model are not yet measured there. True on CPU runs the same padded path
     # without capture (how CPU tests cover it). One KV block is then kept out of the pool as
     # the padded rows' scratch block. Needs tp = spp = kvp = 1, no MoE workers, not
     # batch_invariant.

@@ -195,7 +195,7 @@ def test_capture_blockers(shard):
 
 
 def test_engine_config_decode_buckets():
-    # off by default (the capture has not run on a GPU), on CPU and CUDA alike
+    # off by default (its bfloat16 margins not yet measured on a GPU), on CPU and CUDA alike
     assert EngineConfig().decode_buckets(num_blocks=100) == ()
     assert EngineConfig(cuda_graphs=True).decode_buckets(100) == default_buckets(256)
     assert EngineConfig(cuda_graphs=True, max_num_seqs=20).decode_buckets(100)[-1] == 20
