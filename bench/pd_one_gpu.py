@@ -34,12 +34,11 @@ import random
 import socket
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-WAIT_S = 600  # bounds every wait on a child; never reached when things work
+from bench.child_process import WAIT_S, expect, guarded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +102,16 @@ class Timeline:
         }
 
 
+def step_and_record(c: Any, t: Timeline) -> None:
+    """One step of controller ``c``: its tokens into ``t``, finished requests released."""
+    deltas = c.step()
+    now = time.monotonic()
+    for d in deltas:
+        t.record(d.request_id, len(d.token_ids), now)
+        if d.finished:
+            t.outputs[d.request_id] = c.release(d.request_id).token_ids
+
+
 def model_config(model: str | None) -> Any:
     """``model``'s config (None: the random dense test model's)."""
     from models import tiny_model_dir
@@ -134,32 +143,17 @@ def single_process(model: str | None, opts: dict[str, Any], work: Workload) -> T
             for r in long:
                 c.add_request(r)
             added_long = True
-        deltas = c.step()
-        now = time.monotonic()
-        for d in deltas:
-            t.record(d.request_id, len(d.token_ids), now)
-            if d.finished:
-                t.outputs[d.request_id] = c.release(d.request_id).token_ids
+        step_and_record(c, t)
         if all(r.request_id in t.tokens for r in bg):
             steps_decoding += 1
     c.shutdown()
     return t
 
 
-def _guarded(body: Callable[..., None], conn: Any, *args: Any) -> None:
-    import traceback
-
-    try:
-        body(conn, *args)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
-
-
 def _decode(
     conn: Any, admissions: Any, model: str | None, opts: dict[str, Any], work: Workload
 ) -> None:
-    _guarded(_decode_body, conn, admissions, model, opts, work)
+    guarded(_decode_body, conn, admissions, model, opts, work)
 
 
 def _decode_body(
@@ -210,12 +204,7 @@ def _decode_body(
             wait = 0.0
         if not c.has_unfinished():
             continue
-        deltas = c.step()
-        now = time.monotonic()
-        for d in deltas:
-            t.record(d.request_id, len(d.token_ids), now)
-            if d.finished:
-                t.outputs[d.request_id] = c.release(d.request_id).token_ids
+        step_and_record(c, t)
         if bg_ids <= t.tokens.keys():
             steps_decoding += 1
             if steps_decoding >= work.warm_steps and not told:
@@ -227,7 +216,7 @@ def _decode_body(
 
 
 def _prefill(conn: Any, admissions: Any, model: str | None, opts: dict[str, Any]) -> None:
-    _guarded(_prefill_body, conn, admissions, model, opts)
+    guarded(_prefill_body, conn, admissions, model, opts)
 
 
 def _prefill_body(conn: Any, admissions: Any, model: str | None, opts: dict[str, Any]) -> None:
@@ -275,17 +264,6 @@ def _prefill_body(conn: Any, admissions: Any, model: str | None, opts: dict[str,
     conn.send(("done", route.opens, route.bytes_written, engine.chosen_backends()))
     c.shutdown()
     engine.close()
-
-
-def expect(conn: Any, kind: str, proc: Any) -> tuple[Any, ...]:
-    deadline = time.monotonic() + WAIT_S
-    while not conn.poll(1.0):
-        assert proc.is_alive(), f"the child died (exit code {proc.exitcode}) before {kind!r}"
-        assert time.monotonic() < deadline, f"no {kind!r} from the child within {WAIT_S} s"
-    msg = conn.recv()
-    assert msg[0] != "error", f"the child failed:\n{msg[1]}"
-    assert msg[0] == kind, msg
-    return tuple(msg[1:])
 
 
 def two_processes(model: str | None, opts: dict[str, Any], work: Workload) -> tuple[Timeline, int]:
@@ -350,7 +328,7 @@ def _ipc_writer(export: Any, layout: Any, blocks: int, repeats: int, conn: Any) 
             n = imp.write_blocks(src, ids, dst)
             imp.complete(dst)
             times.append(time.perf_counter() - t0)
-    conn.send((n, statistics.median(times)))
+    conn.send(("bandwidth", n, statistics.median(times)))
 
 
 def ipc_write_bandwidth(
@@ -382,20 +360,12 @@ def ipc_write_bandwidth(
     )
     proc.start()
     try:
-        n, seconds = expect_plain(parent, proc)
+        n, seconds = expect(parent, "bandwidth", proc)
         proc.join(WAIT_S)
     finally:
         if proc.is_alive():
             proc.kill()
     return 2 * n / seconds, n
-
-
-def expect_plain(conn: Any, proc: Any) -> Any:
-    deadline = time.monotonic() + WAIT_S
-    while not conn.poll(1.0):
-        assert proc.is_alive(), f"the child died (exit code {proc.exitcode})"
-        assert time.monotonic() < deadline, f"no answer from the child within {WAIT_S} s"
-    return conn.recv()
 
 
 def main() -> None:

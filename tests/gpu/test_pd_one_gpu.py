@@ -17,12 +17,12 @@ import dataclasses
 import multiprocessing as mp
 import random
 import socket
-import time
-import traceback
 from typing import Any
 
 import pytest
 import torch
+
+from bench.child_process import WAIT_S, expect, guarded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,7 +36,6 @@ OPTS: dict[str, Any] = dict(
     chunk_size=8,
 )
 NEW_TOKENS = 6
-WAIT_S = 300  # bounds every wait on a child; never reached when things work
 
 
 def prompts_for(seed: int = 7) -> list[list[int]]:
@@ -77,16 +76,8 @@ def decode_cache(device: str, layers: int, heads: int) -> Any:
     return DeviceKVCache("decode-d-0.0.0", node, (0, layers), (0, heads))
 
 
-def _guarded(body: Any, conn: Any, *args: Any) -> None:
-    try:
-        body(conn, *args)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
-
-
 def _decode(conn: Any, opts: dict[str, Any]) -> None:
-    _guarded(_decode_body, conn, opts)
+    guarded(_decode_body, conn, opts)
 
 
 def _decode_body(conn: Any, opts: dict[str, Any]) -> None:
@@ -130,7 +121,7 @@ def _decode_body(conn: Any, opts: dict[str, Any]) -> None:
 
 
 def _prefill(conn: Any, opts: dict[str, Any]) -> None:
-    _guarded(_prefill_body, conn, opts)
+    guarded(_prefill_body, conn, opts)
 
 
 def _prefill_body(conn: Any, opts: dict[str, Any]) -> None:
@@ -182,17 +173,6 @@ def reference(prompts: list[list[int]], opts: dict[str, Any]) -> list[list[int]]
     out = [ref.release(i).token_ids for i in ids]
     ref.shutdown()
     return out
-
-
-def expect(conn: Any, kind: str, proc: Any) -> tuple[Any, ...]:
-    deadline = time.monotonic() + WAIT_S
-    while not conn.poll(1.0):
-        assert proc.is_alive(), f"the child died (exit code {proc.exitcode}) before {kind!r}"
-        assert time.monotonic() < deadline, f"no {kind!r} from the child within {WAIT_S} s"
-    msg = conn.recv()
-    assert msg[0] != "error", f"the child failed:\n{msg[1]}"
-    assert msg[0] == kind, msg
-    return tuple(msg[1:])
 
 
 def run_two_processes(opts: dict[str, Any]) -> None:
