@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.devices import with_index
+from store.devices import with_index
 from store.kv_store_errors import InvalidBlockError, KVStoreError
 
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from kernels.devices import with_index
+from store.devices import with_index
 from store.kv_store_errors import BackendUnavailableError, KVStoreError, TransferError
 from store.transfer.backend import TransferBackend
 from store.transfer.endpoint import (

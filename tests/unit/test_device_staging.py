@@ -190,7 +190,7 @@ def test_a_remote_shards_reserved_ranges_get_each_layer_through_the_transfer_lay
 
 
 def test_a_device_is_named_with_its_index_as_its_tensors_report_it():
-    from kernels.devices import with_index
+    from store.devices import with_index
 
     assert with_index("cpu") == torch.device("cpu")
     assert with_index("cuda:1") == torch.device("cuda", 1)  # an index given: no CUDA call
