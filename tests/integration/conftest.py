@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray_start
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 # its first ``ray.init``, and actors of a later session with another mode never start.
 os.environ["RAY_AUTH_MODE"] = "disabled"  # private 127.0.0.1 clusters only
 BIN = Path(sys.executable).parent  # the venv's bin: ray, serve, python
+ray_start.install()  # a node that times out at start-up is started once more (its doc)
 
 
 _handed_out: set[int] = set()
