@@ -85,9 +85,7 @@ class Timeline:
         for k, times in self.tokens.items():
             if not k.startswith("bg"):
                 continue
-            for a, b in zip(times, times[1:], strict=False):
-                if b - a == 0.0:
-                    continue  # tokens of one delta (none here: one token per step)
+            for a, b in zip(times, times[1:], strict=False):  # one token a step
                 if b <= self.arrived:
                     before.append(b - a)
                 elif b <= window_end:
