@@ -84,10 +84,15 @@ class SchedulerConfig:
     # default: actors/engine/defaults.py)
     max_num_seqs: int = 256  # requests running at once
     max_prefills: int = 16  # prefills a batch packer sizes per iteration (the most urgent)
+    # prompt tokens an iteration may carry beside decodes (None: what the decodes leave of
+    # the token budget); an iteration without decodes takes the whole budget
+    prefill_beside_decodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget <= 0 or self.max_num_seqs <= 0 or self.max_prefills <= 0:
             raise ValueError("token_budget, max_num_seqs and max_prefills must be positive")
+        if self.prefill_beside_decodes is not None and self.prefill_beside_decodes <= 0:
+            raise ValueError("prefill_beside_decodes must be positive or None")
 
 
 @dataclass
@@ -218,6 +223,8 @@ class Scheduler:
         together = self.packer is not None or self.ordering.ranks_prefills
         queues = [(decodes, False)] if together else [(decodes, False), (prefills, True)]
         for queue, is_prefill in queues:
+            if is_prefill:
+                budget = self._prefill_budget(budget, entries)
             for seq in queue:
                 if budget == 0:
                     break
@@ -238,6 +245,7 @@ class Scheduler:
                 budget -= n
 
         if together:
+            budget = self._prefill_budget(budget, entries)
             self._schedule_prefills(step, prefills, budget, scheduled, now)
             return step
 
@@ -269,6 +277,12 @@ class Scheduler:
             computing |= self._computing([seq])
             budget -= n
         return step
+
+    def _prefill_budget(self, budget: int, entries: list[tuple[Sequence, int]]) -> int:
+        """The prompt tokens this iteration may still take, once its decodes (``entries``,
+        every one a single token) are in: capped at ``prefill_beside_decodes`` if any."""
+        cap = self.config.prefill_beside_decodes
+        return budget if cap is None or not entries else min(budget, cap)
 
     # -- prompts that share a prefix ----------------------------------------------------------
     # A waiting request whose next uncached prompt block is one a running prefill is

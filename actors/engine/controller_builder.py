@@ -216,7 +216,11 @@ def _scheduler(config: EngineConfig, kv: KVCache) -> tuple[RuntimePredictor | No
             predictor, config.attention_quota, max_chunk=config.chunk_size
         )
     scheduler = Scheduler(
-        SchedulerConfig(config.token_budget, config.max_num_seqs),
+        SchedulerConfig(
+            config.token_budget,
+            config.max_num_seqs,
+            prefill_beside_decodes=config.prefill_beside_decodes,
+        ),
         kv,
         ordering=ordering,
         chunk_rule=config.chunk_rule or FixedChunk(config.chunk_size),

@@ -286,3 +286,25 @@ def test_without_prefix_caching_nothing_waits_for_a_sharer():
     sched.add(seq("s1", 13, t=0.5))
     step, _ = run_step(sched)
     assert step.num_tokens == {"s0": 4, "s1": 4}
+
+
+def test_prefill_beside_decodes_caps_prompt_tokens_only_while_decodes_run():
+    pool = BlockPool(128, 4)
+    kv = KVCacheManager(pool, enable_prefix_caching=False)
+    config = SchedulerConfig(32, 16, prefill_beside_decodes=6)
+    sched = Scheduler(config, kv, chunk_rule=FixedChunk(None))
+    sched.add(seq("a", 20, max_tokens=8))
+    step, _ = run_step(sched)
+    assert step.num_tokens == {"a": 20}  # no decode runs: the whole budget
+    sched.add(seq("b", 20, t=1.0, start=100))
+    sched.add(seq("c", 20, t=2.0, start=200))
+    step, _ = run_step(sched)
+    # a decodes; b and c share 6 prompt tokens (b first), not the 31 the budget leaves
+    assert step.num_tokens == {"a": 1, "b": 6}
+    step, _ = run_step(sched)
+    assert step.num_tokens == {"a": 1, "b": 6}
+
+
+def test_prefill_beside_decodes_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_beside_decodes"):
+        SchedulerConfig(32, 16, prefill_beside_decodes=0)
