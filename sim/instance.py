@@ -91,6 +91,7 @@ class SimInstance:
         token_budget: int = 8192,
         max_num_seqs: int = 256,
         chunk_size: int | None = None,
+        prefill_x_decodes: int | None = None,  # the engine's cap; None: the budget
         enable_prefix_caching: bool = True,
         loop: EventLoop | None = None,
         scheduling: SchedulingSpec | None = None,
@@ -103,7 +104,11 @@ class SimInstance:
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=enable_prefix_caching)
         ordering, packer = (scheduling or SchedulingSpec()).build(cost, chunk_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(token_budget=token_budget, max_num_seqs=max_num_seqs),
+            SchedulerConfig(
+                token_budget=token_budget,
+                max_num_seqs=max_num_seqs,
+                prefill_x_decodes=prefill_x_decodes,
+            ),
             self.kv,
             ordering=ordering,
             chunk_rule=FixedChunk(chunk_size),
