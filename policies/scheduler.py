@@ -84,17 +84,15 @@ class SchedulerConfig:
     # default: actors/engine/defaults.py)
     max_num_seqs: int = 256  # requests running at once
     max_prefills: int = 16  # prefills a batch packer sizes per iteration (the most urgent)
-    # the most prompt tokens x decodes one iteration carries: each decode waits for every
-    # prompt token of its step, so d decodes leave room for prefill_x_decodes / d prompt
-    # tokens (at least a KV block); an iteration without decodes takes the whole budget
-    # (None: no such cap)
-    prefill_x_decodes: int | None = None
+    # prompt tokens an iteration may carry beside decodes (None: what the decodes leave of
+    # the token budget); an iteration without decodes takes the whole budget
+    prefill_beside_decodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget <= 0 or self.max_num_seqs <= 0 or self.max_prefills <= 0:
             raise ValueError("token_budget, max_num_seqs and max_prefills must be positive")
-        if self.prefill_x_decodes is not None and self.prefill_x_decodes <= 0:
-            raise ValueError("prefill_x_decodes must be positive or None")
+        if self.prefill_beside_decodes is not None and self.prefill_beside_decodes <= 0:
+            raise ValueError("prefill_beside_decodes must be positive or None")
 
 
 @dataclass
@@ -281,13 +279,10 @@ class Scheduler:
         return step
 
     def _prefill_budget(self, budget: int, entries: list[tuple[Sequence, int]]) -> int:
-        """The prompt tokens this iteration may still take once its decodes (``entries``,
-        one token each) are in: at most ``prefill_x_decodes / len(entries)``, at least a KV
-        block."""
-        cap = self.config.prefill_x_decodes
-        if cap is None or not entries:
-            return budget
-        return min(budget, max(cap // len(entries), self.kv.block_size))
+        """The prompt tokens this iteration may still take, once its decodes (``entries``,
+        every one a single token) are in: capped at ``prefill_beside_decodes`` if any."""
+        cap = self.config.prefill_beside_decodes
+        return budget if cap is None or not entries else min(budget, cap)
 
     # -- prompts that share a prefix ----------------------------------------------------------
     # A waiting request whose next uncached prompt block is one a running prefill is

@@ -91,7 +91,7 @@ class SimInstance:
         token_budget: int = 8192,
         max_num_seqs: int = 256,
         chunk_size: int | None = None,
-        prefill_x_decodes: int | None = None,  # the engine's cap; None: the budget
+        prefill_beside_decodes: int | None = None,  # the engine's cap; None: the budget
         enable_prefix_caching: bool = True,
         loop: EventLoop | None = None,
         scheduling: SchedulingSpec | None = None,
@@ -107,7 +107,7 @@ class SimInstance:
             SchedulerConfig(
                 token_budget=token_budget,
                 max_num_seqs=max_num_seqs,
-                prefill_x_decodes=prefill_x_decodes,
+                prefill_beside_decodes=prefill_beside_decodes,
             ),
             self.kv,
             ordering=ordering,

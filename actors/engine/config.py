@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from actors.engine.decode_buckets import default_buckets, normalize_buckets
-from actors.engine.defaults import CHUNK_SIZE, DECODE_SLOWDOWN, PREFILL_X_DECODES, TOKEN_BUDGET
+from actors.engine.defaults import CHUNK_SIZE, DECODE_SLOWDOWN, PREFILL_BESIDE_DECODES, TOKEN_BUDGET
 from policies.chunking import ChunkRule
 from policies.ordering import Ordering
 from policies.slack import POLICIES
@@ -47,10 +47,9 @@ class EngineConfig:
     Scheduling (Medha): ``scheduling`` orders prefills, "fcfs" (default), "edf", "lrs" or
     "ilrs" (``policies.slack``), by TTFT deadlines: a request's ``ttft_slo`` (sampling
     parameter), else ``default_ttft_slo``, else ``ttft_slo_factor`` x its predicted prefill
-    time alone, at least ``min_ttft_slo`` seconds. A step with d decodes carries at most
-    ``prefill_x_decodes / d`` prompt tokens, all prefills together, at least a block (None:
-    what its decodes leave of ``token_budget``; under any packer too). Prompt chunks are
-    fixed (``chunk_size``, or
+    time alone, at least ``min_ttft_slo`` seconds. A step that runs decodes carries at most
+    ``prefill_beside_decodes`` prompt tokens, all prefills together (None: what its decodes
+    leave of ``token_budget``; under any packer too). Prompt chunks are fixed (``chunk_size``, or
     ``chunk_rule``'s) unless a target turns on Medha's batch packer
     (``policies.batch_packer``: adaptive chunks and prefill-prefill batching, the short
     prefills' share of a step at most ``max_prefill_share``, ``chunk_size`` capping a
@@ -70,7 +69,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
     token_budget: int = TOKEN_BUDGET  # these defaults' measurements: actors/engine/defaults.py
-    prefill_x_decodes: int | None = PREFILL_X_DECODES  # prompt tokens x decodes a step
+    prefill_beside_decodes: int | None = PREFILL_BESIDE_DECODES  # prompt tokens a step with decodes
     max_num_seqs: int = 256
     chunk_size: int | None = CHUNK_SIZE
     enable_prefix_caching: bool = True
@@ -168,11 +167,11 @@ class EngineConfig:
             raise ValueError("ttft_slo_factor must be positive and min_ttft_slo non-negative")
         if not 0.0 <= self.max_prefill_share <= 1.0:
             raise ValueError(f"max_prefill_share must be in [0, 1], got {self.max_prefill_share}")
-        if self.prefill_x_decodes is not None and self.prefill_x_decodes <= 0:
+        if self.prefill_beside_decodes is not None and self.prefill_beside_decodes <= 0:
             raise ValueError(
-                "prefill_x_decodes must be positive (the most prompt tokens x decodes a "
-                f"step carries) or None for the whole token budget, got "
-                f"{self.prefill_x_decodes}"
+                "prefill_beside_decodes must be positive (prompt tokens a step may carry "
+                f"beside decodes) or None for the whole token budget, got "
+                f"{self.prefill_beside_decodes}"
             )
         for name in ("block_size", "kv_cache_memory", "token_budget", "max_num_seqs"):
             if getattr(self, name) <= 0:

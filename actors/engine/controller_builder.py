@@ -219,7 +219,7 @@ def _scheduler(config: EngineConfig, kv: KVCache) -> tuple[RuntimePredictor | No
         SchedulerConfig(
             config.token_budget,
             config.max_num_seqs,
-            prefill_x_decodes=config.prefill_x_decodes,
+            prefill_beside_decodes=config.prefill_beside_decodes,
         ),
         kv,
         ordering=ordering,

@@ -25,21 +25,19 @@ to the chunk's length, so a long chunk stalls every running decode; 2048 served 
 requests/s than 512 on the bench model but doubled TTFT. ``CHUNK_SIZE`` (None: the budget)
 caps one request's chunk below it.
 
-``PREFILL_X_DECODES`` (2048): the most prompt tokens x decodes one step carries, so a step
-with d decodes takes at most 2048 / d prompt tokens (at least a KV block; a step without
-decodes the whole budget). A decode's gap between tokens is its step's time, and the step's
-prompt tokens set that time: the more decodes wait for a step, the fewer prompt tokens it
-takes. On SmolLM2-135M with ShareGPT at 32 streams (two replicas, about 16 decodes each; a
-bench client that did not wait for a CPU; three interleaved runs beside vLLM 0.32,
-2026-11-30) the p99 gap between tokens was 723 ms with 512 prompt tokens a step (the
-earlier default), 445 ms with 256 and 255 ms with 128 (vLLM's 171-184 ms), at the same
+``PREFILL_BESIDE_DECODES`` (128): prompt tokens a step may carry while decodes run in it (a
+step without decodes takes the whole budget). A decode's gap between tokens is its step's
+time, and a step's prompt tokens set that time: on SmolLM2-135M with ShareGPT at 32
+streams (two replicas, a bench client that did not wait for a CPU, three interleaved runs
+beside vLLM 0.32, 2026-11-30), the p99 gap between tokens was 723 ms with 512 prompt
+tokens a step, 445 ms with 256 and 255 ms with 128 (vLLM's 171-184 ms), at the same
 requests/s (1.03x, 1.10x, 1.05x vLLM's); Medha's relative target (``decode_slowdown: 5``)
-read 306 ms in the same hour. A flat 128 beside any decodes cost requests/s where few
-decodes run (8 streams: 0.95x against 1.03x vLLM's on the bench model, 0.91x against 0.97x on
-ShareGPT, across invocations); scaled by the decodes, 8 streams keep 512. Fixed: a prompt's
-chunks depend on the steps' contents, never on measured times. A CPU figure, as the budget
-is: a GPU step carries thousands of prompt tokens in the time a CPU takes for a hundred
-(``prefill_x_decodes: null``).
+read 306 ms in the same hour. A cap scaled by the decodes (2048 / d prompt tokens beside d
+decodes) read 452 ms at 32 streams and 0.81x vLLM's requests/s at 8 streams, against the
+flat cap's 248 ms and 0.91x (one invocation each; 8-stream runs vary by 0.8-1.0x between
+invocations). Fixed and deterministic: a prompt's chunks depend on the
+steps' contents, never on measured times. A CPU figure: a GPU step carries thousands of
+prompt tokens in the time a CPU takes for a hundred (``prefill_beside_decodes: null``).
 
 ``DECODE_SLOWDOWN`` (None: fixed chunks): ``decode_slowdown: k`` sizes prompt chunks so a step
 beside decodes is predicted to take at most k times the decodes' own step (Medha's batch
@@ -87,7 +85,7 @@ from __future__ import annotations
 ENGINE_NICE = 0
 PIN_CORES = True
 TOKEN_BUDGET = 512
-PREFILL_X_DECODES: int | None = 2048
+PREFILL_BESIDE_DECODES: int | None = 128
 CHUNK_SIZE: int | None = None
 DECODE_SLOWDOWN: float | None = None
 REPORT_INTERVAL_S = 0.5

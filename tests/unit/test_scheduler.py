@@ -288,39 +288,23 @@ def test_without_prefix_caching_nothing_waits_for_a_sharer():
     assert step.num_tokens == {"s0": 4, "s1": 4}
 
 
-def test_prefill_x_decodes_caps_prompt_tokens_by_the_decodes_that_wait():
+def test_prefill_beside_decodes_caps_prompt_tokens_only_while_decodes_run():
     pool = BlockPool(128, 4)
     kv = KVCacheManager(pool, enable_prefix_caching=False)
-    config = SchedulerConfig(64, 16, prefill_x_decodes=24)
+    config = SchedulerConfig(32, 16, prefill_beside_decodes=6)
     sched = Scheduler(config, kv, chunk_rule=FixedChunk(None))
-    sched.add(seq("a", 30, max_tokens=8))
+    sched.add(seq("a", 20, max_tokens=8))
     step, _ = run_step(sched)
-    assert step.num_tokens == {"a": 30}  # no decode runs: the whole budget
-    sched.add(seq("b", 30, t=1.0, start=100))
-    sched.add(seq("c", 30, t=2.0, start=200))
+    assert step.num_tokens == {"a": 20}  # no decode runs: the whole budget
+    sched.add(seq("b", 20, t=1.0, start=100))
+    sched.add(seq("c", 20, t=2.0, start=200))
     step, _ = run_step(sched)
-    # one decode (a): 24 prompt tokens, b first, not the 63 the budget leaves
-    assert step.num_tokens == {"a": 1, "b": 24}
+    # a decodes; b and c share 6 prompt tokens (b first), not the 31 the budget leaves
+    assert step.num_tokens == {"a": 1, "b": 6}
     step, _ = run_step(sched)
-    assert step.num_tokens == {"a": 1, "b": 6, "c": 18}
-    step, _ = run_step(sched)
-    # two decodes (a, and b, whose prompt is done): 24 / 2 = 12 prompt tokens, c's last
-    assert step.num_tokens == {"a": 1, "b": 1, "c": 12}
-    sched.add(seq("d", 30, t=3.0, start=300))
-    step, _ = run_step(sched)
-    assert step.num_tokens == {"a": 1, "b": 1, "c": 1, "d": 8}  # three decodes: 24 / 3
+    assert step.num_tokens == {"a": 1, "b": 6}
 
 
-def test_prefill_x_decodes_leaves_at_least_a_block():
-    kv = KVCacheManager(BlockPool(128, 4), enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(64, 16, prefill_x_decodes=2), kv, chunk_rule=FixedChunk(None))
-    sched.add(seq("a", 8, max_tokens=8))
-    run_step(sched)
-    sched.add(seq("b", 30, t=1.0, start=100))
-    step, _ = run_step(sched)
-    assert step.num_tokens == {"a": 1, "b": 4}  # 2 / 1 decode, raised to one 4-token block
-
-
-def test_prefill_x_decodes_must_be_positive():
-    with pytest.raises(ValueError, match="prefill_x_decodes"):
-        SchedulerConfig(32, 16, prefill_x_decodes=0)
+def test_prefill_beside_decodes_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_beside_decodes"):
+        SchedulerConfig(32, 16, prefill_beside_decodes=0)
