@@ -393,6 +393,9 @@ def main() -> None:
         attention_backend="torch",
         block_size=16,
         num_blocks=args.num_blocks,
+        # the long prompts' chunks as large as the budget allows beside the decodes, as the
+        # GPU figures recorded in tests/gpu/README.md were measured (128 is a CPU default)
+        prefill_beside_decodes=None,
     )
     if args.bandwidth_only:
         print_bandwidth(model, args.copy_blocks)
