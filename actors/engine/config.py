@@ -69,7 +69,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
     token_budget: int = TOKEN_BUDGET  # these defaults' measurements: actors/engine/defaults.py
-    prefill_beside_decodes: int | None = PREFILL_BESIDE_DECODES  # prompt tokens a step with decodes
+    prefill_beside_decodes: int | None = PREFILL_BESIDE_DECODES  # of a step that runs decodes
     max_num_seqs: int = 256
     chunk_size: int | None = CHUNK_SIZE
     enable_prefix_caching: bool = True

@@ -34,10 +34,11 @@ tokens a step, 445 ms with 256 and 255 ms with 128 (vLLM's 171-184 ms), at the s
 requests/s (1.03x, 1.10x, 1.05x vLLM's); Medha's relative target (``decode_slowdown: 5``)
 read 306 ms in the same hour. A cap scaled by the decodes (2048 / d prompt tokens beside d
 decodes) read 452 ms at 32 streams and 0.81x vLLM's requests/s at 8 streams, against the
-flat cap's 248 ms and 0.91x (one invocation each; 8-stream runs vary by 0.8-1.0x between
-invocations). Fixed and deterministic: a prompt's chunks depend on the
-steps' contents, never on measured times. A CPU figure: a GPU step carries thousands of
-prompt tokens in the time a CPU takes for a hundred (``prefill_beside_decodes: null``).
+flat cap's 248 ms and 0.91x, so it was not kept. At 8 streams four invocations alternating
+no cap and this one read 0.86-0.94x vLLM's requests/s either way. Fixed and deterministic:
+a prompt's chunks depend on the steps' contents, never on measured times. A CPU figure: a
+GPU step carries thousands of prompt tokens in the time a CPU takes for a hundred
+(``prefill_beside_decodes: null``).
 
 ``DECODE_SLOWDOWN`` (None: fixed chunks): ``decode_slowdown: k`` sizes prompt chunks so a step
 beside decodes is predicted to take at most k times the decodes' own step (Medha's batch

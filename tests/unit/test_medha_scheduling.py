@@ -316,3 +316,18 @@ def test_a_request_carries_its_ttft_slo_to_the_scheduler():
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(InvalidRequestError, match="ttft_slo"):
             SamplingParams(ttft_slo=bad)
+
+
+def test_prefill_beside_decodes_caps_prefills_ranked_with_the_running_ones():
+    # a deadline ordering ranks running and waiting prefills together (``ranks_prefills``):
+    # the cap beside decodes holds on that path as on the FCFS one
+    kv = KVCacheManager(BlockPool(4096, 16), enable_prefix_caching=False)
+    config = SchedulerConfig(64, 256, prefill_beside_decodes=10)
+    sched = Scheduler(config, kv, EDF(Deadlines(predictor())), FixedChunk(None))
+    clock = Clock(sched, predictor())
+    sched.add(req("a", 20, 0.0, max_tokens=8))
+    assert clock.step() == [("a", 20, 0)]  # no decode runs: the whole prompt
+    sched.add(req("b", 40, clock.now))
+    sched.add(req("c", 40, clock.now))
+    assert sum(n for rid, n, _ in clock.step() if rid != "a") == 10
+    assert sum(n for rid, n, _ in clock.step() if rid != "a") == 10
