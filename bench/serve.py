@@ -72,6 +72,13 @@ left of a tail is the servers'.
 Last line, with a peer: ``sharegpt goodput meridian/vllm at 32 streams: <ratio>``
 (``mtbench second-turn TTFT meridian/vllm at N streams: <ratio>`` for MT-bench).
 
+``--engines N`` (chat datasets) adds a side of Meridian's engines alone: N processes, each
+one in-process engine on the same model at the engine's defaults, pinned to its own cores
+as the app pins N colocated replicas, fed the same conversations in the same closed loop
+(``bench/engine_side.py``). Before the last line it prints ``meridian/engines req/s at N
+streams: <ratio>``: the share of its engines' own pace the served app keeps. Give N as
+the app's replicas (2 at ``--defaults``).
+
 ``--defaults``: the server as a new user starts it (``bench/serve_defaults.py``): ``serve
 run`` with the environment of the Makefile's ``serve`` recipe on a config of only the model
 (``--model-dir``: the bench model; ``--model-path`` for chat) and one group, none of this
@@ -230,10 +237,18 @@ def app_config(
     }
 
 
-async def run_chat_sides(args: argparse.Namespace, url: str, model_name: str) -> None:
-    sides = [("meridian", ChatClient(url, model_name, args.api_key))]
+async def run_chat_sides(
+    args: argparse.Namespace, url: str, model_name: str, model: str | None = None
+) -> None:
+    """Meridian's endpoint, the peer's (``--peer-url``) and, with ``--engines`` and the
+    ``model`` Meridian serves, its engines alone (``bench/engine_side.py``)."""
+    sides: list[tuple[str, Any]] = [("meridian", ChatClient(url, model_name, args.api_key))]
     if args.peer_url:
         sides.append((args.peer_name, ChatClient(args.peer_url, args.peer_model)))
+    if args.engines:
+        from bench.engine_side import EngineSide
+
+        sides.append(("engines", EngineSide(model or args.model_path, args.engines)))
     try:
         await run_chat(args, sides)
     finally:
@@ -301,6 +316,13 @@ def main() -> None:
         "as the peer, instead of --peer-url (the random dataset)",
     )
     ap.add_argument("--peer-name", default="vllm", help="the peer's column (chat datasets)")
+    ap.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="chat datasets: a side of N in-process engines on the same model, each in its "
+        "own process pinned to its own cores (bench/engine_side.py); N as the app's replicas",
+    )
     ap.add_argument(
         "--defaults",
         action="store_true",
@@ -409,7 +431,7 @@ def dispatch(args: argparse.Namespace, chat: bool, ap: argparse.ArgumentParser) 
             flush=True,
         )
         with serve_app(app_args, 1, env, direct=not args.via_proxy) as url:
-            asyncio.run(run_chat_sides(args, url, model_name))
+            asyncio.run(run_chat_sides(args, url, model_name, model_ref))
         return
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir:
@@ -459,7 +481,7 @@ def main_defaults(args: argparse.Namespace, chat: bool) -> None:
         )
         with serve_run(model, args.group) as (url, name, pid):
             if chat:
-                asyncio.run(run_chat_sides(args, url, name))
+                asyncio.run(run_chat_sides(args, url, name, model))
             else:
                 profile = CpuProfile(pid) if args.cpu_profile else None
                 asyncio.run(run_defaults(args, url, name, profile))

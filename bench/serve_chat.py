@@ -64,6 +64,23 @@ def split_runs(items: Sequence[Conversation], runs: int, per_run: int) -> list[l
     return [[items[(r * per_run + i) % len(items)] for i in range(per_run)] for r in range(runs)]
 
 
+Turn = Callable[[list[dict[str, str]], int, bool, int], Awaitable[tuple[Sample, str]]]
+
+
+async def converse(turn: Turn, conv: Conversation) -> list[Sample]:
+    """``conv``'s user turns in order, each after the answer to the one before:
+    ``turn(messages, max_tokens, ignore_eos, turn number)`` gives one turn's sample and the
+    answer's text."""
+    messages: list[dict[str, str]] = []
+    samples = []
+    for i, (text, max_tokens) in enumerate(zip(conv.turns, conv.max_tokens, strict=True)):
+        messages.append({"role": "user", "content": text})
+        sample, answer = await turn(messages, max_tokens, conv.ignore_eos, i + 1)
+        messages.append({"role": "assistant", "content": answer})
+        samples.append(sample)
+    return samples
+
+
 class ChatClient:
     """One OpenAI-compatible server, driven through the ``openai`` client."""
 
@@ -127,14 +144,7 @@ class ChatClient:
         return sample, "".join(parts)
 
     async def conversation(self, conv: Conversation) -> list[Sample]:
-        messages: list[dict[str, str]] = []
-        samples = []
-        for i, (text, max_tokens) in enumerate(zip(conv.turns, conv.max_tokens, strict=True)):
-            messages.append({"role": "user", "content": text})
-            sample, answer = await self.turn(messages, max_tokens, conv.ignore_eos, i + 1)
-            messages.append({"role": "assistant", "content": answer})
-            samples.append(sample)
-        return samples
+        return await converse(self.turn, conv)
 
     async def close(self) -> None:
         await self.client.close()
@@ -269,6 +279,10 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
             if args.dataset == "mtbench":
                 cells.append(f"{paired(a, b, lambda r: r.metrics()['median_ttft_turn2']):.2f}")
             print(" | ".join(cells))
+        for name, _ in sides[2:]:
+            for c in args.concurrency:
+                ratio = paired(results[(first, c)], results[(name, c)], lambda r: r.throughput)
+                print(f"{first}/{name} req/s at {c} streams: {ratio:.2f}")
         top = max(args.concurrency)
         a, b = results[(first, top)], results[(peer, top)]
         goodput = paired(a, b, lambda r: r.goodput)
