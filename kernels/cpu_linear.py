@@ -5,8 +5,8 @@ into oneDNN's blocked layout runs the same product 1.3-3x faster here (one threa
 512] x [512, 1536]), with the same fp32 arithmetic (results agree to ~1e-6 relative: only
 the summation order differs). ``_linear_pointwise`` takes and returns plain dense tensors,
 so no activation is converted to or from oneDNN's layout on the way. Where that operator is
-missing (a torch built without oneDNN's linear ops) the layer keeps ``F.linear``. Weights
-are kept in both layouts.
+missing (a torch built without oneDNN's linear ops) the layer keeps ``F.linear``. A packed
+layer keeps its weight in oneDNN's layout only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 
 import torch  # noqa: E402
-import torch.nn.functional as F
 from torch import nn
 
 PACK_ROWS_HINT = 32  # the batch size oneDNN tunes the packed layout for; any row count works
@@ -40,20 +39,23 @@ def can_pack(module: nn.Module) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for ``nn.Linear`` on 2-D fp32 CPU input ``[rows, in] -> [rows, out]``."""
+    """Drop-in for ``nn.Linear`` on fp32 CPU input ``[..., in] -> [..., out]``. Holds the
+    weight only in oneDNN's layout: the plain ``[out, in]`` copy is dropped (unless another
+    module shares it, as a tied embedding does), so a packed model takes its weights' memory
+    once."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight = linear.weight
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         w = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features).contiguous()
         bias = self.bias.detach() if self.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -36,3 +36,14 @@ def test_packed_model_logits_match_plain(tmp_path):
     a = llm_plain.generate(prompt_token_ids=prompts, sampling_params=p)
     b = llm_packed.generate(prompt_token_ids=prompts, sampling_params=p)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_a_packed_linear_keeps_its_weight_once_and_takes_any_leading_shape():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 160)
+    packed = PackedLinear(lin)
+    # no plain [out, in] copy beside the packed one: the bias is its only parameter
+    assert [p.shape for p in packed.parameters()] == [torch.Size([160])]
+    x = torch.randn(3, 5, 96)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert packed(x).shape == (3, 5, 160)
