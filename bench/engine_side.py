@@ -13,11 +13,15 @@ one clock for the machine): TTFT from the parent's send to the end of the step t
 the first token, ITLs between the steps that made tokens. No HTTP, no Ray, no Serve, no
 router: served req/s over this side's is the share of the engines' own pace the serving
 path keeps.
+
+A process that fails or exits fails its open requests' turns (RuntimeError) and every later
+turn sent to it; none waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import threading
@@ -79,7 +83,8 @@ class EngineSide:
         for conn, proc in zip(self._conns, self._procs, strict=True):
             expect(conn, "ready", proc)
         self._open = [0] * processes
-        self._waiting: dict[int, asyncio.Future[tuple[Any, ...]]] = {}
+        # tag -> (the process running it, its result)
+        self._waiting: dict[int, tuple[int, asyncio.Future[tuple[Any, ...]]]] = {}
         self._next_tag = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._readers = [
@@ -89,18 +94,27 @@ class EngineSide:
             reader.start()
 
     def _read(self, i: int) -> None:
-        """Resolve each finished request's future on the event loop; ends at EOF."""
+        """Resolve each finished request's future on the event loop. When process ``i``
+        fails or exits, its open requests' futures raise instead of waiting forever."""
         conn = self._conns[i]
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                return
+                msg = ("error", f"exit code {self._procs[i].exitcode}")
             if msg[0] == "error":
-                raise RuntimeError(f"engine process {i} failed:\n{msg[1]}")
-            fut = self._waiting.pop(msg[1])
+                self._fail(i, RuntimeError(f"engine process {i} failed: {msg[1]}"))
+                return
+            _, fut = self._waiting.pop(msg[1])
             assert self._loop is not None
             self._loop.call_soon_threadsafe(fut.set_result, msg[2:])
+
+    def _fail(self, i: int, error: BaseException) -> None:
+        for tag, (owner, fut) in list(self._waiting.items()):
+            if owner == i:
+                del self._waiting[tag]
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(fut.set_exception, error)
 
     async def turn(
         self, messages: list[dict[str, str]], max_tokens: int, ignore_eos: bool, turn: int
@@ -109,12 +123,18 @@ class EngineSide:
         i = min(range(len(self._open)), key=lambda k: (self._open[k], k))
         tag, self._next_tag = self._next_tag, self._next_tag + 1
         fut: asyncio.Future[tuple[Any, ...]] = self._loop.create_future()
-        self._waiting[tag] = fut
+        self._waiting[tag] = (i, fut)
         self._open[i] += 1
         sent = time.perf_counter()
         try:
+            if not self._readers[i].is_alive():  # its process ended: nothing would answer
+                raise OSError("its reader ended")
             self._conns[i].send(("start", tag, list(messages), max_tokens, ignore_eos))
             prompt, times, text = await fut
+        except OSError as e:
+            self._waiting.pop(tag, None)
+            code = self._procs[i].exitcode
+            raise RuntimeError(f"engine process {i} is gone (exit code {code}): {e}") from e
         finally:
             self._open[i] -= 1
         end = times[-1] if times else time.perf_counter()
@@ -128,7 +148,8 @@ class EngineSide:
 
     async def close(self) -> None:
         for conn in self._conns:
-            conn.send(("stop",))
+            with contextlib.suppress(OSError):  # a process that already ended
+                conn.send(("stop",))
         for proc in self._procs:
             proc.join(timeout=30)
             if proc.is_alive():

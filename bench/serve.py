@@ -370,6 +370,8 @@ def main() -> None:
         ap.error("--peer-python: the random dataset, without --peer-url or --base-url")
     if args.cpu_hog and (chat or not args.defaults):
         ap.error("--cpu-hog needs --defaults and the random dataset")
+    if args.engines and not (chat and args.defaults):
+        ap.error("--engines needs --defaults and a chat dataset (its engines run the defaults)")
     if args.cpu_profile and (chat or not args.defaults):
         ap.error("--cpu-profile needs --defaults and the random dataset")
     if args.defaults or args.base_url:  # else the app runs in this session: nothing to raise
@@ -431,7 +433,7 @@ def dispatch(args: argparse.Namespace, chat: bool, ap: argparse.ArgumentParser) 
             flush=True,
         )
         with serve_app(app_args, 1, env, direct=not args.via_proxy) as url:
-            asyncio.run(run_chat_sides(args, url, model_name, model_ref))
+            asyncio.run(run_chat_sides(args, url, model_name))
         return
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir:

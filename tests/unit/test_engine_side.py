@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from actors import LLM, SamplingParams
 from bench.engine_side import EngineSide
 from bench.serve_chat import Conversation
@@ -46,3 +48,22 @@ def test_a_conversation_runs_on_the_engine_process_as_on_the_engine_here():
     )[0]
     assert first[0].prompt_tokens == len(ids)
     assert answer and answer == tok.decode(list(here.token_ids))
+
+
+def test_a_request_on_an_engine_process_that_dies_raises_instead_of_waiting():
+    async def run() -> None:
+        side = EngineSide(str(tiny_model_dir()), 1)
+        try:
+            ask = asyncio.ensure_future(
+                side.turn([{"role": "user", "content": "hi"}], 1500, True, 1)
+            )
+            await asyncio.sleep(0)  # sent
+            side._procs[0].kill()
+            with pytest.raises(RuntimeError, match="engine process 0 failed: exit code"):
+                await asyncio.wait_for(ask, 60)  # a bound on a hang, not a timing
+            with pytest.raises(RuntimeError, match="is gone"):
+                await side.turn([{"role": "user", "content": "hi"}], 4, True, 1)
+        finally:
+            await side.close()
+
+    asyncio.run(run())
