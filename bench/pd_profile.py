@@ -303,8 +303,10 @@ import ray
 ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
 out = []
 for actor in ray.util.list_named_actors(all_namespaces=True):
-    if actor["name"].startswith("pd-d"):
-        handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+    name = actor["name"]  # pd-d<j>-<unique>, or in a pool <pool>/d<j>/<unique>
+    rid = name.split("/")[-2] if name.count("/") >= 2 else ""
+    if name.startswith("pd-d") or (rid[:1] == "d" and rid[1:].isdigit()):
+        handle = ray.get_actor(name, namespace=actor["namespace"])
         out += ray.get(handle.step_times.remote(), timeout=60)
 print(json.dumps(out))
 """
@@ -312,7 +314,8 @@ print(json.dumps(out))
 
 def decode_step_times(root: int) -> list[tuple[float, float]]:
     """Every decode replica's kept step times, from a driver attached to the app's Ray
-    cluster (its P/D replicas are named ``pd-<id>-<unique>``, decode ids ``d<j>``); a
+    cluster (its P/D replicas are named ``pd-<id>-<unique>``, or ``<pool>/<id>/<unique>``
+    in a shared pool (``pool_actors``); decode ids ``d<j>``); a
     process of its own, started as the cluster's are (token authentication on)."""
     address = gcs_address(root)
     if address is None:
@@ -326,7 +329,10 @@ def decode_step_times(root: int) -> list[tuple[float, float]]:
     )
     if out.returncode != 0:
         raise RuntimeError(f"reading the decode replicas' step times failed: {out.stderr[-2000:]}")
-    return [(a, b) for a, b in json.loads(out.stdout.strip().splitlines()[-1])]
+    steps = [(a, b) for a, b in json.loads(out.stdout.strip().splitlines()[-1])]
+    if not steps:
+        raise RuntimeError("no decode replica of the app's cluster kept a step time")
+    return steps
 
 
 def print_table(profiles: list[RunProfile]) -> None:
