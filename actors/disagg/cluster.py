@@ -87,6 +87,7 @@ from actors.disagg.messages import (
     ReservationLost,
     StoreLoad,
     TokenDelta,
+    TokenGaps,
 )
 from actors.disagg.pd_request import PDRequest
 from actors.disagg.read_paths import ReadPaths, storage_rates
@@ -171,6 +172,8 @@ class PDCluster:
         self.builder = RequestBuilder(self.block_size, self.limits)
         self.superseded = False  # another Conductor claimed the pool's replicas
         self.relayed_tokens = 0  # tokens decode replicas reported here (unrouted requests)
+        # the last poll's gaps between tokens of requests routed to their ingress
+        self.token_gaps: list[float] = []
 
     # -- set-up -----------------------------------------------------------------------------
     def _conductor(self) -> Conductor:
@@ -338,7 +341,9 @@ class PDCluster:
     # -- reacting to the replicas -----------------------------------------------------------
     def poll(self, timeout: float = REPORT_WAIT_S) -> list[StreamDelta]:
         """Wait up to ``timeout`` s for replica reports, apply every one that arrived, place
-        requests waiting for a retry; returns the tokens streamed meanwhile."""
+        requests waiting for a retry; returns the tokens streamed meanwhile (and keeps the
+        routed requests' gaps between tokens in ``token_gaps`` until the next poll)."""
+        self.token_gaps = []
         if self.superseded:
             return []
         polls = self.replicas.polls
@@ -378,6 +383,8 @@ class PDCluster:
                 d = self._on_tokens(e)
                 if d is not None:
                     deltas.append(d)
+            elif isinstance(e, TokenGaps):
+                self.token_gaps += e.gaps
             elif isinstance(e, Finished):
                 self._on_finished(e)
             elif isinstance(e, PrefillDone):

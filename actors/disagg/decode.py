@@ -62,6 +62,7 @@ from actors.disagg.messages import (
     Finished,
     ReservationLost,
     TokenDelta,
+    TokenGaps,
 )
 from actors.disagg.return_links import ReturnLinks
 from actors.engine.config import EngineConfig
@@ -70,6 +71,7 @@ from actors.engine.executor import LocalExecutor
 from actors.engine.outputs import RequestOutput, StreamDelta
 from actors.engine.replica_controller import ReplicaController
 from actors.engine.replica_loop import ReplicaLoop
+from actors.engine.token_gaps import TokenGapClock
 from actors.kvstore.shard import KVStoreClient
 from models import tiny_model_dir
 from models.config import read_model_config
@@ -184,6 +186,7 @@ class DecodeReplica(LoopedReplica):
         self._reserved_blocks: dict[str, int] = {}
         self._cached_tokens: dict[str, int] = {}  # admitted request -> prompt tokens reused
         self.returns = ReturnLinks()  # requests whose events go straight to their ingress
+        self._token_clock = TokenGapClock()  # loop thread only: those requests' token times
         self.stats = self._stats()
         self.loop = ReplicaLoop(
             self._iterate, f"decode-{replica_id}", cpu_cores=cpus, torch_threads=threads
@@ -545,9 +548,14 @@ class DecodeReplica(LoopedReplica):
                 ends[key] = self._release(key)
             if key in ends:
                 ends[key].finish_reason = "abort"
+        gaps: list[float] = []
         for d in deltas:
             key = d.request_id
-            events: list[Any] = [] if self.returns.routed(key) else [TokenDelta(key, d, now)]
+            events: list[Any] = []
+            if self.returns.routed(key):
+                gaps += self._token_clock.gaps(key, len(d.token_ids), now)
+            else:
+                events.append(TokenDelta(key, d, now))
             if key in ends:
                 self.returns.drop(key)
                 events.append(Finished(key, ends.pop(key)))
@@ -556,8 +564,11 @@ class DecodeReplica(LoopedReplica):
         for key, out in ends.items():  # lost, with no event this step
             self.returns.drop(key)
             self.loop.emit(Finished(key, out))
+        if gaps:
+            self.loop.emit(TokenGaps(tuple(gaps)))
 
     def _release(self, key: str) -> RequestOutput:
+        self._token_clock.forget(key)
         self._written.pop(key, None)
         self._retention.pop(key, None)
         out = self.controller.release(key)

@@ -159,6 +159,12 @@ class PDEngine:
         hit = self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
         return self.cluster.stats(cache_hit_ratio=hit)
 
+    def last_token_gaps(self) -> list[float]:
+        """The gaps between tokens (seconds) that the decode replicas measured for the
+        requests whose tokens they wrote straight to an ingress, reported in the last
+        ``step``; the engine loop's inter-token-latency histogram counts them."""
+        return self.cluster.token_gaps
+
     def pd_counters(self) -> PDCounters:
         """Transfer and store counters for ``/metrics``, from the prefill replicas' last
         reports and the cluster's own."""

@@ -123,6 +123,15 @@ class DecodeStep:
 
 
 @dataclass(frozen=True)
+class TokenGaps:
+    """One decode step's gaps between tokens (seconds, ``TokenGapClock``'s shares) of the
+    requests whose tokens went straight to their ingress, for the Conductor's process's
+    inter-token-latency histogram (relayed tokens are timed there from ``TokenDelta``)."""
+
+    gaps: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class CacheEvent:
     """A prefill replica's prefix cache stored or evicted a block."""
 
@@ -135,6 +144,7 @@ Event = (
     | PrefillFailed
     | ReservationLost
     | TokenDelta
+    | TokenGaps
     | Finished
     | PrefillStep
     | StoreLoad

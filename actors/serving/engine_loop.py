@@ -121,6 +121,8 @@ class EngineLoop:
         self._accepted = Accepted(replica_id)  # every verdict that accepts: immutable
         # a disaggregated engine (PDEngine) also reports its transfer and store counters
         self.metrics = ReplicaMetrics(getattr(engine, "pd_counters", None), min_interval_s=0.2)
+        # and the gaps between tokens its decode replicas measured (``last_token_gaps``)
+        self._last_token_gaps = getattr(engine, "last_token_gaps", None)
         # engine thread only: each running choice's prompt and index
         self._open: dict[str, tuple[OpenPrompt, int]] = {}
         # what the outlets get at the end of this pass (engine thread only)
@@ -317,6 +319,8 @@ class EngineLoop:
         try:
             deltas = self.engine.step()
             self.metrics.on_deltas(deltas, time.monotonic())
+            if self._last_token_gaps is not None:
+                self.metrics.on_gaps(self._last_token_gaps())
         except Exception as e:  # a bug or a dead worker: fail what runs, keep serving
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {e}; retry the request")

@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from actors.disagg.conductor import RequestRejected
 from actors.disagg.messages import PDCounters
+from actors.engine.token_gaps import TokenGapClock
 from policies.replica_stats import ReplicaStats
 
 PREFIX = "meridian:"
@@ -183,20 +184,17 @@ class ReplicaMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self.success.labels(reason)  # present at 0 from the start
-        self._last_token: dict[str, float] = {}  # request id -> when its last token came
+        self._token_clock = TokenGapClock()
 
     def on_tokens(self, request_id: str, num_tokens: int, now: float) -> None:
-        """``num_tokens`` new tokens of one request reached the loop at ``now`` (monotonic).
-        Each gets an equal share of the gap since the request's previous tokens; the first
-        tokens have none (their latency is the TTFT)."""
-        if num_tokens <= 0:
-            return
-        last = self._last_token.get(request_id)
-        if last is not None:
-            gap = max(0.0, now - last) / num_tokens
-            for _ in range(num_tokens):
-                self.itl.observe(gap)
-        self._last_token[request_id] = now
+        """``num_tokens`` new tokens of one request reached the loop at ``now`` (monotonic);
+        their gaps as ``TokenGapClock`` shares them."""
+        self.on_gaps(self._token_clock.gaps(request_id, num_tokens, now))
+
+    def on_gaps(self, gaps: Iterable[float]) -> None:
+        """Gaps between tokens measured elsewhere (a decode replica's ``TokenGaps``)."""
+        for gap in gaps:
+            self.itl.observe(gap)
 
     def on_deltas(self, deltas: Iterable[Any], now: float) -> None:
         """One step's ``StreamDelta``s, all arrived at ``now``."""
@@ -205,7 +203,7 @@ class ReplicaMetrics:
 
     def on_finished(self, out: Any) -> None:
         """``out`` is a finished (or aborted) ``RequestOutput``."""
-        self._last_token.pop(out.request_id, None)
+        self._token_clock.forget(out.request_id)
         self.success.labels(out.finish_reason or "abort").inc()
         prompt = len(out.prompt_token_ids)
         self.prompt_tokens.inc(prompt)

@@ -131,6 +131,9 @@ def test_streaming_equals_reference_and_ends_with_done(server, reference):
         assert time.monotonic() < deadline, "the replica never reported the tokens"
         time.sleep(0.2)
     assert metric(server, "meridian:pd_conductor_relayed_tokens_total") == 0
+    # ... and measured their gaps: every token after each request's first one or two (the
+    # prefill's token may come in one batch with the first decode's) is in the histogram
+    assert metric(server, "meridian:inter_token_latency_seconds_count") >= 2 * 14
 
 
 def metric(server: Server, name: str) -> float:
