@@ -15,10 +15,36 @@ import httpx
 T = TypeVar("T")
 
 
-def free_port() -> int:
+_handed: list[range] = []  # every range ``free_port`` gave out in this process
+
+
+def free_port(span: int = 1) -> int:
+    """A local port ``p`` such that ``p .. p + span - 1`` are free now and overlap no range
+    handed out before in this process: two apps a bench starts side by side (each with a
+    proxy port and a direct-ingress range) never get one another's ports."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = int(s.getsockname()[1])
+        ports = range(first, first + span)
+        if ports.stop > 65536 or any(_overlap(ports, r) for r in _handed):
+            continue
+        if all(_bindable(p) for p in ports[1:]):
+            _handed.append(ports)
+            return first
+
+
+def _overlap(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def healthy(url: str, replicas: int) -> bool:

@@ -22,6 +22,7 @@ from bench.app_probe import free_port, wait_healthy
 APP = "meridian"
 DIRECT_MIN = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"  # Ray Serve's direct-ingress port range
 DIRECT_MAX = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+DIRECT_SPAN = 51  # ports in that range: one per ingress replica on a node, with room
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,12 @@ def local_serve(
     from ray import serve
 
     env = dict(env or {})
-    direct_port = free_port()
+    direct_port = free_port(DIRECT_SPAN)
     if direct:
         env |= {
             "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             DIRECT_MIN: str(direct_port),
-            DIRECT_MAX: str(direct_port + 50),
+            DIRECT_MAX: str(direct_port + DIRECT_SPAN - 1),
         }
     with local_ray(env, num_cpus, nodes):
         port = free_port()

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.app_probe import free_port, served_model, wait_for
-from bench.local_serve import DIRECT_MAX, DIRECT_MIN
+from bench.local_serve import DIRECT_MAX, DIRECT_MIN, DIRECT_SPAN
 from bench.serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
 from bench.serve_profile import SERVING, VLLM_SERVER, CpuProfile
 from bench.session import exited, start_session, stop_leftovers, stop_session
@@ -80,8 +80,8 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
     env = os.environ | make_serve_env() | {"RAY_TMPDIR": str(tmp / "ray")}
     url_port = port  # Serve's proxy, unless the recipe serves on the ingress replica's own
     if DIRECT_MIN in env:  # port: a free one here, as the Makefile's is this machine's 8000
-        url_port = free_port()
-        env |= {DIRECT_MIN: str(url_port), DIRECT_MAX: str(url_port + 50)}
+        url_port = free_port(DIRECT_SPAN)
+        env |= {DIRECT_MIN: str(url_port), DIRECT_MAX: str(url_port + DIRECT_SPAN - 1)}
     serve = str(Path(sys.executable).parent / "serve")
     proc = start_session([serve, "run", str(config)], log, env, ROOT)
     url = f"http://127.0.0.1:{url_port}"

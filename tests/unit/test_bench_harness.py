@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from bench.app_probe import wait_for
+from bench.app_probe import free_port, wait_for
 from bench.interleave import interleaved, median_ratio, medians, schedule, turns
 from bench.serve_defaults import make_serve_env
 from bench.sse import StreamCut, StreamError, sse_chunks, sse_json
@@ -248,3 +248,20 @@ def test_nice_0_reruns_nothing():
     from bench.client_session import rerun_as_client
 
     assert rerun_as_client(0) is None
+
+
+def test_ports_handed_out_never_overlap_and_were_free():
+    """Two apps started side by side (a proxy port and a 51-port direct range each) never
+    get one another's ports."""
+    import socket
+
+    ranges = []
+    for span in (1, 51, 1, 51, 3):
+        first = free_port(span)
+        ranges.append(range(first, first + span))
+    for i, a in enumerate(ranges):
+        for b in ranges[i + 1 :]:
+            assert a.stop <= b.start or b.stop <= a.start, (a, b)
+    for p in ranges[1]:  # free when handed out: each binds
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
