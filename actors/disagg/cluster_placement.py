@@ -26,11 +26,11 @@ import ray
 
 from actors.disagg.cluster_faults import Recovery
 from actors.disagg.conductor import RequestRejected
-from actors.disagg.decode import RemoteDecode
 from actors.disagg.dualpath_placement import DualPathPlacer
 from actors.disagg.messages import PrefillTask
 from actors.disagg.pd_request import PDRequest
 from actors.disagg.read_paths import ReadPaths
+from actors.disagg.remote_decode import RemoteDecode
 from actors.disagg.replica_set import ReplicaSet, call_replica
 from actors.disagg.request_table import RequestTable
 from actors.disagg.store_view import DEAD, PDStore

@@ -590,20 +590,3 @@ class DecodeReplica(LoopedReplica):
                 max(0, q.max_tokens - len(q.output_token_ids)) for q in c.scheduler.running
             ),
         )
-
-
-class RemoteDecode:
-    """How a prefill replica reaches a decode replica actor (``PrefillTask.decode``)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def admit(
-        self,
-        key: str,
-        first_token: int,
-        first_logprob: Any = None,
-        cached_tokens: int = 0,
-        receipts: tuple[KVWriteDone, ...] = (),
-    ) -> None:
-        self.handle.admit.remote(key, first_token, first_logprob, cached_tokens, receipts)
