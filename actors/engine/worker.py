@@ -34,7 +34,7 @@ from actors.engine.worker_hooks import CacheGeometry, HooksFactory, PrivateKVCac
 from actors.engine.worker_inputs import build_worker_inputs
 from kernels.attention_metadata import AttentionMetadata
 from kernels.batch_invariant import BatchInvariantAttention, tile_linears
-from kernels.cpu_linear import can_pack, pack_linears
+from kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 from kernels.kv_parallel_attention import KVParallelAttention
 from models import load_model
 from models.sharding import ModelShard
@@ -341,6 +341,5 @@ def _nbytes(tensors: Any) -> int:
 
 def _shard_tensors(shard: ModelShard) -> list[torch.Tensor]:
     """A shard's parameters and buffers, with the prepacked copies ``pack_linears`` adds."""
-    packed = [getattr(m, "packed", None) for m in shard.modules()]
-    extra = [t for t in packed if isinstance(t, torch.Tensor)]
+    extra = [t for m in shard.modules() if isinstance(m, PackedLinear) for t in m.stored()]
     return [*shard.parameters(), *shard.buffers(), *extra]

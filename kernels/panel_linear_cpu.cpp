@@ -1,0 +1,310 @@
+// Linear layers on the CPU over a block-coded weight: y = x W^T (+ bias), fp32 activations.
+//
+// Block-coded weight: W[n, k] = codes[n, k] * scale[n, k / 32] + offset[n, k / 32] exactly
+// (int8 codes, fp32 scale and offset per 32 weights of a row: how GGUF's Q4_1 and Q8_0 blocks
+// dequantize; kernels/block_codes.py finds them). Held in column panels: panel p holds output
+// columns 64 p .. 64 p + 63 (zero past N): codes [P, K, 64] int8, row k the 64 codes that
+// multiply x[:, k]; scales and offsets [P, K / 32, 64].
+//
+// Why: a decode step's linears are a few rows against the whole weight, bound by reading
+// it from memory (SmolLM2's fp32 linears: 540 MB a step). The codes are a quarter of those
+// bytes. A panel is decoded into fp32 (one FMA per weight: exactly the weight's fp32 value)
+// one block of 32 k at a time, into a per-thread buffer that stays in L1, and multiplied
+// there with up to 6 rows of x at a time.
+//
+// Arithmetic: each output sums its K / 32 blocks in order, each block a fused multiply-add
+// chain over its 32 k in order from 0 (then + bias): the same bits for any row count, any
+// row's position in the batch and any thread count (batch-invariant by construction). It
+// differs from another blocked sum (oneDNN's, MKL's) by rounding only.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 64;      // output columns a panel holds: 4 AVX-512 vectors
+constexpr int64_t kRows = 6;        // rows of x a micro-kernel carries (6 x 4 accumulators)
+constexpr int64_t kBlock = 32;      // weights of a row that share a scale and an offset
+constexpr int64_t kRowGroup = 256;  // rows whose partial sums a thread's buffer holds
+// Blocks of codes (2 KB each) fetched ahead of their decoding, so that the memory stream
+// runs under the multiplications of the blocks before (the out-of-order window alone does
+// not reach that far: decode and multiply then add up instead of overlapping).
+#ifndef MERIDIAN_BLOCKS_AHEAD
+#define MERIDIAN_BLOCKS_AHEAD 4
+#endif
+constexpr int64_t kAheadBytes = MERIDIAN_BLOCKS_AHEAD * kBlock * kPanel;
+
+bool compiled_for_avx512() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef __AVX512F__
+// One row's four accumulators (64 columns), named: GCC keeps an array of 24 vectors on the
+// stack.
+struct RowAcc {
+  __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
+  __m512 v2 = _mm512_setzero_ps(), v3 = _mm512_setzero_ps();
+
+  inline void fma(float x, __m512 w0, __m512 w1, __m512 w2, __m512 w3) {
+    const __m512 xr = _mm512_set1_ps(x);
+    v0 = _mm512_fmadd_ps(xr, w0, v0);
+    v1 = _mm512_fmadd_ps(xr, w1, v1);
+    v2 = _mm512_fmadd_ps(xr, w2, v2);
+    v3 = _mm512_fmadd_ps(xr, w3, v3);
+  }
+
+  // total[0:64] = this (first block) or total + this
+  inline void add_into(float* total, bool first) const {
+    const __m512 v[4] = {v0, v1, v2, v3};
+    for (int i = 0; i < 4; ++i) {
+      float* t = total + 16 * i;
+      _mm512_storeu_ps(t, first ? v[i] : _mm512_add_ps(_mm512_loadu_ps(t), v[i]));
+    }
+  }
+};
+
+// total[r, 0:64] (+)= x[r, 0:32] . block [32, 64] for r < R: x rows of stride ldx, total rows
+// of stride 64; each row's partial sum runs from 0 over the block's 32 weights in order.
+template <int R>
+inline void block_kernel(const float* x, int64_t ldx, const float* block, float* total,
+                         bool first) {
+  static_assert(R >= 1 && R <= 6);
+  RowAcc a0, a1, a2, a3, a4, a5;
+  const float* w = block;
+  for (int64_t k = 0; k < kBlock; ++k, w += kPanel) {
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+    a0.fma(x[k], w0, w1, w2, w3);
+    if constexpr (R > 1) a1.fma(x[ldx + k], w0, w1, w2, w3);
+    if constexpr (R > 2) a2.fma(x[2 * ldx + k], w0, w1, w2, w3);
+    if constexpr (R > 3) a3.fma(x[3 * ldx + k], w0, w1, w2, w3);
+    if constexpr (R > 4) a4.fma(x[4 * ldx + k], w0, w1, w2, w3);
+    if constexpr (R > 5) a5.fma(x[5 * ldx + k], w0, w1, w2, w3);
+  }
+  a0.add_into(total, first);
+  if constexpr (R > 1) a1.add_into(total + kPanel, first);
+  if constexpr (R > 2) a2.add_into(total + 2 * kPanel, first);
+  if constexpr (R > 3) a3.add_into(total + 3 * kPanel, first);
+  if constexpr (R > 4) a4.add_into(total + 4 * kPanel, first);
+  if constexpr (R > 5) a5.add_into(total + 5 * kPanel, first);
+}
+
+void rows_of_block(const float* x, int64_t ldx, int64_t rows, const float* block, float* total,
+                   bool first) {
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows)
+    block_kernel<kRows>(x + r * ldx, ldx, block, total + r * kPanel, first);
+  const float* xr = x + r * ldx;
+  float* t = total + r * kPanel;
+  switch (rows - r) {
+    case 1: block_kernel<1>(xr, ldx, block, t, first); break;
+    case 2: block_kernel<2>(xr, ldx, block, t, first); break;
+    case 3: block_kernel<3>(xr, ldx, block, t, first); break;
+    case 4: block_kernel<4>(xr, ldx, block, t, first); break;
+    case 5: block_kernel<5>(xr, ldx, block, t, first); break;
+    default: break;
+  }
+}
+
+// One block of a panel, decoded: out [32, 64] = codes [32, 64] * scale [64] + offset [64].
+inline void decode_block(const int8_t* codes, const float* scale, const float* offset,
+                         float* out) {
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  const __m512 s2 = _mm512_loadu_ps(scale + 32), s3 = _mm512_loadu_ps(scale + 48);
+  const __m512 o0 = _mm512_loadu_ps(offset), o1 = _mm512_loadu_ps(offset + 16);
+  const __m512 o2 = _mm512_loadu_ps(offset + 32), o3 = _mm512_loadu_ps(offset + 48);
+  // the codes (one line per k) and the scales and offsets (4 lines each) of a block ahead;
+  // panels and their blocks lie one after another, so "ahead" crosses into the next panel
+  // (and past the end, where a prefetch is dropped)
+  constexpr int64_t kAheadBlocks = kAheadBytes / (kBlock * kPanel);
+  for (int64_t i = 0; i < 4; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(scale + kAheadBlocks * kPanel + 16 * i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(offset + kAheadBlocks * kPanel + 16 * i), _MM_HINT_T0);
+  }
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const int8_t* c = codes + k * kPanel;
+    float* o = out + k * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
+    const auto q = [&](int i) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    };
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(q(0), s0, o0));
+    _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(q(1), s1, o1));
+    _mm512_storeu_ps(o + 32, _mm512_fmadd_ps(q(2), s2, o2));
+    _mm512_storeu_ps(o + 48, _mm512_fmadd_ps(q(3), s3, o3));
+  }
+}
+
+// out[r, 0:cols] = total[r, 0:cols] (+ bias) for r < rows (out rows of stride ldo)
+void write_rows(const float* total, int64_t rows, float* out, int64_t ldo, int64_t cols,
+                const float* bias) {
+  for (int64_t i = 0; i < kPanel / 16; ++i) {
+    const int64_t first = 16 * i;
+    if (first >= cols) break;
+    const __mmask16 mask =
+        cols - first >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - first)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 t = _mm512_loadu_ps(total + r * kPanel + first);
+      _mm512_mask_storeu_ps(out + r * ldo + first, mask, bias ? _mm512_add_ps(t, b) : t);
+    }
+  }
+}
+
+// a per-thread buffer of at least n floats
+float* thread_buffer(int64_t n) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+#endif
+
+void check_fp32(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == dim &&
+                  t.is_contiguous(),
+              name, " must be a contiguous float32 CPU tensor of ", dim, " dimensions");
+}
+
+// codes [P, K, 64] int8, scales and offsets [P, K / 32, 64], N in the last panel
+void check_blocks(const torch::Tensor& codes, const torch::Tensor& scales,
+                  const torch::Tensor& offsets, int64_t out_features) {
+  TORCH_CHECK(compiled_for_avx512(), "panel_linear was built without AVX-512");
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kInt8 &&
+                  codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kPanel,
+              "codes must be contiguous int8 [P, K, 64]");
+  TORCH_CHECK(codes.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
+  check_fp32(scales, "scales", 3);
+  check_fp32(offsets, "offsets", 3);
+  const std::vector<int64_t> want = {codes.size(0), codes.size(1) / kBlock, kPanel};
+  TORCH_CHECK(scales.sizes() == want && offsets.sizes() == want,
+              "scales and offsets must be [P, K / 32, 64]");
+  const int64_t P = codes.size(0);
+  TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel,
+              "out_features must lie in the last panel");
+}
+
+}  // namespace
+
+// int8 codes [N, K], scales and offsets [N, K / 32] -> panels (see the top).
+std::vector<torch::Tensor> pack_blocks(const torch::Tensor& codes, const torch::Tensor& scales,
+                                       const torch::Tensor& offsets) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kInt8 &&
+                  codes.dim() == 2 && codes.is_contiguous(),
+              "codes must be contiguous int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), B = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of ", kBlock);
+  check_fp32(scales, "scales", 2);
+  check_fp32(offsets, "offsets", 2);
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == B && offsets.sizes() == scales.sizes(),
+              "scales and offsets must be [N, K / 32]");
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  auto c_out = torch::zeros({P, K, kPanel}, codes.options());
+  auto s_out = torch::zeros({P, B, kPanel}, scales.options());
+  auto o_out = torch::zeros({P, B, kPanel}, scales.options());
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  const float* of = offsets.data_ptr<float>();
+  int8_t* co = c_out.data_ptr<int8_t>();
+  float* so = s_out.data_ptr<float>();
+  float* oo = o_out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t p = n / kPanel, j = n % kPanel;
+    for (int64_t k = 0; k < K; ++k) co[(p * K + k) * kPanel + j] = c[n * K + k];
+    for (int64_t b = 0; b < B; ++b) {
+      so[(p * B + b) * kPanel + j] = sc[n * B + b];
+      oo[(p * B + b) * kPanel + j] = of[n * B + b];
+    }
+  }
+  return {c_out, s_out, o_out};
+}
+
+// The fp32 weight [N, K] that block-coded panels hold, as the kernel decodes it.
+torch::Tensor decode_blocks(const torch::Tensor& codes, const torch::Tensor& scales,
+                            const torch::Tensor& offsets, int64_t out_features) {
+  check_blocks(codes, scales, offsets, out_features);
+  const int64_t P = codes.size(0), K = codes.size(1), N = out_features, B = K / kBlock;
+  auto out = torch::empty({N, K}, scales.options());
+#ifdef __AVX512F__
+  float block[kBlock * kPanel];
+  float* op = out.data_ptr<float>();
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t b = 0; b < B; ++b) {
+      decode_block(codes.data_ptr<int8_t>() + (p * K + b * kBlock) * kPanel,
+                   scales.data_ptr<float>() + (p * B + b) * kPanel,
+                   offsets.data_ptr<float>() + (p * B + b) * kPanel, block);
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
+        for (int64_t k = 0; k < kBlock; ++k)
+          op[(p * kPanel + j) * K + b * kBlock + k] = block[k * kPanel + j];
+    }
+  }
+#endif
+  return out;
+}
+
+// x [M, K] . block-coded panels -> [M, N] (+ bias). Panels are split across threads; each
+// block of a panel is decoded once per 256 rows.
+torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& codes,
+                            const torch::Tensor& scales, const torch::Tensor& offsets,
+                            int64_t out_features, const c10::optional<torch::Tensor>& bias) {
+  check_fp32(x, "x", 2);
+  check_blocks(codes, scales, offsets, out_features);
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = out_features;
+  TORCH_CHECK(codes.size(1) == K, "codes must be [P, K, 64] with K = x.size(1)");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_fp32(*bias, "bias", 1);
+    TORCH_CHECK(bias->size(0) == N, "bias must be [out_features]");
+    b = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options());
+#ifdef __AVX512F__
+  const float* xp = x.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* offp = offsets.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t B = K / kBlock;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    float* block = thread_buffer(kBlock * kPanel + kRowGroup * kPanel);
+    float* total = block + kBlock * kPanel;  // [rows, 64] partial sums
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * kPanel, cols = std::min(kPanel, N - first);
+      for (int64_t r0 = 0; r0 < M; r0 += kRowGroup) {
+        const int64_t rows = std::min(kRowGroup, M - r0);
+        for (int64_t blk = 0; blk < B; ++blk) {
+          decode_block(cp + (p * K + blk * kBlock) * kPanel, sp + (p * B + blk) * kPanel,
+                       offp + (p * B + blk) * kPanel, block);
+          rows_of_block(xp + r0 * K + blk * kBlock, K, rows, block, total, blk == 0);
+        }
+        write_rows(total, rows, op + r0 * N + first, N, cols, b ? b + first : nullptr);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+bool available() { return compiled_for_avx512(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "whether this build has the AVX-512 kernel");
+  m.def("pack_blocks", &pack_blocks, "int8 codes [N, K], scales, offsets [N, K/32] -> panels",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_blocks", &decode_blocks, "block-coded panels -> the fp32 weight [N, K]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_blocks", &linear_blocks, "x [M, K] . block-coded panels -> [M, N] (+ bias)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}

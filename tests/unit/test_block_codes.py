@@ -1,0 +1,147 @@
+"""Block-coded weights: found exactly from the fp32 values GGUF's Q4_1 and Q8_0 tensors
+dequantize to, refused for any other weight, and multiplied by the panel kernel with the
+same products as the fp32 weight."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from actors import LLM, SamplingParams
+from kernels.block_codes import block_codes
+from kernels.cpu_linear import BLOCK_CODE_ROWS, PANELS, PackedLinear
+from models import write_tiny_model
+from models.hf_reference import hf_greedy
+
+panels = PANELS.load()
+needs_kernel = pytest.mark.skipif(
+    panels is None or not panels.available(),
+    reason=f"the block-code kernel needs AVX-512: {PANELS.error() or 'built without it'}",
+)
+
+
+def gguf_round_trip(weight: torch.Tensor, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """``weight`` quantized and dequantized by the gguf library, as the loader reads it."""
+    data = gguf.quants.quantize(weight.numpy(), kind)
+    values = gguf.quants.dequantize(data, kind).astype(np.float32)
+    return torch.from_numpy(values.copy()).reshape(weight.shape)
+
+
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_codes_give_back_every_weight_of_a_gguf_tensor(kind):
+    torch.manual_seed(0)
+    w = gguf_round_trip(torch.randn(100, 96) * 0.05, kind)
+    found = block_codes(w)
+    assert found is not None
+    codes, scales, offsets = found
+    assert codes.dtype == torch.int8 and scales.shape == offsets.shape == (100, 3)
+    blocks = codes.double().view(100, 3, 32)
+    decoded = blocks * scales.double()[..., None] + offsets.double()[..., None]
+    assert torch.equal(decoded.float().view(100, 96), w)
+
+
+def test_rows_of_both_forms_in_one_weight():
+    torch.manual_seed(1)
+    a = gguf_round_trip(torch.randn(8, 64), Q4_1)
+    b = gguf_round_trip(torch.randn(8, 64), Q8_0)
+    assert block_codes(torch.cat([a, b])) is not None
+
+
+def test_other_weights_are_refused():
+    torch.manual_seed(2)
+    w = gguf_round_trip(torch.randn(16, 64), Q4_1)
+    assert block_codes(torch.randn(16, 64)) is None  # random fp32
+    nudged = w.clone()
+    nudged[3, 17] = torch.nextafter(nudged[3, 17], torch.tensor(1.0))  # one ulp off
+    assert block_codes(nudged) is None
+    assert block_codes(w[:, :48].contiguous()) is None  # K not a multiple of 32
+    broken = w.clone()
+    broken[0, 0] = float("nan")
+    assert block_codes(broken) is None
+    assert block_codes(w.double()) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features", [64, 100, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_computes_the_fp32_product(out_features, bias):
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(96, out_features, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(gguf_round_trip(lin.weight.detach(), Q4_1))
+    packed = PackedLinear(lin)
+    assert packed.blocks is not None
+    assert torch.equal(panels.decode_blocks(*packed.blocks, out_features), lin.weight)
+    for rows in (1, 4, 7, BLOCK_CODE_ROWS):
+        x = torch.randn(rows, 96)
+        want = torch.nn.functional.linear(x.double(), lin.weight.double(), None)
+        got = packed(x).double() - (lin.bias.double() if bias else 0)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_in_any_batch():
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(128, 192)
+    with torch.no_grad():
+        lin.weight.copy_(gguf_round_trip(lin.weight.detach(), Q8_0))
+    packed = PackedLinear(lin)
+    assert packed.blocks is not None
+    x = torch.randn(BLOCK_CODE_ROWS, 128)
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(len(x))])
+    for rows in range(2, BLOCK_CODE_ROWS + 1):
+        assert torch.equal(packed(x[:rows]), alone[:rows])
+    y = packed(x[:3].reshape(1, 3, 128))
+    assert y.shape == (1, 3, 192) and torch.equal(y[0], alone[:3])
+
+
+@needs_kernel
+def test_a_random_weight_keeps_only_onednn():
+    lin = torch.nn.Linear(96, 64)
+    packed = PackedLinear(lin)
+    assert packed.blocks is None and len(packed.stored()) == 1
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_cannot_read():
+    codes = torch.zeros(2, 64, 64, dtype=torch.int8)
+    s = torch.ones(2, 2, 64)
+    run = panels.linear_blocks
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        run(torch.ones(1, 48), codes[:, :48].contiguous(), s, s, 100, None)
+    with pytest.raises(RuntimeError, match="last panel"):
+        run(torch.ones(1, 64), codes, s, s, 200, None)
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        run(torch.ones(1, 96), codes, s, s, 100, None)
+    with pytest.raises(RuntimeError, match="scales and offsets"):
+        run(torch.ones(1, 64), codes, s[:, :1].contiguous(), s, 100, None)
+
+
+@needs_kernel
+def test_an_engine_on_gguf_coded_weights_gives_transformers_tokens(tmp_path):
+    """A tiny model whose linears hold Q4_1 and Q8_0 values (hidden 64, so K is a multiple of
+    32): every linear is block-coded in the engine, and its greedy tokens equal transformers'
+    on the same weights, decode steps through the kernel."""
+    model_dir = write_tiny_model(tmp_path / "m", kind="dense")
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        if w.dim() == 2 and w.shape[1] % 32 == 0 and "embed" not in name:
+            weights[name] = gguf_round_trip(w.float(), Q4_1 if i % 2 else Q8_0).to(w.dtype)
+    save_file(weights, path, metadata={"format": "pt"})
+
+    llm = LLM(model_dir, pack_weights=True)
+    layers = [m for m in llm.engine.executor.worker.shard.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.blocks is not None for m in layers if m.in_features % 32 == 0)
+
+    prompts = [[5 + i for i in range(n)] for n in (9, 17, 30)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert ours == hf_greedy(model_dir, prompts, 8)
