@@ -42,6 +42,31 @@ QWEN2_05B = dict(
 )
 
 
-def write_qwen2_05b(folder: str | Path) -> Path:
-    """Write a random-weight model of Qwen2-0.5B's shape into ``folder`` and return it."""
-    return write_tiny_model(Path(folder), kind="dense", seed=0, **QWEN2_05B)
+def write_qwen2_05b(folder: str | Path, gguf_values: bool = False) -> Path:
+    """Write a random-weight model of Qwen2-0.5B's shape into ``folder`` and return it. With
+    ``gguf_values`` its weights are those a GGUF file of it quantized as SmolLM2's package
+    is (linear layers Q4_1, the embedding Q8_0) dequantizes to, as a loader reads them."""
+    path = write_tiny_model(Path(folder), kind="dense", seed=0, **QWEN2_05B)
+    if gguf_values:
+        write_gguf_values(path)
+    return path
+
+
+def write_gguf_values(model_dir: Path) -> None:
+    """Replace every 2-D weight of ``model_dir``'s ``model.safetensors`` (inner size a
+    multiple of 32) by its Q4_1 (the embedding: Q8_0) round trip through the gguf library."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(str(path))
+    for name, w in weights.items():
+        if w.dim() != 2 or w.shape[1] % 32:
+            continue
+        kind = gguf.GGMLQuantizationType.Q8_0 if "embed" in name else gguf.GGMLQuantizationType.Q4_1
+        data = gguf.quants.quantize(w.float().numpy(), kind)
+        values = gguf.quants.dequantize(data, kind).astype(np.float32).reshape(w.shape)
+        weights[name] = torch.from_numpy(values.copy()).to(w.dtype)
+    save_file(weights, str(path), metadata={"format": "pt"})
