@@ -4,8 +4,8 @@ A weight that is exactly block-coded (``kernels/block_codes.py``: a GGUF checkpo
 Q8_0 tensors, as the loader dequantizes them) is also held as int8 codes with a scale and
 offset per 32 weights, a quarter of its fp32 bytes: calls of at most ``BLOCK_CODE_ROWS`` rows
 (decode steps, bound by reading the weight) multiply through ``panel_linear_cpu.cpp``, which
-decodes the codes to the same fp32 values on the fly; longer ones (prefill, compute-bound,
-where oneDNN's kernel is 10-17% faster) through oneDNN as below.
+decodes the codes to the same fp32 values on the fly; longer ones (prefill chunks, bound by
+compute, where oneDNN's kernel is faster) through oneDNN as below.
 
 ``F.linear`` re-reads the weight in its plain layout on every call; a weight reordered once
 into oneDNN's blocked layout runs the same product 1.3-3x faster here (one thread, [1..300,
@@ -43,9 +43,10 @@ PANELS = CompiledExtension(
 
 PACK_ROWS_HINT = 32  # the batch size oneDNN tunes the packed layout for; any row count works
 # Calls of at most this many rows use a weight's block codes where it has them. SmolLM2's
-# decode step, one thread: 8.0 / 13.1 / 19.9 / 39.9 ms at 1 / 4 / 8 / 16 rows against
-# oneDNN's 17.6 / 22.4 / 28.1 / 39.6.
-BLOCK_CODE_ROWS = 16
+# decode step, one thread, in process: 7.6 / 10.9 / 18.6 / 33.1 / 61.3 / 85.2 ms at 1 / 4 /
+# 8 / 16 / 32 / 48 rows against oneDNN's 18.7 / 22.8 / 29.7 / 42.1 / 68.4 / 90.3; at 64,
+# 128 and 256 rows the codes take 1.02, 1.06 and 1.12x oneDNN's time.
+BLOCK_CODE_ROWS = 48
 
 
 def can_pack(module: nn.Module) -> bool:

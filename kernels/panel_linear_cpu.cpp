@@ -34,13 +34,12 @@ constexpr int64_t kPanel = 64;      // output columns a panel holds: 4 AVX-512 v
 constexpr int64_t kRows = 6;        // rows of x a micro-kernel carries (6 x 4 accumulators)
 constexpr int64_t kBlock = 32;      // weights of a row that share a scale and an offset
 constexpr int64_t kRowGroup = 256;  // rows whose partial sums a thread's buffer holds
+constexpr int64_t kFusedRows = 16;  // calls of at most this many rows decode in registers
 // Blocks of codes (2 KB each) fetched ahead of their decoding, so that the memory stream
 // runs under the multiplications of the blocks before (the out-of-order window alone does
 // not reach that far: decode and multiply then add up instead of overlapping).
-#ifndef MERIDIAN_BLOCKS_AHEAD
-#define MERIDIAN_BLOCKS_AHEAD 4
-#endif
-constexpr int64_t kAheadBytes = MERIDIAN_BLOCKS_AHEAD * kBlock * kPanel;
+constexpr int64_t kBlocksAhead = 4;
+constexpr int64_t kAheadBytes = kBlocksAhead * kBlock * kPanel;
 
 bool compiled_for_avx512() {
 #ifdef __AVX512F__
@@ -118,33 +117,88 @@ void rows_of_block(const float* x, int64_t ldx, int64_t rows, const float* block
   }
 }
 
+// 16 codes as fp32
+inline __m512 code_vector(const int8_t* codes) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+// The scales and offsets (4 lines each) of the block kAheadBytes of codes ahead: panels and
+// their blocks lie one after another, so "ahead" crosses into the next panel (and past the
+// end, where a prefetch is dropped).
+inline void prefetch_scales_ahead(const float* scale, const float* offset) {
+  for (int64_t i = 0; i < 4; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(scale + kBlocksAhead * kPanel + 16 * i),
+                 _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(offset + kBlocksAhead * kPanel + 16 * i),
+                 _MM_HINT_T0);
+  }
+}
+
 // One block of a panel, decoded: out [32, 64] = codes [32, 64] * scale [64] + offset [64].
 inline void decode_block(const int8_t* codes, const float* scale, const float* offset,
                          float* out) {
+  prefetch_scales_ahead(scale, offset);
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
   const __m512 s2 = _mm512_loadu_ps(scale + 32), s3 = _mm512_loadu_ps(scale + 48);
   const __m512 o0 = _mm512_loadu_ps(offset), o1 = _mm512_loadu_ps(offset + 16);
   const __m512 o2 = _mm512_loadu_ps(offset + 32), o3 = _mm512_loadu_ps(offset + 48);
-  // the codes (one line per k) and the scales and offsets (4 lines each) of a block ahead;
-  // panels and their blocks lie one after another, so "ahead" crosses into the next panel
-  // (and past the end, where a prefetch is dropped)
-  constexpr int64_t kAheadBlocks = kAheadBytes / (kBlock * kPanel);
-  for (int64_t i = 0; i < 4; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(scale + kAheadBlocks * kPanel + 16 * i), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(offset + kAheadBlocks * kPanel + 16 * i), _MM_HINT_T0);
-  }
   for (int64_t k = 0; k < kBlock; ++k) {
     const int8_t* c = codes + k * kPanel;
     float* o = out + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
-    const auto q = [&](int i) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    };
-    _mm512_storeu_ps(o, _mm512_fmadd_ps(q(0), s0, o0));
-    _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(q(1), s1, o1));
-    _mm512_storeu_ps(o + 32, _mm512_fmadd_ps(q(2), s2, o2));
-    _mm512_storeu_ps(o + 48, _mm512_fmadd_ps(q(3), s3, o3));
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(code_vector(c), s0, o0));
+    _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(code_vector(c + 16), s1, o1));
+    _mm512_storeu_ps(o + 32, _mm512_fmadd_ps(code_vector(c + 32), s2, o2));
+    _mm512_storeu_ps(o + 48, _mm512_fmadd_ps(code_vector(c + 48), s3, o3));
+  }
+}
+
+// Block-coded weight, decoded in registers: total[r, 0:64] (+)= x[r, 0:32] . block for r < R,
+// the block's codes [32, 64] decoded as decode_block does (the same values and sums as
+// block_kernel over decode_block's output). For few rows: the decoding's conversions run
+// beside the multiplications instead of before them (1.5-1.7x at 1-4 rows), and R <= 4
+// keeps 16 accumulators, 8 scales and offsets and 4 weights in registers.
+template <int R>
+inline void fused_kernel(const float* x, int64_t ldx, const int8_t* codes, const float* scale,
+                         const float* offset, float* total, bool first) {
+  static_assert(R >= 1 && R <= 4);
+  prefetch_scales_ahead(scale, offset);
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  const __m512 s2 = _mm512_loadu_ps(scale + 32), s3 = _mm512_loadu_ps(scale + 48);
+  const __m512 o0 = _mm512_loadu_ps(offset), o1 = _mm512_loadu_ps(offset + 16);
+  const __m512 o2 = _mm512_loadu_ps(offset + 32), o3 = _mm512_loadu_ps(offset + 48);
+  RowAcc a0, a1, a2, a3;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const int8_t* c = codes + k * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
+    const __m512 w0 = _mm512_fmadd_ps(code_vector(c), s0, o0);
+    const __m512 w1 = _mm512_fmadd_ps(code_vector(c + 16), s1, o1);
+    const __m512 w2 = _mm512_fmadd_ps(code_vector(c + 32), s2, o2);
+    const __m512 w3 = _mm512_fmadd_ps(code_vector(c + 48), s3, o3);
+    a0.fma(x[k], w0, w1, w2, w3);
+    if constexpr (R > 1) a1.fma(x[ldx + k], w0, w1, w2, w3);
+    if constexpr (R > 2) a2.fma(x[2 * ldx + k], w0, w1, w2, w3);
+    if constexpr (R > 3) a3.fma(x[3 * ldx + k], w0, w1, w2, w3);
+  }
+  a0.add_into(total, first);
+  if constexpr (R > 1) a1.add_into(total + kPanel, first);
+  if constexpr (R > 2) a2.add_into(total + 2 * kPanel, first);
+  if constexpr (R > 3) a3.add_into(total + 3 * kPanel, first);
+}
+
+void fused_rows(const float* x, int64_t ldx, int64_t rows, const int8_t* codes,
+                const float* scale, const float* offset, float* total, bool first) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    fused_kernel<4>(x + r * ldx, ldx, codes, scale, offset, total + r * kPanel, first);
+  const float* xr = x + r * ldx;
+  float* t = total + r * kPanel;
+  switch (rows - r) {
+    case 1: fused_kernel<1>(xr, ldx, codes, scale, offset, t, first); break;
+    case 2: fused_kernel<2>(xr, ldx, codes, scale, offset, t, first); break;
+    case 3: fused_kernel<3>(xr, ldx, codes, scale, offset, t, first); break;
+    default: break;
   }
 }
 
@@ -254,8 +308,9 @@ torch::Tensor decode_blocks(const torch::Tensor& codes, const torch::Tensor& sca
   return out;
 }
 
-// x [M, K] . block-coded panels -> [M, N] (+ bias). Panels are split across threads; each
-// block of a panel is decoded once per 256 rows.
+// x [M, K] . block-coded panels -> [M, N] (+ bias). Panels are split across threads. Up to
+// 16 rows, each block is decoded in registers once per 4 rows; beyond, into the thread's
+// buffer once per 256 rows. Both give the same bits.
 torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& codes,
                             const torch::Tensor& scales, const torch::Tensor& offsets,
                             int64_t out_features, const c10::optional<torch::Tensor>& bias) {
@@ -285,9 +340,16 @@ torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& codes,
       for (int64_t r0 = 0; r0 < M; r0 += kRowGroup) {
         const int64_t rows = std::min(kRowGroup, M - r0);
         for (int64_t blk = 0; blk < B; ++blk) {
-          decode_block(cp + (p * K + blk * kBlock) * kPanel, sp + (p * B + blk) * kPanel,
-                       offp + (p * B + blk) * kPanel, block);
-          rows_of_block(xp + r0 * K + blk * kBlock, K, rows, block, total, blk == 0);
+          const int8_t* c = cp + (p * K + blk * kBlock) * kPanel;
+          const float* sc = sp + (p * B + blk) * kPanel;
+          const float* of = offp + (p * B + blk) * kPanel;
+          const float* xb = xp + r0 * K + blk * kBlock;
+          if (rows <= kFusedRows) {
+            fused_rows(xb, K, rows, c, sc, of, total, blk == 0);
+          } else {
+            decode_block(c, sc, of, block);
+            rows_of_block(xb, K, rows, block, total, blk == 0);
+          }
         }
         write_rows(total, rows, op + r0 * N + first, N, cols, b ? b + first : nullptr);
       }
