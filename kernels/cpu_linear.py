@@ -43,9 +43,10 @@ PANELS = CompiledExtension(
 
 PACK_ROWS_HINT = 32  # the batch size oneDNN tunes the packed layout for; any row count works
 # Calls of at most this many rows use a weight's block codes where it has them. SmolLM2's
-# decode step, one thread, in process: 7.6 / 10.9 / 18.6 / 33.1 / 61.3 / 85.2 ms at 1 / 4 /
-# 8 / 16 / 32 / 48 rows against oneDNN's 18.7 / 22.8 / 29.7 / 42.1 / 68.4 / 90.3; at 64,
-# 128 and 256 rows the codes take 1.02, 1.06 and 1.12x oneDNN's time.
+# decode step, one thread, in process, codes over oneDNN: 0.40 / 0.47 / 0.62 / 0.81 at 1 / 4
+# / 8 / 16 rows; 0.98-1.00 at 24-64 rows (0.90 and 0.94 at 32 and 48 in an earlier sweep);
+# 1.03-1.12 at 128-256. Up to 48 rows the codes are no slower alone, and they read a quarter
+# of the bytes where two engines share the memory bus.
 BLOCK_CODE_ROWS = 48
 
 

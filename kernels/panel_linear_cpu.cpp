@@ -74,17 +74,15 @@ struct RowAcc {
   }
 };
 
-// total[r, 0:64] (+)= x[r, 0:32] . block [32, 64] for r < R: x rows of stride ldx, total rows
-// of stride 64; each row's partial sum runs from 0 over the block's 32 weights in order.
+// R rows' accumulators (R <= 6), named members for the reason above.
 template <int R>
-inline void block_kernel(const float* x, int64_t ldx, const float* block, float* total,
-                         bool first) {
+struct Rows {
   static_assert(R >= 1 && R <= 6);
   RowAcc a0, a1, a2, a3, a4, a5;
-  const float* w = block;
-  for (int64_t k = 0; k < kBlock; ++k, w += kPanel) {
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
-    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+
+  // rows r < R: += x[r, k] * (w0 w1 w2 w3), x rows of stride ldx
+  inline void fma(const float* x, int64_t ldx, int64_t k, __m512 w0, __m512 w1, __m512 w2,
+                  __m512 w3) {
     a0.fma(x[k], w0, w1, w2, w3);
     if constexpr (R > 1) a1.fma(x[ldx + k], w0, w1, w2, w3);
     if constexpr (R > 2) a2.fma(x[2 * ldx + k], w0, w1, w2, w3);
@@ -92,29 +90,64 @@ inline void block_kernel(const float* x, int64_t ldx, const float* block, float*
     if constexpr (R > 4) a4.fma(x[4 * ldx + k], w0, w1, w2, w3);
     if constexpr (R > 5) a5.fma(x[5 * ldx + k], w0, w1, w2, w3);
   }
-  a0.add_into(total, first);
-  if constexpr (R > 1) a1.add_into(total + kPanel, first);
-  if constexpr (R > 2) a2.add_into(total + 2 * kPanel, first);
-  if constexpr (R > 3) a3.add_into(total + 3 * kPanel, first);
-  if constexpr (R > 4) a4.add_into(total + 4 * kPanel, first);
-  if constexpr (R > 5) a5.add_into(total + 5 * kPanel, first);
+
+  // total rows (stride 64) = these (first block) or total + these
+  inline void add_into(float* total, bool first) const {
+    a0.add_into(total, first);
+    if constexpr (R > 1) a1.add_into(total + kPanel, first);
+    if constexpr (R > 2) a2.add_into(total + 2 * kPanel, first);
+    if constexpr (R > 3) a3.add_into(total + 3 * kPanel, first);
+    if constexpr (R > 4) a4.add_into(total + 4 * kPanel, first);
+    if constexpr (R > 5) a5.add_into(total + 5 * kPanel, first);
+  }
+};
+
+// chunk.run<Max>(r) for r = 0, Max, 2 Max, ... then chunk.run<rows - r>(r) for what is left
+template <int Max, typename Chunk>
+inline void over_rows(int64_t rows, const Chunk& chunk) {
+  int64_t r = 0;
+  for (; r + Max <= rows; r += Max) chunk.template run<Max>(r);
+  switch (rows - r) {
+    case 1: chunk.template run<1>(r); break;
+    case 2: if constexpr (Max > 2) chunk.template run<2>(r); break;
+    case 3: if constexpr (Max > 3) chunk.template run<3>(r); break;
+    case 4: if constexpr (Max > 4) chunk.template run<4>(r); break;
+    case 5: if constexpr (Max > 5) chunk.template run<5>(r); break;
+    default: break;
+  }
 }
+
+// total[r, 0:64] (+)= x[r, 0:32] . block [32, 64] for r < R: x rows of stride ldx, total rows
+// of stride 64; each row's partial sum runs from 0 over the block's 32 weights in order.
+template <int R>
+inline void block_kernel(const float* x, int64_t ldx, const float* block, float* total,
+                         bool first) {
+  Rows<R> acc;
+  const float* w = block;
+  for (int64_t k = 0; k < kBlock; ++k, w += kPanel) {
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+    acc.fma(x, ldx, k, w0, w1, w2, w3);
+  }
+  acc.add_into(total, first);
+}
+
+struct BlockChunk {
+  const float* x;
+  int64_t ldx;
+  const float* block;
+  float* total;
+  bool first;
+
+  template <int R>
+  void run(int64_t r) const {
+    block_kernel<R>(x + r * ldx, ldx, block, total + r * kPanel, first);
+  }
+};
 
 void rows_of_block(const float* x, int64_t ldx, int64_t rows, const float* block, float* total,
                    bool first) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows)
-    block_kernel<kRows>(x + r * ldx, ldx, block, total + r * kPanel, first);
-  const float* xr = x + r * ldx;
-  float* t = total + r * kPanel;
-  switch (rows - r) {
-    case 1: block_kernel<1>(xr, ldx, block, t, first); break;
-    case 2: block_kernel<2>(xr, ldx, block, t, first); break;
-    case 3: block_kernel<3>(xr, ldx, block, t, first); break;
-    case 4: block_kernel<4>(xr, ldx, block, t, first); break;
-    case 5: block_kernel<5>(xr, ldx, block, t, first); break;
-    default: break;
-  }
+  over_rows<kRows>(rows, BlockChunk{x, ldx, block, total, first});
 }
 
 // 16 codes as fp32
@@ -162,13 +195,13 @@ inline void decode_block(const int8_t* codes, const float* scale, const float* o
 template <int R>
 inline void fused_kernel(const float* x, int64_t ldx, const int8_t* codes, const float* scale,
                          const float* offset, float* total, bool first) {
-  static_assert(R >= 1 && R <= 4);
+  static_assert(R <= 4);
   prefetch_scales_ahead(scale, offset);
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
   const __m512 s2 = _mm512_loadu_ps(scale + 32), s3 = _mm512_loadu_ps(scale + 48);
   const __m512 o0 = _mm512_loadu_ps(offset), o1 = _mm512_loadu_ps(offset + 16);
   const __m512 o2 = _mm512_loadu_ps(offset + 32), o3 = _mm512_loadu_ps(offset + 48);
-  RowAcc a0, a1, a2, a3;
+  Rows<R> acc;
   for (int64_t k = 0; k < kBlock; ++k) {
     const int8_t* c = codes + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
@@ -176,30 +209,29 @@ inline void fused_kernel(const float* x, int64_t ldx, const int8_t* codes, const
     const __m512 w1 = _mm512_fmadd_ps(code_vector(c + 16), s1, o1);
     const __m512 w2 = _mm512_fmadd_ps(code_vector(c + 32), s2, o2);
     const __m512 w3 = _mm512_fmadd_ps(code_vector(c + 48), s3, o3);
-    a0.fma(x[k], w0, w1, w2, w3);
-    if constexpr (R > 1) a1.fma(x[ldx + k], w0, w1, w2, w3);
-    if constexpr (R > 2) a2.fma(x[2 * ldx + k], w0, w1, w2, w3);
-    if constexpr (R > 3) a3.fma(x[3 * ldx + k], w0, w1, w2, w3);
+    acc.fma(x, ldx, k, w0, w1, w2, w3);
   }
-  a0.add_into(total, first);
-  if constexpr (R > 1) a1.add_into(total + kPanel, first);
-  if constexpr (R > 2) a2.add_into(total + 2 * kPanel, first);
-  if constexpr (R > 3) a3.add_into(total + 3 * kPanel, first);
+  acc.add_into(total, first);
 }
+
+struct FusedChunk {
+  const float* x;
+  int64_t ldx;
+  const int8_t* codes;
+  const float* scale;
+  const float* offset;
+  float* total;
+  bool first;
+
+  template <int R>
+  void run(int64_t r) const {
+    fused_kernel<R>(x + r * ldx, ldx, codes, scale, offset, total + r * kPanel, first);
+  }
+};
 
 void fused_rows(const float* x, int64_t ldx, int64_t rows, const int8_t* codes,
                 const float* scale, const float* offset, float* total, bool first) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    fused_kernel<4>(x + r * ldx, ldx, codes, scale, offset, total + r * kPanel, first);
-  const float* xr = x + r * ldx;
-  float* t = total + r * kPanel;
-  switch (rows - r) {
-    case 1: fused_kernel<1>(xr, ldx, codes, scale, offset, t, first); break;
-    case 2: fused_kernel<2>(xr, ldx, codes, scale, offset, t, first); break;
-    case 3: fused_kernel<3>(xr, ldx, codes, scale, offset, t, first); break;
-    default: break;
-  }
+  over_rows<4>(rows, FusedChunk{x, ldx, codes, scale, offset, total, first});
 }
 
 // out[r, 0:cols] = total[r, 0:cols] (+ bias) for r < rows (out rows of stride ldo)
