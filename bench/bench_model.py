@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from models import write_tiny_model
 
 MODEL = dict(
@@ -52,21 +54,27 @@ def write_qwen2_05b(folder: str | Path, gguf_values: bool = False) -> Path:
     return path
 
 
+def gguf_round_trip(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """``weight`` quantized to the GGUF type ``kind`` ("Q4_1", "Q8_0", ...) and dequantized
+    by the gguf library, as a loader reads it: fp32, the same shape."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = gguf.quants.quantize(weight.detach().float().numpy(), qtype)
+    values = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(weight.shape)
+    return torch.from_numpy(values.copy())
+
+
 def write_gguf_values(model_dir: Path) -> None:
     """Replace every 2-D weight of ``model_dir``'s ``model.safetensors`` (inner size a
     multiple of 32) by its Q4_1 (the embedding: Q8_0) round trip through the gguf library."""
-    import gguf
-    import numpy as np
-    import torch
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
     weights = load_file(str(path))
     for name, w in weights.items():
-        if w.dim() != 2 or w.shape[1] % 32:
-            continue
-        kind = gguf.GGMLQuantizationType.Q8_0 if "embed" in name else gguf.GGMLQuantizationType.Q4_1
-        data = gguf.quants.quantize(w.float().numpy(), kind)
-        values = gguf.quants.dequantize(data, kind).astype(np.float32).reshape(w.shape)
-        weights[name] = torch.from_numpy(values.copy()).to(w.dtype)
+        if w.dim() == 2 and w.shape[1] % 32 == 0:
+            kind = "Q8_0" if "embed" in name else "Q4_1"
+            weights[name] = gguf_round_trip(w, kind).to(w.dtype)
     save_file(weights, str(path), metadata={"format": "pt"})

@@ -83,7 +83,7 @@ class PackedLinear(nn.Module):
         self.blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         panels = _panels()
         found = block_codes(w) if panels is not None else None
-        if panels is not None and found is not None:
+        if found is not None:
             blocks = tuple(panels.pack_blocks(*found))
             # the kernel's own decode must give back every bit, else only oneDNN's copy stays
             if torch.equal(panels.decode_blocks(*blocks, self.out_features), w):

@@ -9,8 +9,8 @@
 // Why: a decode step's linears are a few rows against the whole weight, bound by reading
 // it from memory (SmolLM2's fp32 linears: 540 MB a step). The codes are a quarter of those
 // bytes. A panel is decoded into fp32 (one FMA per weight: exactly the weight's fp32 value)
-// one block of 32 k at a time, into a per-thread buffer that stays in L1, and multiplied
-// there with up to 6 rows of x at a time.
+// one block of 32 k at a time: up to 16 rows in registers, 4 rows of x at a time; beyond, into
+// a per-thread buffer that stays in L1, multiplied there with up to 6 rows at a time.
 //
 // Arithmetic: each output sums its K / 32 blocks in order, each block a fused multiply-add
 // chain over its 32 k in order from 0 (then + bias): the same bits for any row count, any

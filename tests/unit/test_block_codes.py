@@ -4,12 +4,11 @@ same products as the fp32 weight."""
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
 from actors import LLM, SamplingParams
+from bench.bench_model import gguf_round_trip, write_gguf_values
 from kernels.block_codes import block_codes
 from kernels.cpu_linear import BLOCK_CODE_ROWS, PANELS, PackedLinear
 from models import write_tiny_model
@@ -22,14 +21,7 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def gguf_round_trip(weight: torch.Tensor, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """``weight`` quantized and dequantized by the gguf library, as the loader reads it."""
-    data = gguf.quants.quantize(weight.numpy(), kind)
-    values = gguf.quants.dequantize(data, kind).astype(np.float32)
-    return torch.from_numpy(values.copy()).reshape(weight.shape)
-
-
-Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+Q4_1, Q8_0 = "Q4_1", "Q8_0"
 
 
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
@@ -130,18 +122,12 @@ def test_the_kernel_refuses_what_it_cannot_read():
 
 @needs_kernel
 def test_an_engine_on_gguf_coded_weights_gives_transformers_tokens(tmp_path):
-    """A tiny model whose linears hold Q4_1 and Q8_0 values (hidden 64, so K is a multiple of
-    32): every linear is block-coded in the engine, and its greedy tokens equal transformers'
-    on the same weights, decode steps through the kernel."""
+    """A tiny model whose weights hold Q4_1 values (the embedding Q8_0; hidden 64, so K is a
+    multiple of 32): every linear is block-coded in the engine, and its greedy tokens equal
+    transformers' on the same weights, decode steps through the kernel. (Q8_0 in an engine:
+    SmolLM2's tied head, test_smollm2_exact.py.)"""
     model_dir = write_tiny_model(tmp_path / "m", kind="dense")
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    weights = load_file(path)
-    for i, (name, w) in enumerate(sorted(weights.items())):
-        if w.dim() == 2 and w.shape[1] % 32 == 0 and "embed" not in name:
-            weights[name] = gguf_round_trip(w.float(), Q4_1 if i % 2 else Q8_0).to(w.dtype)
-    save_file(weights, path, metadata={"format": "pt"})
+    write_gguf_values(model_dir)
 
     llm = LLM(model_dir, pack_weights=True)
     layers = [m for m in llm.engine.executor.worker.shard.modules() if isinstance(m, PackedLinear)]
