@@ -44,14 +44,37 @@ QWEN2_05B = dict(
 )
 
 
-def write_qwen2_05b(folder: str | Path, gguf_values: bool = False) -> Path:
+def write_qwen2_05b(folder: str | Path, gguf_values: bool = False, bf16: bool = False) -> Path:
     """Write a random-weight model of Qwen2-0.5B's shape into ``folder`` and return it. With
     ``gguf_values`` its weights are those a GGUF file of it quantized as SmolLM2's package
-    is (linear layers Q4_1, the embedding Q8_0) dequantizes to, as a loader reads them."""
+    is (linear layers Q4_1, the embedding Q8_0) dequantizes to, as a loader reads them;
+    with ``bf16`` they are stored in bf16, as Qwen2-0.5B's own checkpoint is."""
     path = write_tiny_model(Path(folder), kind="dense", seed=0, **QWEN2_05B)
     if gguf_values:
         write_gguf_values(path)
+    if bf16:
+        write_bf16(path)
     return path
+
+
+def write_bf16(model_dir: Path) -> None:
+    """Store every floating tensor of ``model_dir``'s ``model.safetensors`` in bf16 (rounded
+    to nearest even), as most Hugging Face checkpoints are; ``config.json``'s
+    ``torch_dtype`` says so."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(str(path))
+    save_file(
+        {n: w.to(torch.bfloat16) if w.is_floating_point() else w for n, w in weights.items()},
+        str(path),
+        metadata={"format": "pt"},
+    )
+    config = json.loads((model_dir / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def gguf_round_trip(weight: torch.Tensor, kind: str) -> torch.Tensor:

@@ -6,6 +6,9 @@ scale, no offset), and the loader hands the model their fp32 values. Recovered h
 those values alone, the codes hold the same weight in a quarter of the bytes, so a linear
 layer that is bound by reading its weight (a decode step's few rows) reads a quarter.
 
+A checkpoint saved in bf16 and loaded in fp32 (most Hugging Face checkpoints) has weights
+whose low 16 bits are zero: :func:`bf16_values` holds them as bf16, half the bytes.
+
 Nothing is approximated: :func:`block_codes` returns codes only where every block's
 ``code * scale + offset``, computed as fp32's fused multiply-add, gives back each weight bit
 for bit; any other weight (random, trained, updated by a trainer) gets None, and its layer
@@ -93,3 +96,14 @@ def block_codes(weight: torch.Tensor) -> BlockCodes | None:
         scale.squeeze(-1).contiguous(),
         offset.squeeze(-1).contiguous(),
     )
+
+
+def bf16_values(weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 ``weight [N, K]`` (K a multiple of 32) as bf16 where every value is a bf16
+    exactly (the low 16 bits of each fp32 are zero, so the cast drops nothing), else None."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    bits = weight.detach().contiguous().view(torch.int32)
+    if bool((bits[:8] & 0xFFFF).any()) or bool((bits & 0xFFFF).any()):
+        return None
+    return weight.detach().to(torch.bfloat16).contiguous()

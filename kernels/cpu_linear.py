@@ -2,9 +2,10 @@
 
 A weight that is exactly block-coded (``kernels/block_codes.py``: a GGUF checkpoint's Q4_1 and
 Q8_0 tensors, as the loader dequantizes them) is also held as int8 codes with a scale and
-offset per 32 weights, a quarter of its fp32 bytes: calls of at most ``BLOCK_CODE_ROWS`` rows
+offset per 32 weights, a quarter of its fp32 bytes; one whose every value is a bf16 (a bf16
+checkpoint loaded in fp32) as bf16, half its bytes. Calls of at most ``BLOCK_CODE_ROWS`` rows
 (decode steps, bound by reading the weight) multiply through ``panel_linear_cpu.cpp``, which
-decodes the codes to the same fp32 values on the fly; longer ones (prefill chunks, bound by
+decodes either form to the same fp32 values on the fly; longer ones (prefill chunks, bound by
 compute, where oneDNN's kernel is faster) through oneDNN as below.
 
 ``F.linear`` re-reads the weight in its plain layout on every call; a weight reordered once
@@ -32,7 +33,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from torch import nn
 
-from kernels.block_codes import block_codes
+from kernels.block_codes import bf16_values, block_codes
 from kernels.cpu_build import CompiledExtension
 
 PANELS = CompiledExtension(
@@ -70,8 +71,8 @@ def _panels():
 class PackedLinear(nn.Module):
     """Drop-in for ``nn.Linear`` on fp32 CPU input ``[..., in] -> [..., out]``. Holds the
     weight only packed: in oneDNN's layout, and as block codes where it is exactly
-    block-coded. The plain ``[out, in]`` copy is dropped (unless another module shares it,
-    as a tied embedding does)."""
+    block-coded, else as bf16 where every value is one. The plain ``[out, in]`` copy is
+    dropped (unless another module shares it, as a tied embedding does)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -81,23 +82,34 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         # codes [P, K, 64] int8, scales and offsets [P, K / 32, 64] (panel_linear_cpu.cpp)
         self.blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.bf16: torch.Tensor | None = None  # bf16 panels [P, K, 64], where no codes
         panels = _panels()
-        found = block_codes(w) if panels is not None else None
+        if panels is None:
+            return
+        # the kernel's own decode must give back every bit, else only oneDNN's copy stays
+        found = block_codes(w)
         if found is not None:
             blocks = tuple(panels.pack_blocks(*found))
-            # the kernel's own decode must give back every bit, else only oneDNN's copy stays
             if torch.equal(panels.decode_blocks(*blocks, self.out_features), w):
                 self.blocks = blocks
+                return
+        halves = bf16_values(w)
+        if halves is not None:
+            packed = panels.pack_bf16(halves)
+            if torch.equal(panels.decode_bf16(packed, self.out_features), w):
+                self.bf16 = packed
 
     def stored(self) -> list[torch.Tensor]:
         """The tensors that hold the weight."""
-        return [self.packed, *(self.blocks or ())]
+        return [self.packed, *(self.blocks or ()), *(() if self.bf16 is None else (self.bf16,))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         bias = self.bias.detach() if self.bias is not None else None
         if self.blocks is not None and rows.shape[0] <= BLOCK_CODE_ROWS:
             out = PANELS.require().linear_blocks(rows, *self.blocks, self.out_features, bias)
+        elif self.bf16 is not None and rows.shape[0] <= BLOCK_CODE_ROWS:
+            out = PANELS.require().linear_bf16(rows, self.bf16, self.out_features, bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)

@@ -1,15 +1,17 @@
-// Linear layers on the CPU over a block-coded weight: y = x W^T (+ bias), fp32 activations.
+// Linear layers on the CPU over a compactly held weight: y = x W^T (+ bias), fp32 activations.
 //
-// Block-coded weight: W[n, k] = codes[n, k] * scale[n, k / 32] + offset[n, k / 32] exactly
+// Two forms of a weight whose fp32 values they give back bit for bit. Block-coded: W[n, k] = codes[n, k] * scale[n, k / 32] + offset[n, k / 32] exactly
 // (int8 codes, fp32 scale and offset per 32 weights of a row: how GGUF's Q4_1 and Q8_0 blocks
 // dequantize; kernels/block_codes.py finds them). Held in column panels: panel p holds output
 // columns 64 p .. 64 p + 63 (zero past N): codes [P, K, 64] int8, row k the 64 codes that
-// multiply x[:, k]; scales and offsets [P, K / 32, 64].
+// multiply x[:, k]; scales and offsets [P, K / 32, 64]. bf16-valued: every weight's fp32
+// value is a bf16 (its low 16 bits are zero, as in a bf16 checkpoint loaded in fp32): bf16
+// panels [P, K, 64], half the bytes.
 //
 // Why: a decode step's linears are a few rows against the whole weight, bound by reading
 // it from memory (SmolLM2's fp32 linears: 540 MB a step). The codes are a quarter of those
-// bytes. A panel is decoded into fp32 (one FMA per weight: exactly the weight's fp32 value)
-// one block of 32 k at a time: up to 16 rows in registers, 4 rows of x at a time; beyond, into
+// bytes. A panel is decoded into fp32 (codes: one FMA per weight; bf16: a shift; either way
+// exactly the weight's fp32 value) one block of 32 k at a time: up to 16 rows in registers, 4 rows of x at a time; beyond, into
 // a per-thread buffer that stays in L1, multiplied there with up to 6 rows at a time.
 //
 // Arithmetic: each output sums its K / 32 blocks in order, each block a fused multiply-add
@@ -168,70 +170,98 @@ inline void prefetch_scales_ahead(const float* scale, const float* offset) {
   }
 }
 
-// One block of a panel, decoded: out [32, 64] = codes [32, 64] * scale [64] + offset [64].
-inline void decode_block(const int8_t* codes, const float* scale, const float* offset,
-                         float* out) {
-  prefetch_scales_ahead(scale, offset);
-  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
-  const __m512 s2 = _mm512_loadu_ps(scale + 32), s3 = _mm512_loadu_ps(scale + 48);
-  const __m512 o0 = _mm512_loadu_ps(offset), o1 = _mm512_loadu_ps(offset + 16);
-  const __m512 o2 = _mm512_loadu_ps(offset + 32), o3 = _mm512_loadu_ps(offset + 48);
-  for (int64_t k = 0; k < kBlock; ++k) {
+// One block (32 k) of a block-coded panel: row(k) gives the 64 weights that multiply x[:, k],
+// code * scale + offset, as fp32.
+struct CodedBlock {
+  const int8_t* codes;  // [32, 64]
+  __m512 s0, s1, s2, s3, o0, o1, o2, o3;
+
+  CodedBlock(const int8_t* c, const float* scale, const float* offset) : codes(c) {
+    prefetch_scales_ahead(scale, offset);
+    s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    s2 = _mm512_loadu_ps(scale + 32), s3 = _mm512_loadu_ps(scale + 48);
+    o0 = _mm512_loadu_ps(offset), o1 = _mm512_loadu_ps(offset + 16);
+    o2 = _mm512_loadu_ps(offset + 32), o3 = _mm512_loadu_ps(offset + 48);
+  }
+
+  inline void row(int64_t k, __m512& w0, __m512& w1, __m512& w2, __m512& w3) const {
     const int8_t* c = codes + k * kPanel;
-    float* o = out + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
-    _mm512_storeu_ps(o, _mm512_fmadd_ps(code_vector(c), s0, o0));
-    _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(code_vector(c + 16), s1, o1));
-    _mm512_storeu_ps(o + 32, _mm512_fmadd_ps(code_vector(c + 32), s2, o2));
-    _mm512_storeu_ps(o + 48, _mm512_fmadd_ps(code_vector(c + 48), s3, o3));
+    w0 = _mm512_fmadd_ps(code_vector(c), s0, o0);
+    w1 = _mm512_fmadd_ps(code_vector(c + 16), s1, o1);
+    w2 = _mm512_fmadd_ps(code_vector(c + 32), s2, o2);
+    w3 = _mm512_fmadd_ps(code_vector(c + 48), s3, o3);
+  }
+};
+
+// 16 bf16 as fp32 (a bf16 is an fp32's high half)
+inline __m512 bf16_vector(const uint16_t* values) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// One block (32 k) of a bf16 panel, as CodedBlock.
+struct Bf16Block {
+  const uint16_t* values;  // [32, 64]
+
+  inline void row(int64_t k, __m512& w0, __m512& w1, __m512& w2, __m512& w3) const {
+    const uint16_t* v = values + k * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(v) + kAheadBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v) + kAheadBytes + 64, _MM_HINT_T0);
+    w0 = bf16_vector(v), w1 = bf16_vector(v + 16);
+    w2 = bf16_vector(v + 32), w3 = bf16_vector(v + 48);
+  }
+};
+
+// One block of a panel, decoded: out [32, 64].
+template <typename Block>
+inline void decode_block(const Block& block, float* out) {
+  for (int64_t k = 0; k < kBlock; ++k) {
+    float* o = out + k * kPanel;
+    __m512 w0, w1, w2, w3;
+    block.row(k, w0, w1, w2, w3);
+    _mm512_storeu_ps(o, w0);
+    _mm512_storeu_ps(o + 16, w1);
+    _mm512_storeu_ps(o + 32, w2);
+    _mm512_storeu_ps(o + 48, w3);
   }
 }
 
-// Block-coded weight, decoded in registers: total[r, 0:64] (+)= x[r, 0:32] . block for r < R,
-// the block's codes [32, 64] decoded as decode_block does (the same values and sums as
-// block_kernel over decode_block's output). For few rows: the decoding's conversions run
-// beside the multiplications instead of before them (1.5-1.7x at 1-4 rows), and R <= 4
-// keeps 16 accumulators, 8 scales and offsets and 4 weights in registers.
-template <int R>
-inline void fused_kernel(const float* x, int64_t ldx, const int8_t* codes, const float* scale,
-                         const float* offset, float* total, bool first) {
+// A block decoded in registers: total[r, 0:64] (+)= x[r, 0:32] . block for r < R, with the
+// same values and sums as block_kernel over decode_block's output. For few rows: the
+// decoding runs beside the multiplications instead of before them (1.5-1.7x at 1-4 rows),
+// and R <= 4 keeps 16 accumulators, the block's constants and 4 weights in registers.
+template <int R, typename Block>
+inline void fused_kernel(const float* x, int64_t ldx, const Block& block, float* total,
+                         bool first) {
   static_assert(R <= 4);
-  prefetch_scales_ahead(scale, offset);
-  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
-  const __m512 s2 = _mm512_loadu_ps(scale + 32), s3 = _mm512_loadu_ps(scale + 48);
-  const __m512 o0 = _mm512_loadu_ps(offset), o1 = _mm512_loadu_ps(offset + 16);
-  const __m512 o2 = _mm512_loadu_ps(offset + 32), o3 = _mm512_loadu_ps(offset + 48);
   Rows<R> acc;
   for (int64_t k = 0; k < kBlock; ++k) {
-    const int8_t* c = codes + k * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
-    const __m512 w0 = _mm512_fmadd_ps(code_vector(c), s0, o0);
-    const __m512 w1 = _mm512_fmadd_ps(code_vector(c + 16), s1, o1);
-    const __m512 w2 = _mm512_fmadd_ps(code_vector(c + 32), s2, o2);
-    const __m512 w3 = _mm512_fmadd_ps(code_vector(c + 48), s3, o3);
+    __m512 w0, w1, w2, w3;
+    block.row(k, w0, w1, w2, w3);
     acc.fma(x, ldx, k, w0, w1, w2, w3);
   }
   acc.add_into(total, first);
 }
 
+template <typename Block>
 struct FusedChunk {
   const float* x;
   int64_t ldx;
-  const int8_t* codes;
-  const float* scale;
-  const float* offset;
+  const Block& block;
   float* total;
   bool first;
 
   template <int R>
   void run(int64_t r) const {
-    fused_kernel<R>(x + r * ldx, ldx, codes, scale, offset, total + r * kPanel, first);
+    fused_kernel<R>(x + r * ldx, ldx, block, total + r * kPanel, first);
   }
 };
 
-void fused_rows(const float* x, int64_t ldx, int64_t rows, const int8_t* codes,
-                const float* scale, const float* offset, float* total, bool first) {
-  over_rows<4>(rows, FusedChunk{x, ldx, codes, scale, offset, total, first});
+template <typename Block>
+void fused_rows(const float* x, int64_t ldx, int64_t rows, const Block& block, float* total,
+                bool first) {
+  over_rows<4>(rows, FusedChunk<Block>{x, ldx, block, total, first});
 }
 
 // out[r, 0:cols] = total[r, 0:cols] (+ bias) for r < rows (out rows of stride ldo)
@@ -255,6 +285,50 @@ float* thread_buffer(int64_t n) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
   return buffer.data();
+}
+
+// out [M, N] = x [M, K] . the panels (+ bias); block_at(p, blk) is panel p's block blk (of K /
+// 32). Panels are split across threads. Up to 16 rows, each block is decoded in registers
+// once per 4 rows; beyond, into the thread's buffer once per 256 rows. Both give the same bits.
+template <typename BlockAt>
+void multiply_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N,
+                     const float* bias, float* op, const BlockAt& block_at) {
+  const int64_t B = K / kBlock;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    float* buffer = thread_buffer(kBlock * kPanel + kRowGroup * kPanel);
+    float* total = buffer + kBlock * kPanel;  // [rows, 64] partial sums
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * kPanel, cols = std::min(kPanel, N - first);
+      for (int64_t r0 = 0; r0 < M; r0 += kRowGroup) {
+        const int64_t rows = std::min(kRowGroup, M - r0);
+        for (int64_t blk = 0; blk < B; ++blk) {
+          const auto block = block_at(p, blk);
+          const float* xb = xp + r0 * K + blk * kBlock;
+          if (rows <= kFusedRows) {
+            fused_rows(xb, K, rows, block, total, blk == 0);
+          } else {
+            decode_block(block, buffer);
+            rows_of_block(xb, K, rows, buffer, total, blk == 0);
+          }
+        }
+        write_rows(total, rows, op + r0 * N + first, N, cols, bias ? bias + first : nullptr);
+      }
+    }
+  });
+}
+
+// The fp32 weight [N, K] that the panels hold, as the kernel decodes them.
+template <typename BlockAt>
+void decode_panels(int64_t P, int64_t K, int64_t N, float* op, const BlockAt& block_at) {
+  float buffer[kBlock * kPanel];
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      decode_block(block_at(p, b), buffer);
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
+        for (int64_t k = 0; k < kBlock; ++k)
+          op[(p * kPanel + j) * K + b * kBlock + k] = buffer[k * kPanel + j];
+    }
+  }
 }
 #endif
 
@@ -317,76 +391,123 @@ std::vector<torch::Tensor> pack_blocks(const torch::Tensor& codes, const torch::
   return {c_out, s_out, o_out};
 }
 
+// The scales and offsets of panel p's block blk, as a CodedBlock (codes [P, K, 64], scales
+// and offsets [P, K / 32, 64]).
+struct CodedBlocks {
+  const int8_t* codes;
+  const float* scales;
+  const float* offsets;
+  int64_t K;
+
+  CodedBlocks(const torch::Tensor& c, const torch::Tensor& s, const torch::Tensor& o)
+      : codes(c.data_ptr<int8_t>()), scales(s.data_ptr<float>()),
+        offsets(o.data_ptr<float>()), K(c.size(1)) {}
+
+#ifdef __AVX512F__
+  CodedBlock operator()(int64_t p, int64_t blk) const {
+    const int64_t at = (p * (K / kBlock) + blk) * kPanel;
+    return CodedBlock(codes + (p * K + blk * kBlock) * kPanel, scales + at, offsets + at);
+  }
+#endif
+};
+
 // The fp32 weight [N, K] that block-coded panels hold, as the kernel decodes it.
 torch::Tensor decode_blocks(const torch::Tensor& codes, const torch::Tensor& scales,
                             const torch::Tensor& offsets, int64_t out_features) {
   check_blocks(codes, scales, offsets, out_features);
-  const int64_t P = codes.size(0), K = codes.size(1), N = out_features, B = K / kBlock;
-  auto out = torch::empty({N, K}, scales.options());
+  auto out = torch::empty({out_features, codes.size(1)}, scales.options());
 #ifdef __AVX512F__
-  float block[kBlock * kPanel];
-  float* op = out.data_ptr<float>();
-  for (int64_t p = 0; p < P; ++p) {
-    for (int64_t b = 0; b < B; ++b) {
-      decode_block(codes.data_ptr<int8_t>() + (p * K + b * kBlock) * kPanel,
-                   scales.data_ptr<float>() + (p * B + b) * kPanel,
-                   offsets.data_ptr<float>() + (p * B + b) * kPanel, block);
-      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
-        for (int64_t k = 0; k < kBlock; ++k)
-          op[(p * kPanel + j) * K + b * kBlock + k] = block[k * kPanel + j];
-    }
-  }
+  decode_panels(codes.size(0), codes.size(1), out_features, out.data_ptr<float>(),
+                CodedBlocks(codes, scales, offsets));
 #endif
   return out;
 }
 
-// x [M, K] . block-coded panels -> [M, N] (+ bias). Panels are split across threads. Up to
-// 16 rows, each block is decoded in registers once per 4 rows; beyond, into the thread's
-// buffer once per 256 rows. Both give the same bits.
+// bias as a pointer (nullptr: none), checked against N
+const float* bias_pointer(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check_fp32(*bias, "bias", 1);
+  TORCH_CHECK(bias->size(0) == N, "bias must be [out_features]");
+  return bias->data_ptr<float>();
+}
+
+// x [M, K] . block-coded panels -> [M, N] (+ bias).
 torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& codes,
                             const torch::Tensor& scales, const torch::Tensor& offsets,
                             int64_t out_features, const c10::optional<torch::Tensor>& bias) {
   check_fp32(x, "x", 2);
   check_blocks(codes, scales, offsets, out_features);
-  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = out_features;
-  TORCH_CHECK(codes.size(1) == K, "codes must be [P, K, 64] with K = x.size(1)");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check_fp32(*bias, "bias", 1);
-    TORCH_CHECK(bias->size(0) == N, "bias must be [out_features]");
-    b = bias->data_ptr<float>();
-  }
-  auto out = torch::empty({M, N}, x.options());
+  TORCH_CHECK(codes.size(1) == x.size(1), "codes must be [P, K, 64] with K = x.size(1)");
+  const float* b = bias_pointer(bias, out_features);
+  auto out = torch::empty({x.size(0), out_features}, x.options());
 #ifdef __AVX512F__
-  const float* xp = x.data_ptr<float>();
-  const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* offp = offsets.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t B = K / kBlock;
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    float* block = thread_buffer(kBlock * kPanel + kRowGroup * kPanel);
-    float* total = block + kBlock * kPanel;  // [rows, 64] partial sums
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t first = p * kPanel, cols = std::min(kPanel, N - first);
-      for (int64_t r0 = 0; r0 < M; r0 += kRowGroup) {
-        const int64_t rows = std::min(kRowGroup, M - r0);
-        for (int64_t blk = 0; blk < B; ++blk) {
-          const int8_t* c = cp + (p * K + blk * kBlock) * kPanel;
-          const float* sc = sp + (p * B + blk) * kPanel;
-          const float* of = offp + (p * B + blk) * kPanel;
-          const float* xb = xp + r0 * K + blk * kBlock;
-          if (rows <= kFusedRows) {
-            fused_rows(xb, K, rows, c, sc, of, total, blk == 0);
-          } else {
-            decode_block(c, sc, of, block);
-            rows_of_block(xb, K, rows, block, total, blk == 0);
-          }
-        }
-        write_rows(total, rows, op + r0 * N + first, N, cols, b ? b + first : nullptr);
-      }
-    }
-  });
+  multiply_panels(x.data_ptr<float>(), x.size(0), x.size(1), codes.size(0), out_features, b,
+                  out.data_ptr<float>(), CodedBlocks(codes, scales, offsets));
+#endif
+  return out;
+}
+
+// panel p's block blk of bf16 panels [P, K, 64], as a Bf16Block
+struct Bf16Blocks {
+  const uint16_t* values;
+  int64_t K;
+
+  explicit Bf16Blocks(const torch::Tensor& v)
+      : values(reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>())), K(v.size(1)) {}
+
+#ifdef __AVX512F__
+  Bf16Block operator()(int64_t p, int64_t blk) const {
+    return Bf16Block{values + (p * K + blk * kBlock) * kPanel};
+  }
+#endif
+};
+
+// bf16 panels [P, K, 64], N in the last panel
+void check_bf16_panels(const torch::Tensor& panels, int64_t out_features) {
+  TORCH_CHECK(compiled_for_avx512(), "panel_linear was built without AVX-512");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16 &&
+                  panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel,
+              "bf16 panels must be contiguous bfloat16 [P, K, 64]");
+  TORCH_CHECK(panels.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
+  const int64_t P = panels.size(0);
+  TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel,
+              "out_features must lie in the last panel");
+}
+
+// bf16 weight [N, K] -> panels [P, K, 64] (zero past N)
+torch::Tensor pack_bf16(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kBFloat16 &&
+                  weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be contiguous bfloat16 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of ", kBlock);
+  auto padded = torch::zeros({P * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// The fp32 weight [N, K] that bf16 panels hold, as the kernel decodes them.
+torch::Tensor decode_bf16(const torch::Tensor& panels, int64_t out_features) {
+  check_bf16_panels(panels, out_features);
+  auto out = torch::empty({out_features, panels.size(1)}, panels.options().dtype(torch::kFloat32));
+#ifdef __AVX512F__
+  decode_panels(panels.size(0), panels.size(1), out_features, out.data_ptr<float>(),
+                Bf16Blocks(panels));
+#endif
+  return out;
+}
+
+// x [M, K] . bf16 panels -> [M, N] (+ bias).
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels,
+                          int64_t out_features, const c10::optional<torch::Tensor>& bias) {
+  check_fp32(x, "x", 2);
+  check_bf16_panels(panels, out_features);
+  TORCH_CHECK(panels.size(1) == x.size(1), "panels must be [P, K, 64] with K = x.size(1)");
+  const float* b = bias_pointer(bias, out_features);
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+#ifdef __AVX512F__
+  multiply_panels(x.data_ptr<float>(), x.size(0), x.size(1), panels.size(0), out_features, b,
+                  out.data_ptr<float>(), Bf16Blocks(panels));
 #endif
   return out;
 }
@@ -400,5 +521,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_blocks", &decode_blocks, "block-coded panels -> the fp32 weight [N, K]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_blocks", &linear_blocks, "x [M, K] . block-coded panels -> [M, N] (+ bias)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack_bf16", &pack_bf16, "bf16 weight [N, K] -> panels [P, K, 64]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_bf16", &decode_bf16, "bf16 panels -> the fp32 weight [N, K]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_bf16", &linear_bf16, "x [M, K] . bf16 panels -> [M, N] (+ bias)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,6 +1,7 @@
-"""Block-coded weights: found exactly from the fp32 values GGUF's Q4_1 and Q8_0 tensors
-dequantize to, refused for any other weight, and multiplied by the panel kernel with the
-same products as the fp32 weight."""
+"""Compact weights for decode steps: block codes found exactly from the fp32 values GGUF's
+Q4_1 and Q8_0 tensors dequantize to, and bf16 values found where a bf16 checkpoint was loaded
+in fp32; refused for any other weight, and multiplied by the panel kernel with the same
+products as the fp32 weight, the same bits for a row in any batch."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from actors import LLM, SamplingParams
-from bench.bench_model import gguf_round_trip, write_gguf_values
-from kernels.block_codes import block_codes
+from bench.bench_model import gguf_round_trip, write_bf16, write_gguf_values
+from kernels.block_codes import bf16_values, block_codes
 from kernels.cpu_linear import BLOCK_CODE_ROWS, PANELS, PackedLinear
 from models import write_tiny_model
 from models.hf_reference import hf_greedy
@@ -21,7 +22,32 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-Q4_1, Q8_0 = "Q4_1", "Q8_0"
+Q4_1, Q8_0, BF16 = "Q4_1", "Q8_0", "bf16"
+
+
+def compact(weight: torch.Tensor, form: str) -> torch.Tensor:
+    """``weight``'s values in ``form``: a GGUF type's round trip, or rounded to bf16."""
+    if form == BF16:
+        return weight.detach().to(torch.bfloat16).float()
+    return gguf_round_trip(weight, form)
+
+
+def compact_linear(form: str, in_features: int, out_features: int, bias: bool = True):
+    lin = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(compact(lin.weight, form))
+    packed = PackedLinear(lin)
+    assert (packed.bf16 is not None) == (form == BF16)
+    assert (packed.blocks is not None) == (form != BF16)
+    return lin, packed
+
+
+def run_kernel(packed: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The panel kernel on any row count (``packed`` sends past 48 rows to oneDNN)."""
+    bias = None if packed.bias is None else packed.bias.detach()
+    if packed.blocks is not None:
+        return panels.linear_blocks(x, *packed.blocks, packed.out_features, bias)
+    return panels.linear_bf16(x, packed.bf16, packed.out_features, bias)
 
 
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
@@ -58,17 +84,31 @@ def test_other_weights_are_refused():
     assert block_codes(w.double()) is None
 
 
+def test_bf16_values_are_found_exactly_and_only_there():
+    torch.manual_seed(5)
+    w = torch.randn(40, 64).to(torch.bfloat16).float()
+    found = bf16_values(w)
+    assert found is not None and found.dtype == torch.bfloat16 and torch.equal(found.float(), w)
+    assert bf16_values(torch.randn(40, 64)) is None  # random fp32
+    nudged = w.clone()
+    nudged[39, 63] = torch.nextafter(nudged[39, 63], torch.tensor(10.0))  # one ulp off
+    assert bf16_values(nudged) is None
+    assert bf16_values(w[:, :48].contiguous()) is None  # K not a multiple of 32
+    assert bf16_values(w.double()) is None
+
+
 @needs_kernel
+@pytest.mark.parametrize("form", [Q4_1, BF16])
 @pytest.mark.parametrize("out_features", [64, 100, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_kernel_computes_the_fp32_product(out_features, bias):
+def test_the_kernel_computes_the_fp32_product(form, out_features, bias):
     torch.manual_seed(3)
-    lin = torch.nn.Linear(96, out_features, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(gguf_round_trip(lin.weight.detach(), Q4_1))
-    packed = PackedLinear(lin)
-    assert packed.blocks is not None
-    assert torch.equal(panels.decode_blocks(*packed.blocks, out_features), lin.weight)
+    lin, packed = compact_linear(form, 96, out_features, bias)
+    if form == BF16:
+        decoded = panels.decode_bf16(packed.bf16, out_features)
+    else:
+        decoded = panels.decode_blocks(*packed.blocks, out_features)
+    assert torch.equal(decoded, lin.weight)
     for rows in (1, 4, 7, BLOCK_CODE_ROWS):
         x = torch.randn(rows, 96)
         want = torch.nn.functional.linear(x.double(), lin.weight.double(), None)
@@ -77,13 +117,10 @@ def test_the_kernel_computes_the_fp32_product(out_features, bias):
 
 
 @needs_kernel
-def test_a_row_gets_the_same_bits_in_any_batch():
+@pytest.mark.parametrize("form", [Q8_0, BF16])
+def test_a_row_gets_the_same_bits_in_any_batch(form):
     torch.manual_seed(4)
-    lin = torch.nn.Linear(128, 192)
-    with torch.no_grad():
-        lin.weight.copy_(gguf_round_trip(lin.weight.detach(), Q8_0))
-    packed = PackedLinear(lin)
-    assert packed.blocks is not None
+    lin, packed = compact_linear(form, 128, 192)
     x = torch.randn(BLOCK_CODE_ROWS, 128)
     alone = torch.cat([packed(x[i : i + 1]) for i in range(len(x))])
     for rows in range(2, BLOCK_CODE_ROWS + 1):
@@ -93,16 +130,14 @@ def test_a_row_gets_the_same_bits_in_any_batch():
     # past 16 rows the kernel decodes each block into a buffer instead of registers: the
     # same values and sums, so the same bits
     many = torch.cat([x] * 20)  # 320 rows: two row groups
-    codes, scales, offsets = packed.blocks
-    out = panels.linear_blocks(many, codes, scales, offsets, 192, lin.bias.detach())
-    assert torch.equal(out, torch.cat([alone] * 20))
+    assert torch.equal(run_kernel(packed, many), torch.cat([alone] * 20))
 
 
 @needs_kernel
 def test_a_random_weight_keeps_only_onednn():
     lin = torch.nn.Linear(96, 64)
     packed = PackedLinear(lin)
-    assert packed.blocks is None and len(packed.stored()) == 1
+    assert packed.blocks is None and packed.bf16 is None and len(packed.stored()) == 1
 
 
 @needs_kernel
@@ -118,20 +153,32 @@ def test_the_kernel_refuses_what_it_cannot_read():
         run(torch.ones(1, 96), codes, s, s, 100, None)
     with pytest.raises(RuntimeError, match="scales and offsets"):
         run(torch.ones(1, 64), codes, s[:, :1].contiguous(), s, 100, None)
+    halves = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        panels.linear_bf16(torch.ones(1, 64), halves.float(), 100, None)
+    with pytest.raises(RuntimeError, match="last panel"):
+        panels.linear_bf16(torch.ones(1, 64), halves, 200, None)
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        panels.linear_bf16(torch.ones(1, 96), halves, 100, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        panels.pack_bf16(torch.zeros(10, 48, dtype=torch.bfloat16))
 
 
 @needs_kernel
-def test_an_engine_on_gguf_coded_weights_gives_transformers_tokens(tmp_path):
+@pytest.mark.parametrize("form", ["gguf", BF16])
+def test_an_engine_on_compact_weights_gives_transformers_tokens(tmp_path, form):
     """A tiny model whose weights hold Q4_1 values (the embedding Q8_0; hidden 64, so K is a
-    multiple of 32): every linear is block-coded in the engine, and its greedy tokens equal
-    transformers' on the same weights, decode steps through the kernel. (Q8_0 in an engine:
-    SmolLM2's tied head, test_smollm2_exact.py.)"""
+    multiple of 32), or one stored in bf16: every linear is held compactly in the engine, and
+    its greedy tokens equal transformers' on the same values (its reference runs them in
+    float64), decode steps through the kernel. (Q8_0 in an engine: SmolLM2's
+    tied head, test_smollm2_exact.py.)"""
     model_dir = write_tiny_model(tmp_path / "m", kind="dense")
-    write_gguf_values(model_dir)
+    (write_bf16 if form == BF16 else write_gguf_values)(model_dir)
 
     llm = LLM(model_dir, pack_weights=True)
     layers = [m for m in llm.engine.executor.worker.shard.modules() if isinstance(m, PackedLinear)]
-    assert layers and all(m.blocks is not None for m in layers if m.in_features % 32 == 0)
+    held = [m.bf16 if form == BF16 else m.blocks for m in layers if m.in_features % 32 == 0]
+    assert held and all(h is not None for h in held)
 
     prompts = [[5 + i for i in range(n)] for n in (9, 17, 30)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
