@@ -70,12 +70,6 @@ class RowTiled(nn.Module):
         self.tile = tile
 
     @property
-    def weight(self) -> torch.Tensor:
-        weight = self.inner.weight
-        assert isinstance(weight, torch.Tensor)
-        return weight
-
-    @property
     def bias(self) -> torch.Tensor | None:
         bias = self.inner.bias
         assert bias is None or isinstance(bias, torch.Tensor)

@@ -108,7 +108,7 @@ def test_tile_linears_wraps_every_linear_once():
     model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 2)))
     assert tile_linears(model) == 2
     assert tile_linears(model) == 0
-    assert isinstance(model[0], RowTiled) and model[0].weight.shape == (8, 4)
+    assert isinstance(model[0], RowTiled) and model[0].inner.weight.shape == (8, 4)
     x = torch.randn(5, 4)
     assert model(x).shape == (5, 2)
     assert model(x[:0]).shape == (0, 2)
