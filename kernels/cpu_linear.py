@@ -43,11 +43,13 @@ PANELS = CompiledExtension(
 )
 
 PACK_ROWS_HINT = 32  # the batch size oneDNN tunes the packed layout for; any row count works
-# Calls of at most this many rows use a weight's block codes where it has them. SmolLM2's
-# decode step, one thread, in process, codes over oneDNN: 0.40 / 0.47 / 0.62 / 0.81 at 1 / 4
-# / 8 / 16 rows; 0.98-1.00 at 24-64 rows (0.90 and 0.94 at 32 and 48 in an earlier sweep);
-# 1.03-1.12 at 128-256. Up to 48 rows the codes are no slower alone, and they read a quarter
-# of the bytes where two engines share the memory bus.
+# Calls of at most this many rows use a weight's block codes or bf16 panels where it has
+# them. SmolLM2's decode step, one thread, in process, codes over oneDNN: 0.40 / 0.47 / 0.62 /
+# 0.81 at 1 / 4 / 8 / 16 rows; 0.98-1.00 at 24-64 rows (0.90 and 0.94 at 32 and 48 in an
+# earlier sweep); 1.03-1.12 at 128-256. Up to 48 rows the codes are no slower alone, and they
+# read a quarter of the bytes where two engines share the memory bus. bf16 panels (the 0.5B
+# Qwen2 shape stored in bf16) over oneDNN: 0.53 / 0.46 / 0.47 / 0.65 at 1 / 4 / 8 / 16 rows,
+# 0.80-0.84 / 0.89-0.92 / 0.95-0.98 at 24 / 32 / 48.
 BLOCK_CODE_ROWS = 48
 
 

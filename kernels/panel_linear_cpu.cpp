@@ -1,18 +1,20 @@
 // Linear layers on the CPU over a compactly held weight: y = x W^T (+ bias), fp32 activations.
 //
-// Two forms of a weight whose fp32 values they give back bit for bit. Block-coded: W[n, k] = codes[n, k] * scale[n, k / 32] + offset[n, k / 32] exactly
-// (int8 codes, fp32 scale and offset per 32 weights of a row: how GGUF's Q4_1 and Q8_0 blocks
-// dequantize; kernels/block_codes.py finds them). Held in column panels: panel p holds output
-// columns 64 p .. 64 p + 63 (zero past N): codes [P, K, 64] int8, row k the 64 codes that
-// multiply x[:, k]; scales and offsets [P, K / 32, 64]. bf16-valued: every weight's fp32
-// value is a bf16 (its low 16 bits are zero, as in a bf16 checkpoint loaded in fp32): bf16
-// panels [P, K, 64], half the bytes.
+// Two forms of a weight, each giving back its fp32 values bit for bit. Held in column panels:
+// panel p holds output columns 64 p .. 64 p + 63 (zero past N), row k of a panel the 64
+// weights that multiply x[:, k].
+// - Block-coded: W[n, k] = codes[n, k] * scale[n, k / 32] + offset[n, k / 32] exactly (int8
+//   codes, fp32 scale and offset per 32 weights of a row: how GGUF's Q4_1 and Q8_0 blocks
+//   dequantize; kernels/block_codes.py finds them). Codes [P, K, 64] int8; scales and
+//   offsets [P, K / 32, 64]. A quarter of the fp32 bytes.
+// - bf16-valued: every weight's fp32 value is a bf16 (its low 16 bits are zero, as in a bf16
+//   checkpoint loaded in fp32). bf16 panels [P, K, 64]. Half the fp32 bytes.
 //
 // Why: a decode step's linears are a few rows against the whole weight, bound by reading
-// it from memory (SmolLM2's fp32 linears: 540 MB a step). The codes are a quarter of those
-// bytes. A panel is decoded into fp32 (codes: one FMA per weight; bf16: a shift; either way
-// exactly the weight's fp32 value) one block of 32 k at a time: up to 16 rows in registers, 4 rows of x at a time; beyond, into
-// a per-thread buffer that stays in L1, multiplied there with up to 6 rows at a time.
+// it from memory (SmolLM2's fp32 linears: 540 MB a step). A panel is decoded into fp32
+// (codes: one FMA per weight; bf16: a shift) one block of 32 k at a time: up to 16 rows in
+// registers, 4 rows of x at a time; beyond, into a per-thread buffer that stays in L1,
+// multiplied there with up to 6 rows at a time.
 //
 // Arithmetic: each output sums its K / 32 blocks in order, each block a fused multiply-add
 // chain over its 32 k in order from 0 (then + bias): the same bits for any row count, any
@@ -338,22 +340,29 @@ void check_fp32(const torch::Tensor& t, const char* name, int64_t dim) {
               name, " must be a contiguous float32 CPU tensor of ", dim, " dimensions");
 }
 
+// panels [P, K, 64] of ``dtype`` (``what`` names them in the error), K a multiple of 32, N in
+// the last panel
+void check_panels(const torch::Tensor& panels, torch::ScalarType dtype, const char* what,
+                  int64_t out_features) {
+  TORCH_CHECK(compiled_for_avx512(), "panel_linear was built without AVX-512");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == dtype &&
+                  panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel,
+              what, " must be contiguous [P, K, 64] of ", dtype);
+  TORCH_CHECK(panels.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
+  const int64_t P = panels.size(0);
+  TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel,
+              "out_features must lie in the last panel");
+}
+
 // codes [P, K, 64] int8, scales and offsets [P, K / 32, 64], N in the last panel
 void check_blocks(const torch::Tensor& codes, const torch::Tensor& scales,
                   const torch::Tensor& offsets, int64_t out_features) {
-  TORCH_CHECK(compiled_for_avx512(), "panel_linear was built without AVX-512");
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kInt8 &&
-                  codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kPanel,
-              "codes must be contiguous int8 [P, K, 64]");
-  TORCH_CHECK(codes.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
+  check_panels(codes, torch::kInt8, "codes", out_features);
   check_fp32(scales, "scales", 3);
   check_fp32(offsets, "offsets", 3);
   const std::vector<int64_t> want = {codes.size(0), codes.size(1) / kBlock, kPanel};
   TORCH_CHECK(scales.sizes() == want && offsets.sizes() == want,
               "scales and offsets must be [P, K / 32, 64]");
-  const int64_t P = codes.size(0);
-  TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel,
-              "out_features must lie in the last panel");
 }
 
 }  // namespace
@@ -391,8 +400,8 @@ std::vector<torch::Tensor> pack_blocks(const torch::Tensor& codes, const torch::
   return {c_out, s_out, o_out};
 }
 
-// The scales and offsets of panel p's block blk, as a CodedBlock (codes [P, K, 64], scales
-// and offsets [P, K / 32, 64]).
+// panel p's block blk of block-coded panels (codes [P, K, 64], scales and offsets [P, K / 32,
+// 64]), as a CodedBlock
 struct CodedBlocks {
   const int8_t* codes;
   const float* scales;
@@ -462,18 +471,6 @@ struct Bf16Blocks {
 #endif
 };
 
-// bf16 panels [P, K, 64], N in the last panel
-void check_bf16_panels(const torch::Tensor& panels, int64_t out_features) {
-  TORCH_CHECK(compiled_for_avx512(), "panel_linear was built without AVX-512");
-  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16 &&
-                  panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel,
-              "bf16 panels must be contiguous bfloat16 [P, K, 64]");
-  TORCH_CHECK(panels.size(1) % kBlock == 0, "K must be a multiple of ", kBlock);
-  const int64_t P = panels.size(0);
-  TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel,
-              "out_features must lie in the last panel");
-}
-
 // bf16 weight [N, K] -> panels [P, K, 64] (zero past N)
 torch::Tensor pack_bf16(const torch::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kBFloat16 &&
@@ -488,7 +485,7 @@ torch::Tensor pack_bf16(const torch::Tensor& weight) {
 
 // The fp32 weight [N, K] that bf16 panels hold, as the kernel decodes them.
 torch::Tensor decode_bf16(const torch::Tensor& panels, int64_t out_features) {
-  check_bf16_panels(panels, out_features);
+  check_panels(panels, torch::kBFloat16, "bf16 panels", out_features);
   auto out = torch::empty({out_features, panels.size(1)}, panels.options().dtype(torch::kFloat32));
 #ifdef __AVX512F__
   decode_panels(panels.size(0), panels.size(1), out_features, out.data_ptr<float>(),
@@ -501,7 +498,7 @@ torch::Tensor decode_bf16(const torch::Tensor& panels, int64_t out_features) {
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels,
                           int64_t out_features, const c10::optional<torch::Tensor>& bias) {
   check_fp32(x, "x", 2);
-  check_bf16_panels(panels, out_features);
+  check_panels(panels, torch::kBFloat16, "bf16 panels", out_features);
   TORCH_CHECK(panels.size(1) == x.size(1), "panels must be [P, K, 64] with K = x.size(1)");
   const float* b = bias_pointer(bias, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options());

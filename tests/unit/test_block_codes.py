@@ -154,7 +154,7 @@ def test_the_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="scales and offsets"):
         run(torch.ones(1, 64), codes, s[:, :1].contiguous(), s, 100, None)
     halves = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="bf16 panels must be"):
         panels.linear_bf16(torch.ones(1, 64), halves.float(), 100, None)
     with pytest.raises(RuntimeError, match="last panel"):
         panels.linear_bf16(torch.ones(1, 64), halves, 200, None)
