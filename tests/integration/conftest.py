@@ -32,6 +32,7 @@ ray_start.install()  # a node that times out at start-up is started once more (i
 
 
 _handed_out: set[int] = set()
+PORT_TAKEN = "Failed to start the grpc server"  # how a head whose GCS port was taken exits
 
 
 def free_port() -> int:
@@ -74,16 +75,31 @@ class LocalRayCluster:
         self, dashboard: bool = False, num_cpus: int = 4, env: dict[str, str] | None = None
     ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="mer-ray-"))
+        self.env = dict(os.environ)
+        self.env["PATH"] = f"{BIN}{os.pathsep}{self.env.get('PATH', '')}"
+        self.env["PYTHONPATH"] = str(REPO)
+        self.env["RAY_AUTH_MODE"] = "disabled"  # a private 127.0.0.1 cluster: no tokens
+        self.env.update(env or {})  # what the cluster's processes see, e.g. Serve options
+        # A port free when chosen can be taken before Ray binds it (any outgoing connection
+        # may get it as its ephemeral port): then the head exits at once, saying so, and is
+        # started once more on other ports. Any other failure is raised as it is.
+        for attempt in range(3):
+            try:
+                self._start(dashboard, num_cpus)
+                return
+            except BaseException as e:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                if PORT_TAKEN not in str(e) or attempt == 2:
+                    raise
+                print(f"ray start: port {self.gcs_port} was taken; other ports", file=sys.stderr)
+                self.tmp.mkdir()
+
+    def _start(self, dashboard: bool, num_cpus: int) -> None:
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        self.env = dict(os.environ)
-        self.env["PATH"] = f"{BIN}{os.pathsep}{self.env.get('PATH', '')}"
         self.env["RAY_ADDRESS"] = self.address
-        self.env["PYTHONPATH"] = str(REPO)
-        self.env["RAY_AUTH_MODE"] = "disabled"  # a private 127.0.0.1 cluster: no tokens
-        self.env.update(env or {})  # what the cluster's processes see, e.g. Serve options
         cmd = [
             str(BIN / "ray"),
             "start",
@@ -112,7 +128,8 @@ class LocalRayCluster:
         try:
             self._wait_ready(dashboard)
         except BaseException:
-            self.stop()
+            kill_group(self.proc, signal.SIGKILL, grace=0)
+            self.log.close()
             raise
 
     def _wait_ready(self, dashboard: bool, timeout: float = 240) -> None:
