@@ -172,6 +172,8 @@ class Client:
         self, messages: list[dict[str, str]], chat: Chat, index: int, turn: int
     ) -> tuple[Turn, str]:
         sample, answer = await self.chat.turn(messages, self.max_tokens, False, turn)
+        if sample.cached_tokens is None:
+            raise RuntimeError("the server's usage has no prompt_tokens_details.cached_tokens")
         record = Turn(
             index,
             chat.source,

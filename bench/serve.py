@@ -267,7 +267,13 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64, help="conversations per run (chat)")
     ap.add_argument("--max-output-tokens", type=int, default=128, help="cap per turn (chat)")
     ap.add_argument("--stop-at-eos", action="store_true", help="ShareGPT: no ignore_eos")
-    ap.add_argument("--seed", type=int, default=0, help="dataset sampling and arrivals")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the chat datasets' sampling (default: a fresh one, printed; a peer server that "
+        "outlived the last invocation would find a repeated sample in its prefix cache)",
+    )
     ap.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals per second (chat)"
     )

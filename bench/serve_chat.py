@@ -89,15 +89,17 @@ class ChatClient:
         from openai import AsyncOpenAI
 
         self.model = model
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
+            timeout=600.0,
+        )
         self.client = AsyncOpenAI(
-            base_url=base_url.rstrip("/") + "/v1",
+            base_url=self.base_url + "/v1",
             api_key=api_key or "none",
             timeout=600.0,
             max_retries=0,
-            http_client=httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
-                timeout=600.0,
-            ),
+            http_client=self.http,
         )
 
     async def turn(
@@ -139,15 +141,48 @@ class ChatClient:
             usage.completion_tokens,
             turn=turn,
             prompt_tokens=usage.prompt_tokens,
-            cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
+            cached_tokens=(details.cached_tokens or 0) if details is not None else None,
         )
         return sample, "".join(parts)
 
     async def conversation(self, conv: Conversation) -> list[Sample]:
         return await converse(self.turn, conv)
 
+    async def prefix_cache_hits(self) -> float | None:
+        """The server's prefix-cache hit tokens so far: the ``*prefix_cache_hits_total``
+        counters of its ``/metrics`` summed (vLLM's and Meridian's name), or None if it
+        exports none."""
+        r = await self.http.get(self.base_url + "/metrics")
+        if r.status_code != 200:
+            return None
+        return prefix_hits_total(r.text)
+
     async def close(self) -> None:
         await self.client.close()
+
+
+def prefix_hits_total(exposition: str) -> float | None:
+    """The sum of a Prometheus text exposition's ``*prefix_cache_hits_total`` samples."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in exposition.splitlines()
+        if not line.startswith("#")
+        and line.split("{", 1)[0].split(" ", 1)[0].endswith("prefix_cache_hits_total")
+    ]
+    return sum(values) if values else None
+
+
+def cached_prompt_tokens(
+    samples: Sequence[Sample], before: float | None, after: float | None
+) -> float:
+    """A run's prompt tokens served from the server's cache: its usage's details where every
+    sample had them, else the change in its ``/metrics`` counter, else NaN (not known)."""
+    reported = [s.cached_tokens for s in samples]
+    if samples and all(c is not None for c in reported):
+        return float(sum(c for c in reported if c is not None))
+    if before is not None and after is not None:
+        return after - before
+    return float("nan")
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
@@ -205,16 +240,20 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
 
     per_run: int = args.num_prompts
     runs = len(args.concurrency) * args.repeats
+    # a fresh sample unless asked: a server that outlives one invocation (a peer started
+    # once) would otherwise find the last invocation's prompts in its prefix cache
+    seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
+    print(f"{args.dataset}: conversations drawn with seed {seed} (--seed {seed} draws them again)")
     if args.dataset == "sharegpt":
         from models.pretrained import resolve_model
         from models.tokenizer import load_tokenizer
 
         encode = load_tokenizer(resolve_model(args.tokenizer or args.model_path)).encode
         convs = sharegpt_conversations(
-            runs * per_run, encode, args.seed, args.max_output_tokens, not args.stop_at_eos
+            runs * per_run, encode, seed, args.max_output_tokens, not args.stop_at_eos
         )
     else:
-        convs = mtbench_conversations(args.seed, args.max_output_tokens)
+        convs = mtbench_conversations(seed, args.max_output_tokens)
         if runs * per_run > len(convs):
             print(f"note: {runs} runs of {per_run} conversations reuse MT-bench's {len(convs)}")
     slices = split_runs(convs, runs, per_run)
@@ -228,6 +267,7 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
         for rep in range(args.repeats):
             for name, client in turns(sides, rep):
                 run = Run(name, c, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+                hits_before = await client.prefix_cache_hits()
                 watch = LoopWatch()
                 watching = asyncio.ensure_future(watch.run())
                 run.duration, run.samples = await drive(
@@ -242,12 +282,15 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
                 run.client_lag = watch.max_lag
                 run.client_runqueue = float("nan") if watch.runqueue_s is None else watch.runqueue_s
                 run.input_tokens = sum(s.prompt_tokens for s in run.samples)
+                hits_after = await client.prefix_cache_hits()
+                run.cached_tokens = cached_prompt_tokens(run.samples, hits_before, hits_after)
                 results.setdefault((name, c), []).append(run)
                 m = run.metrics()
                 print(
                     f"[rep {rep}] {c:>3} streams {name:>9} {run.throughput:5.2f} req/s, goodput "
                     f"{run.goodput:5.2f}, median TTFT {m['median_ttft']:.0f} ms, TPOT "
-                    f"{m['median_tpot']:.1f} ms ({arrivals}; {load()})",
+                    f"{m['median_tpot']:.1f} ms, {run.cached_tokens:.0f} of {run.input_tokens} "
+                    f"prompt tokens from cache ({arrivals}; {load()})",
                     flush=True,
                 )
     print()

@@ -28,7 +28,7 @@ class Sample:
     output_tokens: int
     turn: int = 1  # the turn of its conversation (1 for single-turn workloads)
     prompt_tokens: int = 0  # as the server's usage counted them (chat template included)
-    cached_tokens: int = 0  # of those, served from cache (usage.prompt_tokens_details)
+    cached_tokens: int | None = None  # of those, served from cache; None: usage had no details
 
     @property
     def tpot(self) -> float | None:
@@ -69,6 +69,7 @@ class Run:
     engine_itl: float = float("nan")  # the engine's own mean gap between tokens (its metric)
     client_lag: float = float("nan")  # seconds the bench's loop woke late, at most (client_wait)
     client_runqueue: float = float("nan")  # seconds its loop thread waited for a CPU
+    cached_tokens: float = float("nan")  # prompt tokens the server served from its cache
     ttft_slo: float = float("inf")  # seconds
     tpot_slo: float = float("inf")  # seconds
 
@@ -98,6 +99,8 @@ class Run:
             "tot_tok_s": (out_tokens + self.input_tokens) / self.duration,
             "engine_itl": self.engine_itl * 1e3,
         }
+        if not math.isnan(self.cached_tokens):
+            m["cached_tokens"] = self.cached_tokens
         if not math.isnan(self.client_lag):  # measured (chat runs)
             m["client_lag"] = self.client_lag * 1e3
             m["client_runqueue"] = self.client_runqueue
@@ -120,6 +123,7 @@ ROWS = [
     ("Benchmark duration (s):", "duration", "{:.2f}"),
     ("Total input tokens:", "input_tokens", "{:.0f}"),
     ("Total generated tokens:", "output_tokens", "{:.0f}"),
+    ("Prompt tokens from cache:", "cached_tokens", "{:.0f}"),
     ("Request throughput (req/s):", "req_s", "{:.2f}"),
     ("Request goodput (req/s):", "goodput", "{:.2f}"),
     ("Output token throughput (tok/s):", "out_tok_s", "{:.2f}"),

@@ -265,3 +265,35 @@ def test_ports_handed_out_never_overlap_and_were_free():
     for p in ranges[1]:  # free when handed out: each binds
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+EXPOSITION = """# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3584.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.79e+09
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 16.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 11344.0
+vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 7.0
+"""
+
+
+def test_prefix_hits_sum_every_prefix_cache_hit_counter_and_none_without_one():
+    from bench.serve_chat import prefix_hits_total
+
+    # the external (connector) counter ends in the same name and is counted: its tokens
+    # were not computed either
+    assert prefix_hits_total(EXPOSITION) == 3584.0 + 16.0 + 7.0
+    assert prefix_hits_total("# HELP x\nrequests_total 3\n") is None
+
+
+def test_cached_prompt_tokens_prefers_usage_then_the_counter_else_unknown():
+    from bench.serve_chat import cached_prompt_tokens
+    from bench.serve_records import Sample
+
+    def sample(cached: int | None) -> Sample:
+        return Sample(0.1, 0.2, [], 4, prompt_tokens=100, cached_tokens=cached)
+
+    assert cached_prompt_tokens([sample(32), sample(0)], None, None) == 32
+    assert cached_prompt_tokens([sample(32), sample(None)], 10.0, 74.0) == 64
+    assert math.isnan(cached_prompt_tokens([sample(None)], None, 74.0))
+    assert math.isnan(cached_prompt_tokens([], None, None))
