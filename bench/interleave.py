@@ -5,6 +5,7 @@ bench that compares sides uses."""
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -80,3 +81,13 @@ def median_ratio(a: Iterable[float], b: Iterable[float]) -> float:
     is)."""
     ratios = [x / y if y else float("inf") for x, y in zip(a, b, strict=True) if x or y]
     return statistics.median(ratios) if ratios else float("nan")
+
+
+def invocation_seed(seed: int | None, what: str) -> int:
+    """``seed``, or a fresh one when None, printed with ``what`` it draws. A server that
+    outlives one invocation (a peer started once) would otherwise find the last invocation's
+    prompts in its prefix cache, where a server started by the bench finds none."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    print(f"{what}: drawn with seed {seed} (--seed {seed} draws them again)", flush=True)
+    return seed

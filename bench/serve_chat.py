@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.client_wait import LoopWatch
-from bench.interleave import median_ratio, turns
+from bench.interleave import invocation_seed, median_ratio, turns
 from bench.serve_records import Sample, TokenClock
 
 
@@ -240,10 +240,7 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
 
     per_run: int = args.num_prompts
     runs = len(args.concurrency) * args.repeats
-    # a fresh sample unless asked: a server that outlives one invocation (a peer started
-    # once) would otherwise find the last invocation's prompts in its prefix cache
-    seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
-    print(f"{args.dataset}: conversations drawn with seed {seed} (--seed {seed} draws them again)")
+    seed = invocation_seed(args.seed, f"{args.dataset} conversations")
     if args.dataset == "sharegpt":
         from models.pretrained import resolve_model
         from models.tokenizer import load_tokenizer

@@ -20,14 +20,14 @@ import httpx
 from bench.app_probe import served_model, wait_for
 from bench.bench_model import MODEL
 from bench.cpu_hog import cpu_hog
-from bench.interleave import median_ratio, turns
+from bench.interleave import invocation_seed, median_ratio, turns
 from bench.serve_profile import CpuProfile
 from bench.serve_records import Run, Sample, TokenClock, print_table
 from bench.sse import sse_chunks
 
 
-def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
-    rng = random.Random(seed)
+def prompts_for(seed: object, count: int, length: int) -> list[list[int]]:
+    rng = random.Random(str(seed))
     return [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(length)] for _ in range(count)]
 
 
@@ -192,6 +192,7 @@ async def run_sides(
     """Every concurrency level, ``--repeats`` times, the sides taking turns (the one that
     goes first rotating with the repeat); the same prompts for every side of a repeat.
     ``profile`` reads every thread's CPU time around each run (``--cpu-profile``)."""
+    seed = invocation_seed(args.seed, "random prompts")
     warm = prompts_for(-1, 4, args.prompt_len)
     for side in sides:
         if not side.hog:
@@ -200,7 +201,7 @@ async def run_sides(
     for c in args.concurrency:
         for rep in range(args.repeats):
             for side in turns(sides, rep):
-                prompts = prompts_for(1000 * rep + c, requests_at(args, c), args.prompt_len)
+                prompts = prompts_for((seed, rep, c), requests_at(args, c), args.prompt_len)
                 run = Run(side.name, c, input_tokens=sum(map(len, prompts)))
                 before = await side.itl()
                 done: list[tuple[float, int]] = []  # (seconds, output tokens) for the profile

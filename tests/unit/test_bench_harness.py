@@ -297,3 +297,14 @@ def test_cached_prompt_tokens_prefers_usage_then_the_counter_else_unknown():
     assert cached_prompt_tokens([sample(32), sample(None)], 10.0, 74.0) == 64
     assert math.isnan(cached_prompt_tokens([sample(None)], None, 74.0))
     assert math.isnan(cached_prompt_tokens([], None, None))
+
+
+def test_an_invocation_draws_a_fresh_seed_unless_given_and_prints_it(capsys):
+    from bench.interleave import invocation_seed
+
+    assert invocation_seed(7, "prompts") == 7
+    drawn = {invocation_seed(None, "prompts") for _ in range(4)}
+    assert len(drawn) > 1 and all(0 <= s < 2**31 for s in drawn)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "prompts: drawn with seed 7 (--seed 7 draws them again)"
+    assert len(printed) == 5
