@@ -278,6 +278,7 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
                 await asyncio.gather(watching, return_exceptions=True)
                 run.client_lag = watch.max_lag
                 run.client_runqueue = float("nan") if watch.runqueue_s is None else watch.runqueue_s
+                run.client_cpu = float("nan") if watch.cpu_s is None else watch.cpu_s
                 run.input_tokens = sum(s.prompt_tokens for s in run.samples)
                 hits_after = await client.prefix_cache_hits()
                 run.cached_tokens = cached_prompt_tokens(run.samples, hits_before, hits_after)

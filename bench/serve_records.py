@@ -69,6 +69,7 @@ class Run:
     engine_itl: float = float("nan")  # the engine's own mean gap between tokens (its metric)
     client_lag: float = float("nan")  # seconds the bench's loop woke late, at most (client_wait)
     client_runqueue: float = float("nan")  # seconds its loop thread waited for a CPU
+    client_cpu: float = float("nan")  # seconds its loop thread ran on a CPU
     cached_tokens: float = float("nan")  # prompt tokens the server served from its cache
     ttft_slo: float = float("inf")  # seconds
     tpot_slo: float = float("inf")  # seconds
@@ -104,6 +105,7 @@ class Run:
         if not math.isnan(self.client_lag):  # measured (chat runs)
             m["client_lag"] = self.client_lag * 1e3
             m["client_runqueue"] = self.client_runqueue
+            m["client_cpu"] = self.client_cpu
         for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
             m[f"mean_{name}"] = statistics.fmean(xs) if xs else float("nan")
             m[f"median_{name}"] = statistics.median(xs) if xs else float("nan")
@@ -154,6 +156,7 @@ ROWS = [
     ("The client's own wait (bench/client_wait.py)", None, None),
     ("Max event-loop lag (ms):", "client_lag", "{:.0f}"),
     ("Run-queue wait (s):", "client_runqueue", "{:.2f}"),
+    ("CPU time (s):", "client_cpu", "{:.2f}"),
 ]
 
 

@@ -98,13 +98,14 @@ def test_wait_for_answers_times_out_and_stops_when_gone():
         wait_for(lambda: None, "the app", 5, gone=lambda: "exited with 1", every_s=0)
 
 
-def test_loop_watch_keeps_the_worst_lateness_and_the_run_queue_wait():
+def test_loop_watch_keeps_the_worst_lateness_the_run_queue_wait_and_the_cpu_time():
     import sys
 
-    from bench.client_wait import LoopWatch, runqueue_seconds
+    from bench.client_wait import LoopWatch, cpu_seconds, runqueue_seconds
     from bench.serve_records import Run
 
     readings = iter([1.0, 3.5])  # the thread's run-queue seconds at the start and the end
+    ran = iter([4.0, 4.75])  # its seconds on a CPU
     calls = [0]
 
     def clock() -> float:
@@ -116,7 +117,7 @@ def test_loop_watch_keeps_the_worst_lateness_and_the_run_queue_wait():
         return 10.0 * wake + (late if end else 0.0)
 
     async def watched() -> LoopWatch:
-        watch = LoopWatch(0.01, clock=clock, runqueue=lambda: next(readings))
+        watch = LoopWatch(0.01, clock=clock, runqueue=lambda: next(readings), cpu=lambda: next(ran))
         task = asyncio.ensure_future(watch.run())
         while calls[0] < 8:  # four wake-ups measured
             await asyncio.sleep(0.001)
@@ -126,13 +127,19 @@ def test_loop_watch_keeps_the_worst_lateness_and_the_run_queue_wait():
 
     watch = asyncio.run(watched())
     assert watch.max_lag == pytest.approx(0.49) and watch.runqueue_s == pytest.approx(2.5)
-    if sys.platform.startswith("linux"):  # the kernel's count for this thread
+    assert watch.cpu_s == pytest.approx(0.75)
+    if sys.platform.startswith("linux"):  # the kernel's counts for this thread
         assert isinstance(runqueue_seconds(), float)
+        before = cpu_seconds()
+        sum(i * i for i in range(200_000))  # some CPU time on this thread
+        after = cpu_seconds()
+        assert before is not None and after is not None and after > before
     run = Run("x", 1, duration=1.0)
     assert "client_lag" not in run.metrics()  # not measured: no row
-    run.client_lag, run.client_runqueue = watch.max_lag, 2.5
+    run.client_lag, run.client_runqueue, run.client_cpu = watch.max_lag, 2.5, 0.75
     m = run.metrics()
     assert m["client_lag"] == pytest.approx(490.0) and m["client_runqueue"] == 2.5
+    assert m["client_cpu"] == 0.75
 
 
 def test_a_bench_stopped_during_the_grace_period_still_kills_the_server_session(tmp_path):
