@@ -30,7 +30,8 @@ step without decodes takes the whole budget). A decode's gap between tokens is i
 time, and a step's prompt tokens set that time: on SmolLM2-135M with ShareGPT at 32
 streams (two replicas, a bench client that did not wait for a CPU, three interleaved runs
 beside vLLM 0.32, 2026-11-30), the p99 gap between tokens was 723 ms with 512 prompt
-tokens a step, 445 ms with 256 and 255 ms with 128 (vLLM's 171-184 ms), at the same
+tokens a step, 445 ms with 256 and 255 ms with 128 (vLLM's 171-184 ms, a server that had
+served those prompts before, docs/benchmarks.md "A peer's prefix cache"), at the same
 requests/s (1.03x, 1.10x, 1.05x vLLM's); Medha's relative target (``decode_slowdown: 5``)
 read 306 ms in the same hour. A cap scaled by the decodes (2048 / d prompt tokens beside d
 decodes) read 452 ms at 32 streams and 0.81x vLLM's requests/s at 8 streams, against the
