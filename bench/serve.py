@@ -64,7 +64,9 @@ how long its thread sat runnable without a CPU, the part of a gap between tokens
 client, sharing the server's cores, added itself. ``--client-nice N`` (with ``--defaults``
 or ``--base-url``: every server in a session of its own) runs the client in its own
 session at priority N (``bench/client_session.py``): its wait then vanishes, and what is
-left of a tail is the servers'.
+left of a tail is the servers'. Every invocation draws its own sample (the seed is printed;
+``--seed`` repeats it), since a peer that outlives invocations keeps their prompts in its
+prefix cache, and every run reports each side's prompt tokens served from its cache.
 
     python bench/serve.py --dataset sharegpt --model-path M.gguf --streams 8 32 \
         --peer-url http://127.0.0.1:8001 --peer-model DIR
