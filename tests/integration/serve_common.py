@@ -101,17 +101,30 @@ def serve_running(
         yield url
 
 
+# `serve run --address` right after the head started: once in CI Ray's driver found no node
+# to attach to ("No node info found matching attributes"); only that failure is retried
+NOT_CONNECTED = "Failed to connect to Ray cluster"
+CONNECT_TRIES = 3
+
+
 @contextlib.contextmanager
 def serve_file_running(cluster: Any, path: Path, port: int, replicas: int) -> Iterator[str]:
     """``serve run FILE`` of a Serve config file as it is (its app listening on ``port``);
     yields its URL once ``/health`` reports ``replicas`` replicas; stops it and the cluster."""
-    proc = cluster.popen(
-        [str(cluster.BIN / "serve"), "run", f"--address={cluster.address}", str(path)], "serve.log"
-    )
+    command = [str(cluster.BIN / "serve"), "run", f"--address={cluster.address}", str(path)]
+    proc = cluster.popen(command, "serve.log")
     url = f"http://127.0.0.1:{port}"
+    tries = 1
     try:
         deadline = time.monotonic() + 600
         while True:
+            if proc.poll() is not None and tries < CONNECT_TRIES:
+                log = (cluster.tmp / "serve.log").read_text()
+                if NOT_CONNECTED in log:  # Ray's head not yet resolvable: start it once more
+                    print(f"serve run could not connect to the cluster (try {tries}); again")
+                    tries += 1
+                    proc = cluster.popen(command, "serve.log")
+                    continue
             assert proc.poll() is None, (cluster.tmp / "serve.log").read_text()[-5000:]
             assert time.monotonic() < deadline, "the server did not become healthy"
             try:

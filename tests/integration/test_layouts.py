@@ -156,7 +156,7 @@ def test_sequence_pipeline_overlaps_prefill_chunks(cluster):
     controller.record_timings = True
     try:
         request = controller.request_builder().build(
-            list(range(3, 3 + 160)), SamplingParams(max_tokens=2)
+            list(range(3, 3 + 160)), SamplingParams(max_tokens=2, ignore_eos=True)
         )
         rid = controller.add_request(request)
         while controller.has_unfinished():
