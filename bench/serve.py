@@ -273,8 +273,9 @@ def main() -> None:
         "--seed",
         type=int,
         default=None,
-        help="the chat datasets' sampling (default: a fresh one, printed; a peer server that "
-        "outlived the last invocation would find a repeated sample in its prefix cache)",
+        help="the prompts' sampling, chat datasets and random prompts (default: a fresh one, "
+        "printed; a peer server that outlived the last invocation would find a repeated sample "
+        "in its prefix cache)",
     )
     ap.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals per second (chat)"

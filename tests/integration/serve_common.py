@@ -120,7 +120,7 @@ def serve_file_running(cluster: Any, path: Path, port: int, replicas: int) -> It
         while True:
             if proc.poll() is not None and tries < CONNECT_TRIES:
                 log = (cluster.tmp / "serve.log").read_text()
-                if NOT_CONNECTED in log:  # Ray's head not yet resolvable: start it once more
+                if NOT_CONNECTED in log:  # Ray's head not yet resolvable: start it again
                     print(f"serve run could not connect to the cluster (try {tries}); again")
                     tries += 1
                     proc = cluster.popen(command, "serve.log")
