@@ -441,7 +441,7 @@ class DecodeReplica(LoopedReplica):
             since = self._last_step_end if self._last_step_end is not None else start
             self._last_step_end = end
             self._step_times.append((start, end))
-            self.loop.emit(DecodeStep(batch, blocks, end - since))
+            self.loop.note(DecodeStep(batch, blocks, end - since))
             self._write_back([d.request_id for d in deltas], tables)
             self._retain([d.request_id for d in deltas if d.finished], tables)
             self._emit(deltas)
@@ -549,9 +549,9 @@ class DecodeReplica(LoopedReplica):
             if key in ends:
                 ends[key].finish_reason = "abort"
         gaps: list[float] = []
+        events: list[Any] = []
         for d in deltas:
             key = d.request_id
-            events: list[Any] = []
             if self.returns.routed(key):
                 gaps += self._token_clock.gaps(key, len(d.token_ids), now)
             else:
@@ -559,13 +559,13 @@ class DecodeReplica(LoopedReplica):
             if key in ends:
                 self.returns.drop(key)
                 events.append(Finished(key, ends.pop(key)))
-            if events:
-                self.loop.emit(*events)
         for key, out in ends.items():  # lost, with no event this step
             self.returns.drop(key)
-            self.loop.emit(Finished(key, out))
-        if gaps:
-            self.loop.emit(TokenGaps(tuple(gaps)))
+            events.append(Finished(key, out))
+        if gaps:  # before the step's ends: a request's gaps are in the report of its end
+            self.loop.note(TokenGaps(tuple(gaps)))
+        if events:
+            self.loop.emit(*events)
 
     def _release(self, key: str) -> RequestOutput:
         self._token_clock.forget(key)

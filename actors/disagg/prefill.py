@@ -330,7 +330,7 @@ class PrefillReplica(LoopedReplica):
             # carries the queue from before it (the Conductor's view would stay stale)
             self.stats = self._stats()
             if chunks:
-                self.loop.emit(PrefillStep(chunks, end - start))
+                self.loop.note(PrefillStep(chunks, end - start))
             for d in deltas:
                 if d.finished and d.request_id not in restarted:
                     if self.stages is not None and d.request_id not in self._failed:
@@ -484,7 +484,7 @@ class PrefillReplica(LoopedReplica):
                 client.unpin(pin)
             if load.error is None:
                 self.loaded_blocks += len(blocks)
-                self.loop.emit(StoreLoad(len(blocks), load.seconds))
+                self.loop.note(StoreLoad(len(blocks), load.seconds))
                 kv.unhold(blocks)
                 continue
             if client is not None and pin is not None:

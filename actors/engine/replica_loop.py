@@ -112,6 +112,7 @@ class ReplicaLoop:
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._out: list[Any] = []
+        self._waking = False  # the outbox holds an ``emit``ted event (not only notes)
         self._out_cond = threading.Condition()
         self._owner: str | None = None  # who may take from the outbox (``claim``)
         self._stop = False
@@ -146,21 +147,22 @@ class ReplicaLoop:
         self._wake.set()
 
     def take(self, timeout: float, owner: str | None = None) -> list[Any]:
-        """Events emitted since the last take; waits up to ``timeout`` s for the first.
-        Raises ``Superseded`` (taking nothing) when ``owner`` does not own the outbox, also
-        when another claimed it during the wait."""
+        """Events emitted or noted since the last take, in order; waits up to ``timeout`` s
+        for an emitted one (notes alone do not end the wait). Raises ``Superseded`` (taking
+        nothing) when ``owner`` does not own the outbox, also when another claimed it during
+        the wait."""
         with self._out_cond:
-            if not self._out and owner == self._owner:
+            if not self._waking and owner == self._owner:
                 self._out_cond.wait(timeout)
             if owner != self._owner:
                 raise Superseded(f"the events are {self._owner!r}'s, not {owner!r}'s")
-            out, self._out = self._out, []
+            out, self._out, self._waking = self._out, [], False
         return out
 
     def claim(self, owner: str | None) -> None:
         """``owner`` alone takes events from now on; what the last owner left is dropped."""
         with self._out_cond:
-            self._owner, self._out = owner, []
+            self._owner, self._out, self._waking = owner, [], False
             self._out_cond.notify_all()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -180,10 +182,20 @@ class ReplicaLoop:
 
     # -- the loop thread --------------------------------------------------------------------
     def emit(self, *events: Any) -> None:
-        """Queue ``events`` for the next ``take``, all in one report (never split)."""
+        """Queue ``events`` for the next ``take``, all in one report (never split), and end
+        a waiting ``take`` now."""
         with self._out_cond:
             self._out.extend(events)
+            self._waking = True
             self._out_cond.notify_all()
+
+    def note(self, *events: Any) -> None:
+        """Queue measurements (step times, token gaps) for the next ``take`` without ending
+        its wait: they go with the next emitted event, or when the take's timeout ends it.
+        A decode replica whose tokens go straight to their ingress emits nothing most steps,
+        so its poller makes no call per step."""
+        with self._out_cond:
+            self._out.extend(events)
 
     def run_posted(self) -> None:
         """Run what was posted, in order (loop thread only)."""

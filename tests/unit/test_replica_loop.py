@@ -1,6 +1,6 @@
 """A replica's own loop: commands run on the loop thread between steps, in order; the
-long poll returns what was emitted, waiting only while nothing was, and only to the
-outbox's owner; a failing step stops the loop and is reported; ``on_exit`` runs on the
+long poll returns what was emitted or noted, waiting only while nothing was emitted, and
+only to the outbox's owner; a failing step stops the loop and is reported; ``on_exit`` runs on the
 loop thread once it ends; ``cpu_cores`` pins the loop thread and no other."""
 
 from __future__ import annotations
@@ -89,6 +89,39 @@ def test_only_the_owner_takes_events_and_a_claim_supersedes_a_waiting_reader():
         assert loop.take(0, "b") == [2, 3]  # left to the owner, in order
         loop.emit(4)
         loop.claim("c")  # what the last owner left unread is dropped
+        assert loop.take(0, "c") == []
+    finally:
+        loop.stop()
+
+
+def test_notes_go_with_the_next_event_or_when_the_wait_ends():
+    loop = ReplicaLoop(lambda: False, "notes", idle_wait_s=0.01)
+    try:
+        loop.note("step 1")
+        assert loop.take(0.01) == ["step 1"]  # the wait ran out: the notes alone
+        loop.note("step 2")
+        loop.emit("end")
+        loop.note("step 3")
+        assert loop.take(30.0) == ["step 2", "end", "step 3"]  # in order, one report
+        # a reader waiting for events keeps waiting through notes, returns at the event
+        got: list[object] = []
+        reading = threading.Event()
+
+        def reader() -> None:
+            reading.set()
+            got.extend(loop.take(30.0))
+
+        waiter = threading.Thread(target=reader)
+        waiter.start()
+        assert reading.wait(5)
+        loop.note("step 4")
+        loop.note("step 5")
+        loop.emit("done")
+        waiter.join(timeout=10)
+        assert not waiter.is_alive() and got == ["step 4", "step 5", "done"]
+        loop.claim("b")  # a claim drops notes left unread too
+        loop.note("old")
+        loop.claim("c")
         assert loop.take(0, "c") == []
     finally:
         loop.stop()
