@@ -188,8 +188,8 @@ class RunProfile:
             out[row] = ((r1 - r0) / 1e9 / span, (w1 - w0) / 1e9 / span)
         for row in ENGINE_ROWS:  # from the samples: each read at its own time
             pts = [x for x in self.samples.get(row, []) if ta <= x[0] <= tb]
-            if len(pts) > 1:
-                dt = pts[-1][0] - pts[0][0]
+            dt = pts[-1][0] - pts[0][0] if pts else 0.0
+            if dt > 0:  # two samples at least, at different times (a starved sampler: one)
                 out[row] = (
                     (pts[-1][1] - pts[0][1]) / 1e9 / dt,
                     (pts[-1][2] - pts[0][2]) / 1e9 / dt,

@@ -44,3 +44,15 @@ def test_a_gap_whose_engine_step_was_late_is_charged_to_the_engine():
     assert split.excess == pytest.approx(0.13 + 0.10)
     assert split.engine == pytest.approx(0.13)
     assert split.delivery == pytest.approx(0.10)
+
+
+def test_rates_of_an_engine_sampled_once_in_a_span_come_from_the_marks():
+    """A starved sampler may read an engine thread once (or twice at one time) between two
+    marks: its rate is then the marks' snapshots', never a division by a zero span."""
+    snap0 = {pp.MACHINE: (0, 0), pp.DECODE_ENGINE: (0, 0)}
+    snap1 = {pp.MACHINE: (2_000_000_000, 0), pp.DECODE_ENGINE: (500_000_000, 250_000_000)}
+    samples = {pp.DECODE_ENGINE: [(1.5, 10, 5, 1), (1.5, 10, 5, 1)]}
+    profile = pp.RunProfile({"arrival": (1.0, snap0), "first": (2.0, snap1)}, samples)
+    rates = profile.rates("arrival", "first")
+    assert rates[pp.DECODE_ENGINE] == (0.5, 0.25)
+    assert rates[pp.OTHER][0] == 1.5  # the machine's 2 CPU-s less the rows'
