@@ -36,9 +36,15 @@ GROUPS = {"colocated": "{name: main}", "P/D": "{name: pd, num_prefill: 1, num_de
 
 
 async def stream_times(
-    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, out: list[float]
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    out: list[float],
+    arrived: Callable[[], None] = lambda: None,
 ) -> None:
-    """Appends the arrival time of each chunk that carries tokens to ``out``."""
+    """Appends the arrival time of each chunk that carries tokens to ``out``, then calls
+    ``arrived()``."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -54,15 +60,12 @@ async def stream_times(
         async for chunk in sse_chunks(r.aiter_lines()):
             choices = chunk.get("choices") or ()
             n = sum(len(c.get("token_ids") or ()) for c in choices)
-            out.extend([time.monotonic()] * n)
+            if n:
+                out.extend([time.monotonic()] * n)
+                arrived()
 
 
 TIMEOUT_S = 300.0  # one run's limit: a stream that stalls is an error, not a hang
-
-
-def waited(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
-        raise TimeoutError(f"no {what} within {TIMEOUT_S:.0f} s")
 
 
 async def one_run(
@@ -79,48 +82,56 @@ async def one_run(
     long prompt is sent (``arrival``) and when its first token came (``first``)."""
     mark = profiler.mark if profiler is not None else lambda name: None
     short, long = prompts(seed)
+    times: list[list[float]] = [[] for _ in short]
+    started, ready, answered = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def arrived() -> None:  # on the streams' tasks: no polling loop wakes the client
+        fewest = min(len(t) for t in times)
+        if fewest >= 1 and not started.is_set():
+            started.set()
+            mark("start")
+        if fewest >= before_tokens:
+            ready.set()
+
+    async def until(event: asyncio.Event, tasks: list[asyncio.Task[None]], what: str) -> None:
+        """Wait for ``event``; a stream in ``tasks`` that ends first raises what ended it."""
+        waiter = asyncio.create_task(event.wait())
+        await asyncio.wait([waiter, *tasks], timeout=TIMEOUT_S, return_when="FIRST_COMPLETED")
+        waiter.cancel()
+        if event.is_set():
+            return
+        for t in tasks:
+            if t.done():
+                t.result()  # raises what ended a stream early
+                raise RuntimeError(f"{what}: a stream ended first")
+        raise TimeoutError(f"no {what} within {TIMEOUT_S:.0f} s")
+
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
-        times: list[list[float]] = [[] for _ in short]
         tasks = [
-            asyncio.create_task(stream_times(client, model, p, short_tokens, t))
+            asyncio.create_task(stream_times(client, model, p, short_tokens, t, arrived))
             for p, t in zip(short, times, strict=True)
         ]
+        long_task: asyncio.Task[None] | None = None
         try:
-            deadline = time.monotonic() + TIMEOUT_S
-            started = False
-            while min(len(t) for t in times) < before_tokens:
-                if not started and min(len(t) for t in times) >= 1:
-                    started = True
-                    mark("start")
-                for t, ts in zip(tasks, times, strict=True):
-                    if t.done():
-                        t.result()  # raises what ended a stream early
-                        raise RuntimeError(f"a short request ended after {len(ts)} tokens")
-                waited(deadline, "the short requests' first tokens")
-                await asyncio.sleep(0.002)
-            if not started:
-                mark("start")
+            await until(ready, tasks, f"{before_tokens} tokens of every short request")
             long_times: list[float] = []
             arrival = time.monotonic()
             mark("arrival")
-            long_task = asyncio.create_task(stream_times(client, model, long, 2, long_times))
-            while not long_times:
-                if long_task.done():
-                    long_task.result()
-                    raise RuntimeError("the long prompt ended with no token")
-                waited(deadline, "the long prompt's first token")
-                await asyncio.sleep(0.002)
+            long_task = asyncio.create_task(
+                stream_times(client, model, long, 2, long_times, answered.set)
+            )
+            await until(answered, [long_task], "first token of the long prompt")
             first = long_times[0]
             mark("first")
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                    await t
-        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-            await long_task
+            for t in [*tasks, long_task]:
+                if t is not None:
+                    t.cancel()
+            for t in [*tasks, long_task]:
+                if t is not None:
+                    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                        await t
     await asyncio.sleep(1.0)  # the server aborts the closed streams and frees their blocks
     return times, arrival, first
 
