@@ -14,6 +14,22 @@ import pytest
 from actors.engine.replica_loop import ReplicaLoop, Superseded, split_cores
 
 
+def reader_waiting(loop: ReplicaLoop) -> tuple[threading.Thread, list[object]]:
+    """A thread in ``loop.take(30.0)`` (started, past its start); what it takes lands in
+    the list."""
+    got: list[object] = []
+    reading = threading.Event()
+
+    def reader() -> None:
+        reading.set()
+        got.extend(loop.take(30.0))
+
+    waiter = threading.Thread(target=reader)
+    waiter.start()
+    assert reading.wait(5)
+    return waiter, got
+
+
 def test_commands_run_in_order_on_the_loop_thread_between_steps():
     seen: list[str] = []
     work = [3]
@@ -41,16 +57,7 @@ def test_commands_run_in_order_on_the_loop_thread_between_steps():
         assert seen.index("a") < len(seen) and seen.count("step") == 3
         assert loop.take(0.05) == []  # nothing new: waits, then returns empty
         # a reader waiting on an empty outbox is woken by the next event
-        got: list[object] = []
-        reading = threading.Event()
-
-        def reader() -> None:
-            reading.set()
-            got.extend(loop.take(30.0))
-
-        waiter = threading.Thread(target=reader)
-        waiter.start()
-        assert reading.wait(5)
+        waiter, got = reader_waiting(loop)
         loop.emit("late")
         waiter.join(timeout=10)
         assert not waiter.is_alive() and got == ["late"]
@@ -104,16 +111,7 @@ def test_notes_go_with_the_next_event_or_when_the_wait_ends():
         loop.note("step 3")
         assert loop.take(30.0) == ["step 2", "end", "step 3"]  # in order, one report
         # a reader waiting for events keeps waiting through notes, returns at the event
-        got: list[object] = []
-        reading = threading.Event()
-
-        def reader() -> None:
-            reading.set()
-            got.extend(loop.take(30.0))
-
-        waiter = threading.Thread(target=reader)
-        waiter.start()
-        assert reading.wait(5)
+        waiter, got = reader_waiting(loop)
         loop.note("step 4")
         loop.note("step 5")
         loop.emit("done")
