@@ -96,7 +96,7 @@ async def one_run(
     async def until(event: asyncio.Event, tasks: list[asyncio.Task[None]], what: str) -> None:
         """Wait for ``event``; a stream in ``tasks`` that ends first raises what ended it."""
         waiter = asyncio.create_task(event.wait())
-        await asyncio.wait([waiter, *tasks], timeout=TIMEOUT_S, return_when="FIRST_COMPLETED")
+        await asyncio.wait([waiter, *tasks], timeout=TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         if event.is_set():
             return
