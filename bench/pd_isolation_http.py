@@ -11,7 +11,8 @@ so every token's chunk is timed as it reaches the client); once each has 8 token
 prompt is sent; the runs end at the long prompt's first token, and the short streams are
 closed (the server aborts them). Gaps between a short request's consecutive chunks are
 "before" when the later chunk came before the long prompt was sent, "during" when it came
-between then and the long prompt's first token. The apps take turns (A, B, A, B, ...).
+between then and the long prompt's first token. The apps take turns (A, B, A, B, ...);
+while one runs, every process of the other's session is stopped (``bench/session.paused``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import httpx
 
 from bench.interleave import interleaved
 from bench.pd_profile import GAP_X, Profiler, RunProfile, decode_step_times, print_table, split_gaps
+from bench.session import paused
 from bench.sse import sse_chunks
 
 Prompts = Callable[[int], tuple[list[list[int]], list[int]]]
@@ -171,11 +173,13 @@ def run_http(
         def one(name: str, i: int) -> tuple[float, ...]:
             url, model, *_ = apps[name]
             prof = profiler if name == "P/D" else None
-            if prof is not None:
-                prof.start()
-            times, arrival, first = asyncio.run(
-                one_run(url, model, prompts, i, short_tokens, before_tokens, prof)
-            )
+            others = [app[2] for other, app in apps.items() if other != name]
+            with paused(others):  # the app not measured takes no CPU meanwhile
+                if prof is not None:
+                    prof.start()
+                times, arrival, first = asyncio.run(
+                    one_run(url, model, prompts, i, short_tokens, before_tokens, prof)
+                )
             before, during = gaps(times, arrival, first)
             figs = (pct(before, 50), pct(before, 99), pct(during, 50), pct(during, 99))
             if prof is not None:

@@ -240,10 +240,15 @@ def app_config(
 
 
 async def run_chat_sides(
-    args: argparse.Namespace, url: str, model_name: str, model: str | None = None
+    args: argparse.Namespace,
+    url: str,
+    model_name: str,
+    model: str | None = None,
+    session: int | None = None,
 ) -> None:
     """Meridian's endpoint, the peer's (``--peer-url``) and, with ``--engines`` and the
-    ``model`` Meridian serves, its engines alone (``bench/engine_side.py``)."""
+    ``model`` Meridian serves, its engines alone (``bench/engine_side.py``). ``session``:
+    the app's, when this bench started it; it is paused while the other sides run."""
     sides: list[tuple[str, Any]] = [("meridian", ChatClient(url, model_name, args.api_key))]
     if args.peer_url:
         sides.append((args.peer_name, ChatClient(args.peer_url, args.peer_model)))
@@ -252,7 +257,7 @@ async def run_chat_sides(
 
         sides.append(("engines", EngineSide(model or args.model_path, args.engines)))
     try:
-        await run_chat(args, sides)
+        await run_chat(args, sides, None if session is None else {"meridian": session})
     finally:
         for _, client in sides:
             await client.close()
@@ -492,10 +497,10 @@ def main_defaults(args: argparse.Namespace, chat: bool) -> None:
         )
         with serve_run(model, args.group) as (url, name, pid):
             if chat:
-                asyncio.run(run_chat_sides(args, url, name, model))
+                asyncio.run(run_chat_sides(args, url, name, model, pid))
             else:
                 profile = CpuProfile(pid) if args.cpu_profile else None
-                asyncio.run(run_defaults(args, url, name, profile))
+                asyncio.run(run_defaults(args, url, name, pid, profile))
 
 
 if __name__ == "__main__":

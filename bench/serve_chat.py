@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from bench.client_wait import LoopWatch
 from bench.interleave import invocation_seed, median_ratio, turns
 from bench.serve_records import Sample, TokenClock
+from bench.session import others_paused
 
 
 @dataclass(frozen=True)
@@ -233,9 +234,13 @@ def paired(runs_a: list[Any], runs_b: list[Any], value: Callable[[Any], float]) 
     return median_ratio(map(value, runs_a), map(value, runs_b))
 
 
-async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
+async def run_chat(
+    args: Any, sides: list[tuple[str, ChatClient]], sessions: Mapping[str, int] | None = None
+) -> None:
     """Every (streams, repeat) gets its own conversations, the same for every side; the
-    sides take turns, the first rotating with the repeat."""
+    sides take turns, the first rotating with the repeat. ``sessions`` (side -> the session
+    of the server this bench started for it): while a side runs, the others' are stopped
+    (``bench/session.others_paused``)."""
     from bench.serve_records import Run, median_metrics, print_table
 
     per_run: int = args.num_prompts
@@ -266,16 +271,17 @@ async def run_chat(args: Any, sides: list[tuple[str, ChatClient]]) -> None:
                 run = Run(name, c, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
                 hits_before = await client.prefix_cache_hits()
                 watch = LoopWatch()
-                watching = asyncio.ensure_future(watch.run())
-                run.duration, run.samples = await drive(
-                    client.conversation,
-                    slices[ci * args.repeats + rep],
-                    c,
-                    args.request_rate,
-                    seed=1000 * rep + c,
-                )
-                watching.cancel()
-                await asyncio.gather(watching, return_exceptions=True)
+                with others_paused(sessions or {}, name):
+                    watching = asyncio.ensure_future(watch.run())
+                    run.duration, run.samples = await drive(
+                        client.conversation,
+                        slices[ci * args.repeats + rep],
+                        c,
+                        args.request_rate,
+                        seed=1000 * rep + c,
+                    )
+                    watching.cancel()
+                    await asyncio.gather(watching, return_exceptions=True)
                 run.client_lag = watch.max_lag
                 run.client_runqueue = float("nan") if watch.runqueue_s is None else watch.runqueue_s
                 run.client_cpu = float("nan") if watch.cpu_s is None else watch.cpu_s

@@ -109,15 +109,22 @@ def serve_run(model: str, group: str = "{name: main}") -> Iterator[tuple[str, st
 
 
 async def run_defaults(
-    args: argparse.Namespace, url: str, model: str, profile: CpuProfile | None = None
+    args: argparse.Namespace,
+    url: str,
+    model: str,
+    session: int,
+    profile: CpuProfile | None = None,
 ) -> None:
-    """``--defaults``: the app as ``serve run`` starts it, against the peer and/or itself
-    beside a CPU hog. Prints whether its req/s ever falls as streams rise."""
+    """``--defaults``: the app as ``serve run`` starts it (in session ``session``), against
+    the peer and/or itself beside a CPU hog. Prints whether its req/s ever falls as streams
+    rise."""
     client = HttpClient(url, model, args.new_tokens, None, True)
     sides = [http_side("meridian", client)]
     if args.cpu_hog:
         sides.append(http_side("with-hog", client, hog=True))
-    results, with_peer = await run_with_peer(args, sides, client, profile)
+    # the app at rest takes no CPU from the peer's runs: paused while they run
+    sessions = {side.name: session for side in sides}
+    results, with_peer = await run_with_peer(args, sides, client, profile, sessions)
     rates = [median_rate(results, "meridian", c) for c in args.concurrency]
     rises = all(b >= a for a, b in zip(rates, rates[1:], strict=False))
     steps = " -> ".join(f"{r:.2f}" for r in rates)

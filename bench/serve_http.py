@@ -13,7 +13,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import httpx
 
@@ -23,6 +23,7 @@ from bench.cpu_hog import cpu_hog
 from bench.interleave import invocation_seed, median_ratio, turns
 from bench.serve_profile import CpuProfile
 from bench.serve_records import Run, Sample, TokenClock, print_table
+from bench.session import others_paused
 from bench.sse import sse_chunks
 
 
@@ -163,7 +164,11 @@ def http_side(name: str, client: HttpClient, hog: bool = False) -> Side:
 
 
 async def run_with_peer(
-    args: argparse.Namespace, sides: list[Side], own: HttpClient, profile: CpuProfile | None = None
+    args: argparse.Namespace,
+    sides: list[Side],
+    own: HttpClient,
+    profile: CpuProfile | None = None,
+    sessions: Mapping[str, int] | None = None,
 ) -> tuple[dict[tuple[str, int], list[Run]], bool]:
     """``run_sides``, with ``--peer-url``'s server as one more side named ``peer``; closes
     ``own`` and the peer's client after. Returns the results and whether a peer ran."""
@@ -179,7 +184,7 @@ async def run_with_peer(
         peer = HttpClient(args.peer_url, args.peer_model, args.new_tokens, None, token_ids)
         sides = [*sides, Side("peer", peer.one, no_itl)]
     try:
-        return await run_sides(args, sides, profile), peer is not None
+        return await run_sides(args, sides, profile, sessions), peer is not None
     finally:
         await own.close()
         if peer is not None:
@@ -187,11 +192,16 @@ async def run_with_peer(
 
 
 async def run_sides(
-    args: argparse.Namespace, sides: list[Side], profile: CpuProfile | None = None
+    args: argparse.Namespace,
+    sides: list[Side],
+    profile: CpuProfile | None = None,
+    sessions: Mapping[str, int] | None = None,
 ) -> dict[tuple[str, int], list[Run]]:
     """Every concurrency level, ``--repeats`` times, the sides taking turns (the one that
     goes first rotating with the repeat); the same prompts for every side of a repeat.
-    ``profile`` reads every thread's CPU time around each run (``--cpu-profile``)."""
+    ``profile`` reads every thread's CPU time around each run (``--cpu-profile``).
+    ``sessions`` (side -> the session of the server this bench started for it): while a
+    side runs, the others' are stopped (``bench/session.others_paused``)."""
     seed = invocation_seed(args.seed, "random prompts")
     warm = prompts_for(-1, 4, args.prompt_len)
     for side in sides:
@@ -206,6 +216,7 @@ async def run_sides(
                 before = await side.itl()
                 done: list[tuple[float, int]] = []  # (seconds, output tokens) for the profile
                 with (  # the hog outside the profile's reads, so they count it
+                    others_paused(sessions or {}, side.name),
                     cpu_hog() if side.hog else contextlib.nullcontext(),
                     profile.watch(side.name, c, done) if profile else contextlib.nullcontext(),
                 ):

@@ -315,3 +315,60 @@ def test_an_invocation_draws_a_fresh_seed_unless_given_and_prints_it(capsys):
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == "prompts: drawn with seed 7 (--seed 7 draws them again)"
     assert len(printed) == 5
+
+
+def _until(check, what: str, timeout_s: float = 10.0) -> None:
+    """Polls ``check`` (another process's state has no event to wait on)."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        threading.Event().wait(0.005)
+
+
+def test_paused_stops_a_whole_session_and_continues_it_even_when_the_block_raises(tmp_path):
+    """A server session of two processes (the leader and a child it started): inside
+    ``paused`` both are stopped, after it both run again, also after an exception; the
+    bench's own process is never among them."""
+    import os
+    import signal
+    import sys
+
+    from bench.session import (
+        others_paused,
+        paused,
+        process_state,
+        session_members,
+        start_session,
+    )
+
+    script = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "open('ready', 'w').write(str(child.pid)); time.sleep(600)"
+    )
+    server = start_session([sys.executable, "-c", script], tmp_path / "log", cwd=tmp_path)
+    try:
+        _until(lambda: (tmp_path / "ready").exists() and (tmp_path / "ready").read_text(), "ready")
+        child = int((tmp_path / "ready").read_text())
+        assert session_members(server.pid) == {server.pid, child}
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="inside"), paused([server.pid]) as stopped:
+                assert stopped == {server.pid, child}
+                assert process_state(server.pid) == process_state(child) == "T"
+                assert os.getpid() not in stopped
+                raise RuntimeError("inside")
+            _until(
+                lambda: process_state(server.pid) != "T" and process_state(child) != "T",
+                "continued",
+            )
+        # two sides of one server (with and without a hog) never pause it; a peer's run does
+        with others_paused({"meridian": server.pid, "with-hog": server.pid}, "with-hog") as s:
+            assert s == set() and process_state(server.pid) != "T"
+        with others_paused({"meridian": server.pid}, "peer") as s:
+            assert s == {server.pid, child} and process_state(child) == "T"
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
