@@ -84,7 +84,9 @@ the app's replicas (2 at ``--defaults``).
 ``--defaults``: the server as a new user starts it (``bench/serve_defaults.py``): ``serve
 run`` with the environment of the Makefile's ``serve`` recipe on a config of only the model
 (``--model-dir``: the bench model; ``--model-path`` for chat) and one group, none of this
-bench's engine options; sides Meridian and ``--peer-url``. ``--cpu-hog`` adds a side that
+bench's engine options; sides Meridian and ``--peer-url``. The app is stopped while the
+other sides run (``bench/session.paused``: at rest it takes about 0.14 of a core, which
+would come out of the peer's runs). ``--cpu-hog`` adds a side that
 runs the same Meridian app beside a CPU-bound process at nice 0. Prints Meridian's req/s
 per concurrency and whether it ever falls as streams rise; last line ``defaults
 meridian/peer at <top> streams: <ratio>``, or with ``--cpu-hog`` ``cpu-hog/alone at 8
