@@ -86,7 +86,9 @@ run`` with the environment of the Makefile's ``serve`` recipe on a config of onl
 (``--model-dir``: the bench model; ``--model-path`` for chat) and one group, none of this
 bench's engine options; sides Meridian and ``--peer-url``. The app is stopped while the
 other sides run (``bench/session.paused``: at rest it takes about 0.14 of a core, which
-would come out of the peer's runs). ``--cpu-hog`` adds a side that
+would come out of the peer's runs), and a peer on this machine is stopped while Meridian
+runs (vLLM's idle engine polls for about 10 s after a run: 0.10-0.13 of a core).
+``--cpu-hog`` adds a side that
 runs the same Meridian app beside a CPU-bound process at nice 0. Prints Meridian's req/s
 per concurrency and whether it ever falls as streams rise; last line ``defaults
 meridian/peer at <top> streams: <ratio>``, or with ``--cpu-hog`` ``cpu-hog/alone at 8
@@ -136,6 +138,7 @@ from bench.serve_http import (
     run_with_peer,
 )
 from bench.serve_records import Sample
+from bench.session import server_session
 
 MODEL_NAME = "bench"
 
@@ -259,7 +262,11 @@ async def run_chat_sides(
 
         sides.append(("engines", EngineSide(model or args.model_path, args.engines)))
     try:
-        await run_chat(args, sides, None if session is None else {"meridian": session})
+        sessions = {} if session is None else {"meridian": session}
+        peer = server_session(args.peer_url) if args.peer_url else None
+        if peer is not None:
+            sessions[args.peer_name] = peer
+        await run_chat(args, sides, sessions)
     finally:
         for _, client in sides:
             await client.close()

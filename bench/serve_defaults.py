@@ -28,7 +28,7 @@ from bench.app_probe import free_port, served_model, wait_for
 from bench.local_serve import DIRECT_MAX, DIRECT_MIN, DIRECT_SPAN
 from bench.serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
 from bench.serve_profile import SERVING, VLLM_SERVER, CpuProfile
-from bench.session import exited, start_session, stop_leftovers, stop_session
+from bench.session import exited, server_session, start_session, stop_leftovers, stop_session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,8 +122,11 @@ async def run_defaults(
     sides = [http_side("meridian", client)]
     if args.cpu_hog:
         sides.append(http_side("with-hog", client, hog=True))
-    # the app at rest takes no CPU from the peer's runs: paused while they run
+    # a server at rest takes no CPU from another's runs: each is paused while others run
     sessions = {side.name: session for side in sides}
+    peer = server_session(args.peer_url) if args.peer_url else None
+    if peer is not None:
+        sessions["peer"] = peer
     results, with_peer = await run_with_peer(args, sides, client, profile, sessions)
     rates = [median_rate(results, "meridian", c) for c in args.concurrency]
     rises = all(b >= a for a, b in zip(rates, rates[1:], strict=False))

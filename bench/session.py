@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 
 def start_session(
@@ -87,13 +88,13 @@ def process_state(pid: int) -> str | None:
 
 @contextlib.contextmanager
 def paused(sessions: Iterable[int], timeout_s: float = 10.0) -> Iterator[set[int]]:
-    """Every process of ``sessions`` stopped, from when each one is seen stopped until the
-    block ends; then all continued, also when the block raises. Processes that a member
-    starts while this stops the others are stopped too (the scan repeats until it finds
-    none new). Yields the stopped pids."""
+    """Every process of ``sessions`` (never this bench's own) stopped, from when each one
+    is seen stopped until the block ends; then all continued, also when the block raises.
+    Processes that a member starts while this stops the others are stopped too (the scan
+    repeats until it finds none new). Yields the stopped pids."""
     stopped: set[int] = set()
     try:
-        for session in sessions:
+        for session in set(sessions) - {os.getsid(0)}:  # never this bench's own session
             while new := session_members(session) - stopped:
                 for pid in new:
                     with contextlib.suppress(ProcessLookupError):
@@ -121,3 +122,33 @@ def others_paused(
     which is then not paused for either."""
     own = sessions.get(side)
     return paused({s for s in sessions.values() if s != own})
+
+
+def server_session(url: str) -> int | None:
+    """The session of the process on this machine that listens on ``url``'s port (a peer
+    server, started by hand or by this bench), None for another host, when no process here
+    listens there, or when it runs in this bench's own session (never paused)."""
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1") or parts.port is None:
+        return None
+    port = parts.port
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                # local address "HEXIP:HEXPORT", state 0A = LISTEN, inode
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        session = os.getsid(int(pid))
+                        return None if session == os.getsid(0) else session
+    return None

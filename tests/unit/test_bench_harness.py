@@ -369,6 +369,41 @@ def test_paused_stops_a_whole_session_and_continues_it_even_when_the_block_raise
             assert s == set() and process_state(server.pid) != "T"
         with others_paused({"meridian": server.pid}, "peer") as s:
             assert s == {server.pid, child} and process_state(child) == "T"
+        with paused([os.getsid(0)]) as s:  # the bench's own session: never
+            assert s == set()
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def test_server_session_finds_the_session_of_a_local_listener_and_never_the_bench_own(tmp_path):
+    import os
+    import signal
+    import socket
+    import sys
+
+    from bench.session import server_session, start_session
+
+    port = free_port()
+    script = (
+        "import socket, time; s = socket.socket(); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); "
+        "open('ready', 'w').close(); time.sleep(600)"
+    )
+    server = start_session([sys.executable, "-c", script], tmp_path / "log", cwd=tmp_path)
+    try:
+        _until(lambda: (tmp_path / "ready").exists(), "listening")
+        assert server_session(f"http://127.0.0.1:{port}/v1") == server.pid
+        assert server_session(f"http://localhost:{port}") == server.pid
+        assert server_session(f"http://10.1.2.3:{port}") is None  # another host
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert server_session(f"http://127.0.0.1:{port}") is None  # nobody listens now
+    own = socket.socket()
+    own.bind(("127.0.0.1", 0))
+    own.listen()
+    try:  # a listener in the bench's own session is never to be paused
+        assert server_session(f"http://127.0.0.1:{own.getsockname()[1]}") is None
+    finally:
+        own.close()
