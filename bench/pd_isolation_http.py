@@ -161,8 +161,6 @@ def run_http(
         }
         profiler = None
         if profile:
-            if len(apps["P/D"]) < 3:
-                raise RuntimeError("--profile needs serve_run to yield the serve run pid")
             profiler = Profiler(apps["P/D"][2])
             stack.callback(profiler.close)
         for name, (url, model, *_) in apps.items():

@@ -138,7 +138,7 @@ from bench.serve_http import (
     run_with_peer,
 )
 from bench.serve_records import Sample
-from bench.session import server_session
+from bench.session import with_peer
 
 MODEL_NAME = "bench"
 
@@ -262,11 +262,8 @@ async def run_chat_sides(
 
         sides.append(("engines", EngineSide(model or args.model_path, args.engines)))
     try:
-        sessions = {} if session is None else {"meridian": session}
-        peer = server_session(args.peer_url) if args.peer_url else None
-        if peer is not None:
-            sessions[args.peer_name] = peer
-        await run_chat(args, sides, sessions)
+        own = {} if session is None else {"meridian": session}
+        await run_chat(args, sides, with_peer(own, args.peer_name, args.peer_url))
     finally:
         for _, client in sides:
             await client.close()

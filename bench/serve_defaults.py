@@ -28,7 +28,7 @@ from bench.app_probe import free_port, served_model, wait_for
 from bench.local_serve import DIRECT_MAX, DIRECT_MIN, DIRECT_SPAN
 from bench.serve_http import HttpClient, http_side, median_rate, paired_ratio, run_with_peer
 from bench.serve_profile import SERVING, VLLM_SERVER, CpuProfile
-from bench.session import exited, server_session, start_session, stop_leftovers, stop_session
+from bench.session import exited, start_session, stop_leftovers, stop_session, with_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,17 +123,14 @@ async def run_defaults(
     if args.cpu_hog:
         sides.append(http_side("with-hog", client, hog=True))
     # a server at rest takes no CPU from another's runs: each is paused while others run
-    sessions = {side.name: session for side in sides}
-    peer = server_session(args.peer_url) if args.peer_url else None
-    if peer is not None:
-        sessions["peer"] = peer
-    results, with_peer = await run_with_peer(args, sides, client, profile, sessions)
+    sessions = with_peer({side.name: session for side in sides}, "peer", args.peer_url)
+    results, peer_ran = await run_with_peer(args, sides, client, profile, sessions)
     rates = [median_rate(results, "meridian", c) for c in args.concurrency]
     rises = all(b >= a for a, b in zip(rates, rates[1:], strict=False))
     steps = " -> ".join(f"{r:.2f}" for r in rates)
     print(f"meridian req/s over {args.concurrency} streams: {steps} (never falls: {rises})")
     last = ""
-    if with_peer:
+    if peer_ran:
         vs = [
             f"{paired_ratio(results, 'meridian', 'peer', c):.2f} at {c}" for c in args.concurrency
         ]
@@ -151,7 +148,7 @@ async def run_defaults(
         last = (
             f"cpu-hog/alone at {c} streams: {paired_ratio(results, 'with-hog', 'meridian', c):.2f}"
         )
-    if profile and with_peer:
+    if profile and peer_ran:
         c = 8 if 8 in args.concurrency else max(args.concurrency)
         ours = profile.per_token("meridian", c, SERVING)
         theirs = profile.per_token("peer", c, (VLLM_SERVER,))

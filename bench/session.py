@@ -63,27 +63,29 @@ def exited(proc: subprocess.Popen[bytes]) -> str | None:
     return None if proc.poll() is None else f"exited with {proc.returncode}"
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, ...; None
+    once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+
+
 def session_members(session: int) -> set[int]:
     """The pids of every process in session ``session`` (its leader's pid)."""
     members = set()
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses
-            if int(stat[stat.rindex(")") + 2 :].split()[3]) == session:
-                members.add(int(pid))
+        if pid.isdigit() and (fields := _stat(pid)) is not None and int(fields[3]) == session:
+            members.add(int(pid))
     return members
 
 
 def process_state(pid: int) -> str | None:
     """``/proc``'s one-letter state of ``pid`` (``T``: stopped), None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2]
+    fields = _stat(pid)
+    return None if fields is None else fields[0]
 
 
 @contextlib.contextmanager
@@ -117,11 +119,17 @@ def others_paused(
     sessions: Mapping[str, int], side: str
 ) -> contextlib.AbstractContextManager[set[int]]:
     """``paused`` for the sessions of the sides other than ``side`` (``sessions``: side
-    name -> the session of the server the bench started for it; sides without one, such
-    as a ``--peer-url`` server, are not paused). Two sides of one server share a session,
-    which is then not paused for either."""
+    name -> the session of its server on this machine; a side without one, such as a
+    remote peer, is never paused). Two sides of one server share a session, which is then
+    not paused for either."""
     own = sessions.get(side)
     return paused({s for s in sessions.values() if s != own})
+
+
+def with_peer(sessions: Mapping[str, int], peer: str, url: str | None) -> dict[str, int]:
+    """``sessions`` and, when ``url`` is served from this machine, ``peer``'s session."""
+    found = server_session(url) if url else None
+    return {**sessions, peer: found} if found is not None else dict(sessions)
 
 
 def server_session(url: str) -> int | None:

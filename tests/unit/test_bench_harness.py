@@ -382,7 +382,7 @@ def test_server_session_finds_the_session_of_a_local_listener_and_never_the_benc
     import socket
     import sys
 
-    from bench.session import server_session, start_session
+    from bench.session import server_session, start_session, with_peer
 
     port = free_port()
     script = (
@@ -396,6 +396,9 @@ def test_server_session_finds_the_session_of_a_local_listener_and_never_the_benc
         assert server_session(f"http://127.0.0.1:{port}/v1") == server.pid
         assert server_session(f"http://localhost:{port}") == server.pid
         assert server_session(f"http://10.1.2.3:{port}") is None  # another host
+        url = f"http://127.0.0.1:{port}"
+        assert with_peer({"meridian": 1}, "vllm", url) == {"meridian": 1, "vllm": server.pid}
+        assert with_peer({"meridian": 1}, "vllm", None) == {"meridian": 1}
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
