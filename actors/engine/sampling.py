@@ -1,8 +1,9 @@
 """Sampling parameters of one request, and the sampler that turns logits into tokens.
 
 Greedy when ``temperature == 0``. Sampling is stateless: token ``index`` of a request is drawn
-with a generator seeded from ``(seed, index)``, so a seeded request draws the same tokens
-whatever shares its batch, on whichever worker samples it, and after its KV was recomputed.
+with one uniform number hashed from ``(seed, index)`` (``actors/engine/seeded_draw.py``), so a
+seeded request draws the same tokens whatever shares its batch, on whichever worker samples
+it, and after its KV was recomputed.
 Requests without a seed get a random one when they are added.
 
 Everything else that shapes a row (penalties over the request's history, ``logit_bias``,
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.outputs import TokenLogprob
+from actors.engine.seeded_draw import draw, token_seed
 from policies.request import SampleSpec, SamplingParams
 
 __all__ = [
@@ -33,17 +35,10 @@ __all__ = [
 ]
 
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, index) -> distinct seeds
-
-
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
-
-
-def token_seed(seed: int, index: int) -> int:
-    return (seed * _SEED_MIX + index) % (1 << 63)
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
@@ -54,9 +49,8 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
 def sample_tokens(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:
     """One token per row (with its logprobs when the row's spec asks for them).
 
-    Batched over rows wherever a row's result does not depend on its neighbours (argmax,
-    log-softmax, the shaping of each row in place); only a sampled row draws alone, with
-    its own seeded generator."""
+    Batched over rows (argmax, the seeded draws, log-softmax); a row's result never
+    depends on its neighbours. Only the shaping (penalties, bias, masks) runs row by row."""
     if not specs:
         return []
     logits = logits.float()  # [N, vocab]
@@ -66,7 +60,12 @@ def sample_tokens(logits: torch.Tensor, specs: list[SampleSpec]) -> list[Sampled
         processed = logits.clone()
         for i in shaped:
             _shape_row_(processed[i], specs[i])
-    greedy = processed.argmax(dim=-1).tolist()
+    drawn_rows = [i for i, s in enumerate(specs) if s.temperature != 0.0]
+    greedy_rows = [i for i, s in enumerate(specs) if s.temperature == 0.0]
+    greedy_logits = processed if len(greedy_rows) == len(specs) else processed[greedy_rows]
+    greedy = dict(zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist(), strict=True))
+    drawn = draw(processed[drawn_rows], [specs[i] for i in drawn_rows]) if drawn_rows else None
+    draw_of = {i: j for j, i in enumerate(drawn_rows)}
     raw_rows = [
         i for i, s in enumerate(specs) if s.logprobs is not None and s.logprobs_mode == "raw"
     ]
@@ -76,19 +75,15 @@ def sample_tokens(logits: torch.Tensor, specs: list[SampleSpec]) -> list[Sampled
         raw_lp = {i: lps[j] for j, i in enumerate(raw_rows)}
     out = []
     for i, spec in enumerate(specs):
-        if spec.temperature == 0.0:
+        final = raw_lp.get(i)
+        if drawn is None or i not in draw_of:
             token = int(greedy[i])
-            final = raw_lp.get(i)
             if spec.logprobs is not None and final is None:
                 final = torch.log_softmax(processed[i].double(), dim=-1)
         else:
-            row = processed[i].cpu()
-            probs = _probs(row / spec.temperature, spec.top_k, spec.top_p)
-            generator = torch.Generator().manual_seed(token_seed(spec.seed, spec.index))
-            token = int(torch.multinomial(probs, 1, generator=generator).item())
-            final = raw_lp.get(i)
+            token = drawn.tokens[draw_of[i]]
             if spec.logprobs is not None and final is None:
-                final = (probs.double() / probs.double().sum()).log()
+                final = drawn.logprobs(draw_of[i], processed.shape[-1])
         if spec.logprobs is None or final is None:
             out.append(SampledToken(token))
         else:
@@ -144,22 +139,6 @@ def allowed_mask(words: bytes, vocab: int) -> torch.Tensor:
     if mask.numel() < vocab:  # ids past the tokenizer's vocabulary are never allowed
         mask = torch.cat([mask, torch.zeros(vocab - mask.numel(), dtype=torch.bool)])
     return mask[:vocab]
-
-
-def _probs(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Tempered logits -> the probabilities a token is drawn with (top-k and top-p cut
-    entries are 0; the rest are not renormalised, ``multinomial`` does not need it)."""
-    if top_k > 0 and top_k < row.numel():
-        kth = torch.topk(row, top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
 
 
 def _logprobs(lp: torch.Tensor, token: int, k: int) -> TokenLogprob:

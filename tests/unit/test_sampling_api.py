@@ -16,7 +16,7 @@ import transformers
 
 from actors import LLM, SamplingParams
 from actors.engine.replica_controller import ReplicaController
-from actors.engine.sampling import token_seed
+from actors.engine.seeded_draw import uniform
 from errors import InvalidRequestError
 from models import write_tiny_model
 
@@ -81,9 +81,10 @@ def reference(hf, p: SamplingParams, seed: int = 0, stop_ids: frozenset[int] = f
         if p.temperature == 0:
             token = int(x.argmax())
         else:
-            probs = torch.softmax(x / p.temperature, dim=-1)
-            gen = torch.Generator().manual_seed(token_seed(seed, i))
-            token = int(torch.multinomial(probs, 1, generator=gen))
+            # inverse CDF at the request's uniform number for (seed, i)
+            probs = torch.softmax(x.double() / p.temperature, dim=-1)
+            target = uniform(seed, i) * float(probs.sum())
+            token = next(j for j, c in enumerate(probs.cumsum(0).tolist()) if c > target)
         raws.append(raw)
         procs.append(x)
         out.append(token)
