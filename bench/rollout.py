@@ -2,8 +2,10 @@
 and the generation alone, on the same Hugging Face folder and the same token ids.
 
 Workload: ShareGPT first turns (vLLM's filter), each a one-message chat in SmolLM2's
-template, greedy, each output's length fixed at its reply's length capped at
-``--max-output`` (``min_tokens = max_tokens``). The same JSONL goes to every side:
+template, greedy (or sampled at ``--temperature``, as RL rollouts draw; without per-line
+seeds, which vLLM 0.32's CPU build fails on here: "CPU Generator does not use offset"), each
+output's length fixed at its reply's length capped at ``--max-output`` (``min_tokens =
+max_tokens``). The same JSONL goes to every side:
 
 - ``job``: ``python -m actors.rollout --input F --output O --model DIR`` at its defaults
   (a fresh local Ray cluster, replica actors); generation alone is the job's own
@@ -19,6 +21,10 @@ The last line is the worst case's ``generate tok/s`` ratio, Meridian's worse sid
 
     python bench/rollout.py --vllm-python VENV/bin/python \\
         [--models smollm2 qwen2-0.5b] [--prompts 128 1024] [--repeats 3] [--max-output 128]
+        [--temperature 0]
+
+Sampled outputs are not expected to equal vLLM's (another random stream): the agreement
+column is for greedy runs.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ GENERATED = re.compile(r"generated (\d+) tokens in ([0-9.]+) s")
 SIDES = ("job", "inproc", "vllm")
 
 
-def write_prompts(path: Path, count: int, max_output: int, seed: int = 0) -> int:
+def write_prompts(
+    path: Path, count: int, max_output: int, temperature: float, seed: int = 0
+) -> int:
     """ShareGPT first turns as token ids with fixed output lengths; returns how many."""
     from bench.real_prompts import chat_ids, tokenizer
     from sim.datasets import sample_sharegpt
@@ -55,6 +63,8 @@ def write_prompts(path: Path, count: int, max_output: int, seed: int = 0) -> int
             ids = chat_ids(tok, r.prompt)
             line = {"id": str(i), "prompt_token_ids": ids, "max_tokens": r.output_len}
             line["min_tokens"] = r.output_len
+            if temperature:
+                line["temperature"] = temperature
             f.write(json.dumps(line) + "\n")
     return len(reqs)
 
@@ -117,7 +127,11 @@ def side_inproc(folder: str, prompts: str) -> None:
     llm = LLM(folder)
     load_s = time.monotonic() - t0
     params = [
-        SamplingParams(max_tokens=r["max_tokens"], min_tokens=r["min_tokens"], temperature=0.0)
+        SamplingParams(
+            max_tokens=r["max_tokens"],
+            min_tokens=r["min_tokens"],
+            temperature=r.get("temperature", 0.0),
+        )
         for r in lines
     ]
     t0 = time.monotonic()
@@ -137,7 +151,7 @@ def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
 def run_case(model: str, count: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     folder = model_folder(model, work)
     prompts = work / f"prompts_{count}.jsonl"
-    n = write_prompts(prompts, count, args.max_output)
+    n = write_prompts(prompts, count, args.max_output, args.temperature)
 
     def one(side: str, r: int) -> dict:
         res = run_side(side, folder, prompts, work, args.vllm_python)
@@ -177,6 +191,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     args = ap.parse_args()
     if "vllm" not in args.sides:
         ap.error("--sides must include vllm: every ratio is against it")

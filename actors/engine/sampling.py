@@ -64,7 +64,10 @@ def sample_tokens(logits: torch.Tensor, specs: list[SampleSpec]) -> list[Sampled
     greedy_rows = [i for i, s in enumerate(specs) if s.temperature == 0.0]
     greedy_logits = processed if len(greedy_rows) == len(specs) else processed[greedy_rows]
     greedy = dict(zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist(), strict=True))
-    drawn = draw(processed[drawn_rows], [specs[i] for i in drawn_rows]) if drawn_rows else None
+    drawn = None
+    if drawn_rows:
+        drawn_logits = processed if len(drawn_rows) == len(specs) else processed[drawn_rows]
+        drawn = draw(drawn_logits, [specs[i] for i in drawn_rows])
     draw_of = {i: j for j, i in enumerate(drawn_rows)}
     raw_rows = [
         i for i, s in enumerate(specs) if s.logprobs is not None and s.logprobs_mode == "raw"

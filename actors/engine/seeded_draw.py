@@ -2,10 +2,11 @@
 
 Row r draws token ``index`` of its request with one uniform ``u_r`` in [0, 1), a hash of the
 request's ``(seed, index)`` (``uniform``). Its token is the first candidate whose running
-sum of weights exceeds ``u_r`` times the row's total weight (inverse CDF). A candidate's
-weight is its probability ``exp(x / T - logsumexp)`` in float64, or 0 where top-k or top-p
-cut it. So a row's token depends only on its own logits, spec and ``(seed, index)``: not
-on the rows beside it, the batch's size or which worker draws it.
+sum of weights exceeds ``u_r`` times the row's total weight (inverse CDF; running sums in
+float64). A token's weight is ``exp((x - max x) / T)``, proportional to its probability
+(float32 over a whole vocabulary, float64 over top-k / top-p candidates), or 0 where top-k
+or top-p cut it. So a row's token depends only on its own logits, spec and ``(seed,
+index)``: not on the rows beside it, the batch's size or which worker draws it.
 
 Batched: the tempering, top-k, the running sums and the search run once for all rows,
 where drawing row by row with a seeded ``torch.Generator`` and ``multinomial`` cost
@@ -18,14 +19,18 @@ whose top-p mass is not reached among those sorts its whole vocabulary.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from policies.request import SampleSpec
 
+# Whole-vocabulary rows are drawn this many bytes of logits at a time: each pass over them
+# then stays in a core's cache, and its buffers are reused, not faulted in afresh.
+CHUNK_BYTES = 1 << 20
 WIDTHS = (64, 512)  # candidates a top-p row looks at before it sorts its whole vocabulary
-BLOCK = 1024  # candidates summed together by a whole-vocabulary row's two-level search
 
 _MASK64 = (1 << 64) - 1
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, index) -> distinct seeds
@@ -50,16 +55,19 @@ class Draws:
     """For each drawn row: its token, and its kept candidates' ids and weights.
 
     ``ids[r]``: [k_r] int64 token ids (None: the whole vocabulary in id order);
-    ``weights[r]``: [k_r] float64, zero where top-k or top-p cut the token, not
-    normalized."""
+    ``weights[r]``: [k_r], not normalized, zero where top-k or top-p cut the token (float32
+    over the whole vocabulary, float64 over candidates); None unless the row's spec asks
+    for logprobs (the buffers of the others are reused as soon as they are drawn)."""
 
     tokens: list[int]
     ids: list[torch.Tensor | None]
-    weights: list[torch.Tensor]
+    weights: list[torch.Tensor | None]
 
     def logprobs(self, r: int, vocab: int) -> torch.Tensor:
         """Row r's log-probabilities as drawn: [vocab] float64, -inf where cut."""
-        w = self.weights[r]
+        kept = self.weights[r]
+        assert kept is not None, "weights are kept only for rows that ask for logprobs"
+        w = kept.double()
         lp = (w / w.sum()).log()
         ids = self.ids[r]
         if ids is None:
@@ -79,21 +87,32 @@ def draw(logits: torch.Tensor, specs: list[SampleSpec]) -> Draws:
     is_full = set(full)
     cut = [r for r in range(n) if r not in is_full]
     ids: list[torch.Tensor | None] = [None] * n
-    weights: list[torch.Tensor] = [torch.empty(0)] * n
+    weights: list[torch.Tensor | None] = [None] * n
+    keep = [s.logprobs is not None for s in specs]
     at = [0] * n
     if full:
-        x = logits if len(full) == n else logits[full]
-        w = (x - x.amax(-1, keepdim=True)).div_(temps[full, None]).exp_()  # [f, vocab] in (0, 1]
-        for j, pick in enumerate(_inverse_cdf_blocked(w, [us[r] for r in full])):
-            weights[full[j]], at[full[j]] = w[j], pick
+        step = max(1, CHUNK_BYTES // (vocab * logits.element_size()))
+        for rows in (full[i : i + step] for i in range(0, len(full), step)):
+            x = logits[rows[0] : rows[-1] + 1] if _consecutive(rows) else logits[rows]
+            w = (x - x.amax(-1, keepdim=True)).div_(temps[rows, None]).exp_()  # [c, vocab]
+            for j, pick in enumerate(_inverse_cdf_blocked(w, [us[r] for r in rows])):
+                at[rows[j]] = pick
+                if keep[rows[j]]:
+                    weights[rows[j]] = w[j]
     if cut:
         x = logits if len(cut) == n else logits[cut]
         for rows_of_group, row_ids, w in _cut_weights(x, temps[cut], [specs[r] for r in cut]):
             rows = [cut[i] for i in rows_of_group]
             for i, pick in enumerate(_inverse_cdf(w, [us[r] for r in rows])):
-                ids[rows[i]], weights[rows[i]], at[rows[i]] = row_ids[i], w[i], pick
+                ids[rows[i]], at[rows[i]] = row_ids[i], pick
+                if keep[rows[i]]:
+                    weights[rows[i]] = w[i]
     tokens = [a if (row := ids[r]) is None else int(row[a]) for r, a in enumerate(at)]
     return Draws(tokens, ids, weights)
+
+
+def _consecutive(rows: list[int]) -> bool:
+    return rows[-1] - rows[0] == len(rows) - 1
 
 
 def _top_k(spec: SampleSpec, vocab: int) -> int:
@@ -174,26 +193,37 @@ def _inverse_cdf(w: torch.Tensor, us: list[float]) -> list[int]:
 
 
 def _inverse_cdf_blocked(w: torch.Tensor, us: list[float]) -> list[int]:
-    """``_inverse_cdf`` over whole-vocabulary rows in two levels: each ``BLOCK`` of
-    candidates is summed, the running sum over the blocks finds the block where the row
-    crosses its target, and only that block is summed running. w: [g, vocab]."""
-    g, k = w.shape
-    blocks = -(-k // BLOCK)
-    padded = w if k == blocks * BLOCK else torch.nn.functional.pad(w, (0, blocks * BLOCK - k))
-    tiles = padded.view(g, blocks, BLOCK)
-    block_sums = tiles.sum(-1, dtype=torch.float64)  # [g, blocks]
+    """``_inverse_cdf`` over whole-vocabulary rows in two levels: each block of ``_block``
+    tokens is summed (float32, a fixed order for a fixed vocabulary), the running sum over
+    the blocks finds the block where the row crosses its target, and only that block is
+    summed running. w: [g, vocab]."""
+    g, vocab = w.shape
+    size = _block(vocab)
+    tiles = w.view(g, vocab // size, size)
+    block_sums = tiles.sum(-1).double()  # [g, blocks]
     sums = block_sums.cumsum(-1)
     totals = sums[:, -1]
     targets = torch.tensor(us, dtype=torch.float64, device=w.device) * totals
-    b = torch.searchsorted(sums, targets[:, None], right=True).clamp_(max=blocks - 1)  # [g, 1]
+    b = torch.searchsorted(sums, targets[:, None], right=True)
+    b.clamp_(max=vocab // size - 1)  # [g, 1]
     before = sums.gather(1, b) - block_sums.gather(1, b)  # [g, 1]: the mass ahead of block b
-    rows = torch.arange(g, device=w.device)
-    tile = tiles[rows, b.flatten()]  # [g, BLOCK]
+    tile = tiles[torch.arange(g, device=w.device), b.flatten()]  # [g, size]
     inner = before + tile.cumsum(-1, dtype=torch.float64)
     within = torch.searchsorted(inner, targets[:, None], right=True)
-    last = torch.where(tile > 0, torch.arange(BLOCK, device=w.device), -1).amax(-1, keepdim=True)
-    at = (b * BLOCK + torch.minimum(within, last)).flatten().tolist()
+    last = torch.where(tile > 0, torch.arange(size, device=w.device), -1).amax(-1, keepdim=True)
+    at = (b * size + torch.minimum(within, last)).flatten().tolist()
     return _past_the_end(w, targets >= totals, at)
+
+
+@functools.cache
+def _block(vocab: int) -> int:
+    """The smallest divisor of ``vocab`` at least its square root: blocks of about
+    sqrt(vocab) tokens that tile it exactly (49,152 -> 256, 151,936 -> 1,187; a prime
+    vocabulary is one block)."""
+    size = max(1, math.isqrt(vocab))
+    while vocab % size:
+        size += 1
+    return size
 
 
 def _past_the_end(w: torch.Tensor, over: torch.Tensor, at: list[int]) -> list[int]:
