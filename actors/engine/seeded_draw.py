@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +92,7 @@ def draw(logits: torch.Tensor, specs: list[SampleSpec]) -> Draws:
     keep = [s.logprobs is not None for s in specs]
     at = [0] * n
     if full:
-        step = max(1, CHUNK_BYTES // (vocab * logits.element_size()))
-        for rows in (full[i : i + step] for i in range(0, len(full), step)):
-            x = logits[rows[0] : rows[-1] + 1] if _consecutive(rows) else logits[rows]
+        for rows, x in _in_chunks(logits, full):
             w = (x - x.amax(-1, keepdim=True)).div_(temps[rows, None]).exp_()  # [c, vocab]
             for j, pick in enumerate(_inverse_cdf_blocked(w, [us[r] for r in rows])):
                 at[rows[j]] = pick
@@ -111,8 +110,14 @@ def draw(logits: torch.Tensor, specs: list[SampleSpec]) -> Draws:
     return Draws(tokens, ids, weights)
 
 
-def _consecutive(rows: list[int]) -> bool:
-    return rows[-1] - rows[0] == len(rows) - 1
+def _in_chunks(x: torch.Tensor, rows: list[int]) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """``rows`` of x: [n, vocab], ``CHUNK_BYTES`` of them at a time, each with its
+    [c, vocab] slice (a view where the rows are consecutive)."""
+    step = max(1, CHUNK_BYTES // (x.shape[-1] * x.element_size()))
+    for i in range(0, len(rows), step):
+        chunk = rows[i : i + step]
+        consecutive = chunk[-1] - chunk[0] == len(chunk) - 1
+        yield chunk, x[chunk[0] : chunk[-1] + 1] if consecutive else x[chunk]
 
 
 def _top_k(spec: SampleSpec, vocab: int) -> int:
@@ -137,9 +142,8 @@ def _cut_weights(
     t = temps[:, None].double()
     whole = [i for i, k in enumerate(ks) if k == vocab]
     norm = torch.zeros(c, dtype=torch.float64, device=x.device)
-    if whole:  # their normalizer: the sum over the whole vocabulary
-        rest = ((x[whole] - top[whole]) / temps[whole, None]).exp_()
-        norm[whole] = rest.sum(-1, dtype=torch.float64)
+    for rows, part in _in_chunks(x, whole):  # their normalizer: the sum over the vocabulary
+        norm[rows] = ((part - top[rows]) / temps[rows, None]).exp_().sum(-1).double()
     top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float64, device=x.device)
     groups = []
     pending = list(range(c))
