@@ -10,7 +10,7 @@ index)``: not on the rows beside it, the batch's size or which worker draws it.
 
 Batched: the tempering, top-k, the running sums and the search run once for all rows,
 where drawing row by row with a seeded ``torch.Generator`` and ``multinomial`` cost
-0.3-0.9 ms a row on a 49k-151k vocabulary and a full sort for top-p about four times more
+0.8-2.6 ms a row on a 49k-151k vocabulary, and top-p's full sort about five times that
 (``bench/sampler.py``).
 
 Top-p looks first at a row's 64 most likely tokens (one ``topk``), then 512, and only a row
@@ -148,7 +148,7 @@ def _cut_weights(
     groups = []
     pending = list(range(c))
     narrow = max([k for k in ks if k < vocab], default=0)
-    for width in (*(max(w, narrow) for w in WIDTHS if w < vocab), vocab):
+    for width in (*sorted({max(w, narrow) for w in WIDTHS if w < vocab}), vocab):
         rows = pending
         if width == vocab:
             values, order = torch.sort(x[rows], dim=-1, descending=True)
@@ -168,7 +168,8 @@ def _cut_weights(
         if reached:
             kept = [rows[j] for j in reached]
             groups.append((kept, order[reached], _top_p(probs[reached], top_p[kept])))
-        pending = [i for j, i in enumerate(rows) if j not in set(reached)]
+        done = set(reached)
+        pending = [i for j, i in enumerate(rows) if j not in done]
         if not pending:
             break
     return groups
