@@ -10,7 +10,7 @@ index)``: not on the rows beside it, the batch's size or which worker draws it.
 
 Batched: the tempering, top-k, the running sums and the search run once for all rows,
 where drawing row by row with a seeded ``torch.Generator`` and ``multinomial`` cost
-0.8-2.6 ms a row on a 49k-151k vocabulary, and top-p's full sort about five times that
+0.8-2.6 ms a row on a 49k-151k vocabulary, and about 4 ms a row on 49k with top-p's full sort
 (``bench/sampler.py``).
 
 Top-p looks first at a row's 64 most likely tokens (one ``topk``), then 512, and only a row
