@@ -2,14 +2,16 @@
 
 The pretrained SmolLM2-135M-Instruct (GGUF, dequantized) in bfloat16, the in-process engine
 (torch attention backend), once per ``--modes`` entry: ``eager`` (every step eager,
-``cuda_graphs=False``) and ``graphs`` (pure-decode steps replayed as CUDA graphs, one per
-batch-size bucket, ``cuda_graphs=True``; actors/engine/decode_graphs.py), side by side.
+``cuda_graphs=False``), ``graphs`` (pure-decode steps replayed as CUDA graphs, one per
+batch-size bucket, ``cuda_graphs=True``; actors/engine/decode_graphs.py) and ``overlap``
+(graphs, and each step's host work done while the previous step runs, ``overlap_steps=True``;
+actors/engine/token_feed.py), side by side.
 For each batch: prompts of ``--prompt-len`` random tokens, ``--new-tokens`` greedy tokens
 each. A decode step's time = (time of an N-token generate - time of a 1-token generate) /
 (N - 1), the same for transformers' ``generate`` on the same model, dtype and batch; the
 sides interleaved, medians of ``--repeats``. A warm-up of N tokens first (graphs are
-captured there, not in the timed runs). The ``graphs`` mode's tokens are checked against
-the ``eager`` mode's on the warm-up (a line says where they differ).
+captured there, not in the timed runs). The other modes' tokens are checked against the
+``eager`` mode's on the warm-up (a line says where they differ).
 
 HBM fraction = bytes a decode step must read (every weight once, plus the batch's KV cache at
 its mean context) / step time / the device's copy bandwidth, measured in the same run (a
@@ -19,7 +21,7 @@ device-to-device copy, bytes read plus written).
 (of the last mode), to show where a launch-bound step spends its host time.
 
     python bench/decode_gpu.py [--batches 1 32 256] [--prompt-len 128] [--new-tokens 64]
-        [--modes eager graphs]
+        [--modes eager graphs overlap]
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-MODES = {"eager": False, "graphs": True}  # mode -> the engine's cuda_graphs option
+MODES = {  # mode -> its engine options
+    "eager": {"cuda_graphs": False},
+    "graphs": {"cuda_graphs": True},
+    "overlap": {"cuda_graphs": True, "overlap_steps": True},
+}
 
 
 def generate_ours(llm: LLM, prompts: list[list[int]], k: int) -> list[list[int]]:
@@ -111,7 +117,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["eager", "graphs"])
+    ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
     args = ap.parse_args()
 
     dtype = torch.bfloat16
@@ -126,7 +132,7 @@ def main() -> None:
             kv_cache_memory=8 << 30,
             max_num_seqs=max(args.batches),
             token_budget=8192,
-            cuda_graphs=MODES[mode],
+            **MODES[mode],
         )
         for mode in args.modes
     }
@@ -151,10 +157,10 @@ def main() -> None:
         sides["hf"] = partial(hf_generate, hf, torch.tensor(prompts, device="cuda"))
         warm = {m: sides[m](n) for m in engines}  # captures every graph the timed runs use
         sides["hf"](2)
-        if "eager" in warm and "graphs" in warm:
-            diff = differing(warm["eager"], warm["graphs"])
+        for mode in warm:
+            diff = differing(warm["eager"], warm[mode]) if "eager" in warm else 0
             if diff:
-                print(f"batch {b}: graphs' greedy tokens differ from eager's at {diff} of {b * n}")
+                print(f"batch {b}: {mode}'s greedy tokens differ from eager's at {diff} of {b * n}")
 
         def step(name: str, _repeat: int, sides: dict = sides) -> float:
             fn = sides[name]

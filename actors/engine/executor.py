@@ -65,7 +65,7 @@ class LocalExecutor:
         return out
 
     def result(self, handle: StepResult) -> StepResult:
-        return handle
+        return handle.read()
 
     def hook_info(self) -> list[Any]:
         return [self.worker.hook_info()]

@@ -80,6 +80,9 @@ class ReplicaController:
         self._reserved: dict[str, _Request] = {}  # KV reserved, prompt computed elsewhere
         self._step_ids = itertools.count()
         self._inflight: deque[tuple[ScheduledStep, object]] = deque()
+        # overlap_steps: the step submitted ahead (not yet advanced), run by the next call
+        self.overlap = parts.engine_config.overlap_steps
+        self._ahead: tuple[ScheduledStep, object] | None = None
         self.num_recoveries = 0
         # True while a lost worker group is brought up again (read by other threads: the
         # replica's reporter tells the router, which routes to a warm spare meanwhile)
@@ -243,7 +246,7 @@ class ReplicaController:
         self.scheduler.finish(request_id, FinishReason.ABORT, time.monotonic())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._inflight)
+        return self.scheduler.has_unfinished() or bool(self._inflight) or self._ahead is not None
 
     def request_ids(self) -> list[str]:
         """Every request added and not yet released, and every reservation."""
@@ -284,6 +287,8 @@ class ReplicaController:
         Fills the pipeline (up to ``executor.depth`` steps in flight), then completes the
         oldest step.
         """
+        if self.overlap:
+            return self._overlapped_step()
         began = time.monotonic()
         while len(self._inflight) < self.executor.depth:
             scheduled = self.scheduler.schedule(time.monotonic())
@@ -299,6 +304,44 @@ class ReplicaController:
         except WorkerFailure:
             self._recover()
             return []
+        self._observe(scheduled, result, began)
+        return self._postprocess(scheduled, result)
+
+    def _overlapped_step(self) -> list[StreamDelta]:
+        """``overlap_steps``: one step, with the next one scheduled, planned and submitted
+        before this one's tokens are read back. Its requests' newest tokens are the
+        scheduler's placeholders until then; the worker feeds the values to the next step on
+        the device (``actors/engine/token_feed.py``). A step whose requests' next sampling
+        needs a token's value (penalties, a grammar) is read back first, as in ``step``.
+        Same tokens as ``step``: a request that stops on this step's token (a stop string,
+        a stop token) has at most one more token computed in the step ahead, discarded."""
+        began = time.monotonic()
+        if self._ahead is None:
+            scheduled = self.scheduler.schedule(began)
+            if scheduled.is_empty:
+                return []
+            handle = self.executor.submit(self._plan(scheduled))
+        else:
+            (scheduled, handle), self._ahead = self._ahead, None
+        advanced = self.scheduler.advance(scheduled, time.monotonic())
+        if all(self._feedable(seq) for seq in advanced):
+            ahead = self.scheduler.schedule(time.monotonic())
+            if not ahead.is_empty:
+                self._ahead = (ahead, self.executor.submit(self._plan(ahead)))
+        result = self.executor.result(handle)
+        self._observe(scheduled, result, began)
+        return self._postprocess(scheduled, result, advanced)
+
+    def _feedable(self, seq: Sequence) -> bool:
+        """The request's next token can be planned before the value of its newest one is
+        known: its sample spec does not depend on it (finished ones plan nothing)."""
+        r = self._requests.get(seq.request_id)
+        if r is None or seq.is_finished:
+            return True
+        return r.grammar is None and not r.request.params.penalized and r.kv_dest is None
+
+    def _observe(self, scheduled: ScheduledStep, result: StepResult, began: float) -> None:
+        """A step's measured time to the predictor, its timings and hook reports kept."""
         seconds = self._step_seconds(result, began)
         if self.predictor is not None and seconds is not None:
             batch = [
@@ -308,7 +351,6 @@ class ReplicaController:
         if self.record_timings:
             self.step_timings.append((result.step_id, result.timings))
         self.hook_reports += result.hook_reports
-        return self._postprocess(scheduled, result)
 
     def _step_seconds(self, result: StepResult, began: float) -> float | None:
         """The measured time of one step, what the runtime predictor fits ``batch_time`` to.
@@ -333,7 +375,7 @@ class ReplicaController:
         return reports
 
     def _plan(self, scheduled: ScheduledStep) -> StepPlan:
-        plan = StepPlan(next(self._step_ids))
+        plan = StepPlan(next(self._step_ids), keep_tokens=self.overlap)
         bs = self.block_size
         flags = scheduled.sample_flags()
         for (seq, n), start, samples in zip(
@@ -373,11 +415,23 @@ class ReplicaController:
             context["allowed"] = r.grammar.allowed()
         return params.spec(r.request.seed, index, **context)
 
-    def _postprocess(self, scheduled: ScheduledStep, result: StepResult) -> list[StreamDelta]:
+    def _postprocess(
+        self,
+        scheduled: ScheduledStep,
+        result: StepResult,
+        advanced: list[Sequence] | None = None,
+    ) -> list[StreamDelta]:
+        """The step's tokens into its requests (``advanced``: the scheduler's ``advance``
+        of it is done; only those requests' tokens count), and their stream deltas."""
         now = time.monotonic()
-        self.scheduler.update(scheduled, result.tokens, now)
+        if advanced is None:
+            self.scheduler.update(scheduled, result.tokens, now)
+            sampled = result.tokens
+        else:
+            self.scheduler.settle(advanced, result.tokens, now)
+            sampled = {s.request_id: result.tokens[s.request_id] for s in advanced}
         deltas = []
-        for rid, token in result.tokens.items():
+        for rid, token in sampled.items():
             r = self._requests.get(rid)
             if r is None:
                 continue
@@ -410,6 +464,7 @@ class ReplicaController:
         """A worker died: drop the steps in flight, bring up a fresh worker group, forget
         every cached prefix (its KV is gone) and recompute the running requests."""
         self._inflight.clear()
+        self._ahead = None
         self.recovering = True
         try:
             self.executor.restart()
@@ -498,4 +553,5 @@ class ReplicaController:
         for rid in list(self._reserved):
             self.cancel_reservation(rid)
         self._inflight.clear()
+        self._ahead = None
         self.executor.shutdown()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from actors.engine.sampling import SampleSpec, TokenLogprob
 
 # (kvp rank, first token position it holds, its block ids in position order). A request's
@@ -60,11 +62,26 @@ class PlanEntry:
 class StepPlan:
     step_id: int
     entries: list[PlanEntry] = field(default_factory=list)
+    # keep the sampled tokens on the device, unread (``StepResult.unread``), for the next
+    # plan to feed where its tokens are ``PLACEHOLDER`` (actors/engine/token_feed.py)
+    keep_tokens: bool = False
 
     @property
     def needs_kv_exchange(self) -> bool:
         """Same answer on every worker: whether any request spans KV-parallel ranks."""
         return any(len(e.shards) > 1 for e in self.entries)
+
+
+@dataclass
+class DeviceTokens:
+    """One step's sampled tokens, still where they were sampled."""
+
+    request_ids: list[str]  # row i was sampled for request_ids[i]
+    tokens: torch.Tensor  # [S] int64
+
+    def read(self) -> dict[str, int]:
+        """Request id -> token (waits for the device)."""
+        return dict(zip(self.request_ids, self.tokens.tolist(), strict=True))
 
 
 @dataclass
@@ -80,6 +97,15 @@ class StepResult:
     hook_reports: list[Any] = field(default_factory=list)
     # request id -> the sampled token's logprobs, for requests that asked for them
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # sampled tokens not yet in ``tokens``, still on the device (``StepPlan.keep_tokens``)
+    unread: DeviceTokens | None = None
+
+    def read(self) -> StepResult:
+        """Bring ``unread`` tokens into ``tokens`` (waits for the device); returns self."""
+        if self.unread is not None:
+            self.tokens.update(self.unread.read())
+            self.unread = None
+        return self
 
     def compute_seconds(self) -> float:
         """Seconds the step's stages computed, summed over its pipeline stages: each stage's

@@ -28,8 +28,9 @@ from actors.engine.channel_bytes import use_channel_bytes
 from actors.engine.collectives import Collectives, Layout
 from actors.engine.decode_graphs import DecodeGraphRunner
 from actors.engine.heap_freeze import freeze_startup_heap
-from actors.engine.sampling import TokenLogprob, sample_tokens
-from actors.engine.step_plan import StepPlan, StepResult
+from actors.engine.sampling import SampleSpec, TokenLogprob, sample_tokens
+from actors.engine.step_plan import DeviceTokens, StepPlan, StepResult
+from actors.engine.token_feed import feed, feed_sources
 from actors.engine.worker_hooks import CacheGeometry, HooksFactory, PrivateKVCache, WorkerHooks
 from actors.engine.worker_inputs import build_worker_inputs
 from kernels.attention_metadata import AttentionMetadata
@@ -103,6 +104,7 @@ class Worker:
         # (a Conductor) may die before the shard is built again
         self.updates: list[Any] = []
         self._decode: DecodeGraphRunner | None = None  # built for the current shard and KV
+        self._kept: DeviceTokens | None = None  # the last step's tokens (keep_tokens)
 
     # -- set-up ---------------------------------------------------------------------------
     def node_ip(self) -> str:
@@ -242,6 +244,7 @@ class Worker:
             self.spec.block_size,
             "cpu" if graphs is not None else self.device,
         )
+        sources = feed_sources(inputs.entries, self._kept) if plan.keep_tokens else None
         exchange = getattr(inputs.meta, "exchange", None)
         step_hook = self.hooks.step
         if step_hook is not None:
@@ -250,10 +253,17 @@ class Worker:
             hidden_in = None
             if incoming is not None:
                 hidden_in = torch.from_numpy(np.array(incoming.hidden)).to(self.device)
+            fed = None
+            if sources is not None:
+                kept, feeds = self._kept, sources
+                assert kept is not None
+                fed = lambda ids: feed(ids, feeds, kept)  # noqa: E731
             if graphs is not None:
                 assert isinstance(inputs.meta, AttentionMetadata)
-                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta, fed)
             else:
+                if fed is not None:
+                    inputs.input_ids = fed(inputs.input_ids)
                 hidden = shard(
                     inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in
                 )
@@ -266,15 +276,25 @@ class Worker:
             return StageOutput(plan.step_id, hidden.cpu().numpy(), timings, reports)
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
+        unread = None
         if self.tp_rank == 0 and inputs.sample_rows:
             rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
             logits = shard.compute_logits(hidden.index_select(0, rows))
-            sampled = sample_tokens(logits, inputs.sample_specs)
-            for rid, s in zip(inputs.sample_ids, sampled, strict=True):
-                tokens[rid] = s.token_id
-                if s.logprob is not None:
-                    logprobs[rid] = s.logprob
-        return StepResult(plan.step_id, tokens, timings, reports, logprobs)
+            specs = inputs.sample_specs
+            if plan.keep_tokens and all(_greedy_only(s) for s in specs):
+                # what sample_tokens computes for such rows, left on the device
+                unread = DeviceTokens(inputs.sample_ids, logits.float().argmax(dim=-1))
+            else:
+                for rid, s in zip(inputs.sample_ids, sample_tokens(logits, specs), strict=True):
+                    tokens[rid] = s.token_id
+                    if s.logprob is not None:
+                        logprobs[rid] = s.logprob
+        if plan.keep_tokens:
+            known = torch.tensor(list(tokens.values()), dtype=torch.int64, device=hidden.device)
+            self._kept = unread or DeviceTokens(list(tokens), known)
+        else:
+            self._kept = None
+        return StepResult(plan.step_id, tokens, timings, reports, logprobs, unread)
 
     def _decode_runner(self, plan: StepPlan) -> DecodeGraphRunner | None:
         """The decode runner when this step is pure decode (one token per request) and one
@@ -316,6 +336,11 @@ class Worker:
         if self.collectives is not None:
             self.collectives.close()
             self.collectives = None
+
+
+def _greedy_only(spec: SampleSpec) -> bool:
+    """A row whose token is its logits' argmax, with nothing else to return."""
+    return spec.plain and spec.temperature == 0.0 and spec.logprobs is None
 
 
 def _nbytes(tensors: Any) -> int:

@@ -20,6 +20,7 @@ from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 from policies.scheduler import ScheduledStep
+from policies.sequence import Sequence
 
 
 class ColocatedEngine(ReplicaController):
@@ -123,9 +124,14 @@ class ColocatedEngine(ReplicaController):
         self._predicted.pop(request_id, None)
         super().abort(request_id)
 
-    def _postprocess(self, scheduled: ScheduledStep, result: StepResult) -> list[StreamDelta]:
+    def _postprocess(
+        self,
+        scheduled: ScheduledStep,
+        result: StepResult,
+        advanced: list[Sequence] | None = None,
+    ) -> list[StreamDelta]:
         self._last_scheduled = scheduled  # the step that completed: its entries, for the fit
-        return super()._postprocess(scheduled, result)
+        return super()._postprocess(scheduled, result, advanced)
 
     def serving_stats(self) -> ReplicaStats:
         kv = self.kv

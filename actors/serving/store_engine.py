@@ -330,12 +330,17 @@ class StoreEngine(ColocatedEngine):
             self.scheduler.add(r.seq)
 
     # -- writes -------------------------------------------------------------------------
-    def _postprocess(self, scheduled: ScheduledStep, result: StepResult) -> list[StreamDelta]:
+    def _postprocess(
+        self,
+        scheduled: ScheduledStep,
+        result: StepResult,
+        advanced: list[Sequence] | None = None,
+    ) -> list[StreamDelta]:
         # before the step's end frees a finished request's blocks: they are held for writes
         for (seq, n), start in zip(scheduled.entries, scheduled.starts, strict=True):
             if start + n >= seq.num_prompt_tokens:  # the whole prompt's KV is computed
                 self._write_full_blocks(seq, start + n)
-        deltas = super()._postprocess(scheduled, result)
+        deltas = super()._postprocess(scheduled, result, advanced)
         for d in deltas:
             if d.finished and d.finish_reason != "abort":
                 self._retain(d.request_id)

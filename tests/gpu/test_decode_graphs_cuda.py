@@ -1,7 +1,8 @@
 """Decode steps replayed as CUDA graphs (actors/engine/decode_graphs.py) give the eager
 engine's greedy tokens, and transformers' (float64 on CUDA, torch backend, tiny dense model);
 the padded rows of a captured step write only the scratch block (skipped without CUDA).
-Passed on one H200 (tests/gpu/README.md)."""
+Passed on one H200 (tests/gpu/README.md), except the overlapped-steps test: not run on a GPU
+yet."""
 
 from __future__ import annotations
 
@@ -25,6 +26,18 @@ NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
+def _float64_engine(model_dir, **options) -> LLM:
+    return LLM(
+        model_dir,
+        device="cuda",
+        dtype=torch.float64,
+        attention_backend="torch",
+        block_size=4,
+        num_blocks=64,
+        **options,
+    )
+
+
 def test_captured_decode_equals_eager_and_transformers(tmp_path):
     model_dir = write_tiny_model(tmp_path / "dense")
     rng = random.Random(1234)
@@ -32,15 +45,7 @@ def test_captured_decode_equals_eager_and_transformers(tmp_path):
     want = hf_greedy(model_dir, prompts, NEW_TOKENS)
     tokens = {}
     for graphs in (False, True):
-        llm = LLM(
-            model_dir,
-            device="cuda",
-            dtype=torch.float64,
-            attention_backend="torch",
-            block_size=4,
-            num_blocks=64,
-            cuda_graphs=graphs,
-        )
+        llm = _float64_engine(model_dir, cuda_graphs=graphs)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
         tokens[graphs] = [o.token_ids for o in outs]
         runner = llm.engine.executor.worker._decode
@@ -52,6 +57,20 @@ def test_captured_decode_equals_eager_and_transformers(tmp_path):
         assert llm.engine.kv.num_used_blocks == 0
     assert tokens[False] == want
     assert tokens[True] == want
+
+
+def test_overlapped_steps_on_cuda_equal_transformers(tmp_path):
+    # overlap_steps (actors/engine/token_feed.py): the step ahead is replayed with its
+    # tokens fed on the device from the step before, read back only after it is submitted
+    model_dir = write_tiny_model(tmp_path / "dense")
+    rng = random.Random(99)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
+    llm = _float64_engine(model_dir, cuda_graphs=True, overlap_steps=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    runner = llm.engine.executor.worker._decode
+    assert runner is not None and runner.num_graphs >= 1
+    assert [o.token_ids for o in outs] == hf_greedy(model_dir, prompts, NEW_TOKENS)
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 def test_captured_padded_rows_write_only_the_scratch_block(tmp_path):
