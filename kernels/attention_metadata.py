@@ -21,7 +21,7 @@ the newest tokens: ``query_offsets = context_lens - query_lens``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -95,5 +95,22 @@ class FixedDecodeMetadata(AttentionMetadata):
     Its tensors are static buffers whose values change between replays of a captured CUDA
     graph without any Python running again: a backend must not read them on the host
     (``.item()``, ``.tolist()``, shapes that depend on values) nor cache work on the
-    object's identity. Backends that can run it so say ``graph_safe_decode = True``; any
-    other backend treats it as ordinary metadata (correct eagerly, never captured)."""
+    object's identity across steps. Backends that can run it so say ``graph_safe_decode =
+    True``; any other backend treats it as ordinary metadata (correct eagerly, never
+    captured). The runner makes a new object per forward, so work computed on the device
+    from its buffers may be shared by the layers of one forward (``key_mask``): in a
+    captured graph the first layer's kernels recompute it on every replay."""
+
+    _key_masks: dict[int, torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def key_mask(self, key_len: int) -> torch.Tensor:
+        """``[B, key_len]`` bool: True where key ``j`` is at or past row ``b``'s context
+        (``j >= context_lens[b]``, masked). Made by the first layer that asks, shared by the
+        others of the forward."""
+        mask = self._key_masks.get(key_len)
+        if mask is None:
+            keys = torch.arange(key_len, device=self.context_lens.device)
+            mask = self._key_masks[key_len] = keys[None, :] >= self.context_lens[:, None]
+        return mask

@@ -246,10 +246,13 @@ def fixed_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     impl: str = "auto",
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row, nothing read on the host (capturable in a CUDA graph): ``q [B, Hq,
     D]``, ``block_tables [B, W]``, ``context_lens [B]`` (row b sees its keys ``0 ..
     context_lens[b] - 1``, every one at least 1) -> ``(out [B, Hq, D], lse [B, Hq] float32)``.
+    ``key_mask [B, W * block_size]``: ``FixedDecodeMetadata.key_mask``, made once per step
+    (None: made here).
 
     ``impl``: "native_cpu" (the compiled decode kernel, fp32 CPU), "batched" (gather the
     ``W`` blocks of every row, mask, one batched matmul-softmax-matmul; any device) or
@@ -270,8 +273,9 @@ def fixed_decode_attention(
     keys = k_cache.index_select(0, flat).view(kv_shape)
     values = v_cache.index_select(0, flat).view(kv_shape)
     queries = q.reshape(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    key_pos = torch.arange(length, device=q.device)
-    blocked = (key_pos[None, :] >= context_lens[:, None]).view(num_seqs, 1, 1, length)
+    if key_mask is None:
+        key_mask = torch.arange(length, device=q.device)[None, :] >= context_lens[:, None]
+    blocked = key_mask.view(num_seqs, 1, 1, length)
     out, lse = _attend_batched(queries, keys, values, blocked, scale)
     return out.view(num_seqs, num_heads, head_dim), lse.view(num_seqs, num_heads)
 
@@ -529,8 +533,15 @@ class TorchAttentionBackend:
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(meta, FixedDecodeMetadata):  # no plan: nothing read on the host
+            length = int(meta.block_tables.shape[1]) * k_cache.shape[1]
             return fixed_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                scale,
+                key_mask=meta.key_mask(length),
             )
         if self._meta is not meta or self._plan is None:
             self._plan = plan_attention(meta, self.split)

@@ -146,13 +146,25 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.tables(dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
+    def at(self, positions: torch.Tensor) -> RotaryRows:
+        """The rotation at one step's ``positions [T]``, for every layer of the step."""
+        return RotaryRows(self, positions)
+
     def split_qkv(
-        self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        rows: RotaryRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``qkv [T, (Hq + 2 Hkv) * D]`` (a fused projection's output) -> rotated ``q [T, Hq,
-        D]``, rotated ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``. On CPU in fp32 the rotation is
-        one compiled pass over ``qkv`` in place (q and k come back as views of it), with the
-        same arithmetic as :meth:`forward`."""
+        D]``, rotated ``k [T, Hkv, D]`` and ``v [T, Hkv, D]`` (views, rows not contiguous:
+        backends take them so). On CPU in fp32
+        the rotation is one compiled pass over ``qkv`` in place (q and k come back as views
+        of it); elsewhere q's and k's heads rotate together, as one ``[T, Hq + Hkv, D]``
+        tensor, with the rows ``rows`` looked up (``at``; None: looked up here). Both are
+        the arithmetic of :meth:`forward`, element by element."""
         tokens, head_dim = qkv.shape[0], self.head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         if layer_ops_cpu.usable(qkv) and self.cos.dtype == torch.float32:
@@ -164,8 +176,36 @@ class RotaryEmbedding(nn.Module):
             # head counts spelled out: a step with no token on this rank has T = 0
             kv_shape = (tokens, num_kv_heads, head_dim)
             return q.view(tokens, num_heads, head_dim), k.view(kv_shape), v.view(kv_shape)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(tokens, num_heads, head_dim)
-        k = k.view(tokens, num_kv_heads, head_dim)
-        q, k = self(q, k, positions)
-        return q, k, v.view(tokens, num_kv_heads, head_dim)
+        cos, sin = (rows or self.at(positions)).rows(qkv.dtype)  # [T, 1, D]
+        qk = qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim)
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
+        return q, k, v
+
+
+class RotaryRows:
+    """RoPE's ``cos, sin`` rows at one step's positions, looked up once per dtype and
+    shared by every layer of the step (a model's forward makes one: ``RotaryEmbedding.at``).
+    In a captured CUDA graph the lookup is a kernel of the first layer, replayed."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.rope = rope
+        self.positions = positions
+        self._rows: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin) [T, 1, D]`` in ``dtype``."""
+        rows = self._rows.get(dtype)
+        if rows is None:
+            rows = self._rows[dtype] = self.rope._rows(dtype, self.positions)
+        return rows
+
+    def split_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``RotaryEmbedding.split_qkv`` at this step's positions (``positions`` must be
+        them)."""
+        if positions is not self.positions:
+            raise ValueError("these rows are of another step's positions")
+        return self.rope.split_qkv(qkv, positions, num_heads, num_kv_heads, self)

@@ -17,7 +17,7 @@ from kernels.activation import silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.norm import RMSNorm
 from kernels.registry import AttentionBackend, get_attention_backend
-from kernels.rope import RotaryEmbedding
+from kernels.rope import RotaryEmbedding, RotaryRows
 from models.config import ModelConfig
 from models.moe_block import SparseMoeBlock
 
@@ -42,7 +42,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: RotaryEmbedding | RotaryRows,
         backend: AttentionBackend,
         kv_cache: KVCache,
         meta: AttentionMetadata,
@@ -81,7 +81,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: RotaryEmbedding | RotaryRows,
         backend: AttentionBackend,
         kv_cache: KVCache,
         meta: AttentionMetadata,
@@ -131,8 +131,9 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
+        rope = self.rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, self.attention_backend, kv_cache, meta)
+            x = layer(x, positions, rope, self.attention_backend, kv_cache, meta)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -230,10 +230,11 @@ class ModelShard(nn.Module):
             x = hidden
         hook, backend = self.layer_hook, self.attention_backend
         before = getattr(hook, "before_layer", None)  # optional: e.g. wait for a KV load
+        rope = self.rope.at(positions)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if before is not None:
                 before(self.lo + index)
-            x = layer(x, positions, self.rope, backend, kv_cache, meta)
+            x = layer(x, positions, rope, backend, kv_cache, meta)
             if hook is not None:
                 hook.after_layer(self.lo + index, kv_cache)
         return self.norm(x) if self.norm is not None else x

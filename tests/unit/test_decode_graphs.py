@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -150,6 +151,36 @@ def test_padded_rows_write_only_the_scratch_block(shard):
             assert not outside, outside
             assert set(changed.tolist()) >= live  # the live rows did write their slots
             assert scratch_slot(scratch, BS) in changed.tolist()
+
+
+def test_a_decode_forward_does_per_step_work_once_not_per_layer(shard):
+    # RoPE's rows are looked up and the key mask built once per forward (every kernel of a
+    # captured graph costs launch-scale time on the GPU, whatever its size)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = shard.config
+    assert cfg.num_hidden_layers > 1
+    caches = allocate_kv_cache(
+        cfg.num_hidden_layers, 16, BS, cfg.num_key_value_heads, cfg.head_dim, torch.float64
+    )
+    runner = DecodeGraphRunner(shard, caches, BS, 15, buckets=[4])
+    ids, pos = torch.tensor([11, 22, 33]), torch.tensor([4, 1, 8])
+    meta = decode_meta([5, 2, 9], [[3, 7], [1], [4, 0, 6]])
+    runner.run(ids, pos, meta)  # its buffers are allocated on first use
+    with Count() as count:
+        runner.run(ids, pos, meta)
+    assert count.ops["index"] == 2  # cos and sin rows, for every layer
+    assert count.ops["arange"] == 1 and count.ops["ge"] == 1  # the key mask
+    assert count.ops["cat"] == cfg.num_hidden_layers  # q's and k's heads rotate together
 
 
 def test_graph_key_changes_with_each_field(shard):
