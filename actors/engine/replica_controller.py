@@ -244,6 +244,7 @@ class ReplicaController:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, FinishReason.ABORT, time.monotonic())
+        self._drop_idle_ahead()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight) or self._ahead is not None
@@ -330,7 +331,21 @@ class ReplicaController:
                 self._ahead = (ahead, self.executor.submit(self._plan(ahead)))
         result = self.executor.result(handle)
         self._observe(scheduled, result, began)
-        return self._postprocess(scheduled, result, advanced)
+        deltas = self._postprocess(scheduled, result, advanced)
+        self._drop_idle_ahead()
+        return deltas
+
+    def _drop_idle_ahead(self) -> None:
+        """The step ahead holds only requests that ended since it was submitted (a stop
+        string, an abort): let it complete, discarding its tokens, so no step is left
+        pending with nothing to do."""
+        if self._ahead is None:
+            return
+        scheduled, handle = self._ahead
+        if all(seq.is_finished for seq, _ in scheduled.entries):
+            self._ahead = None
+            self.executor.result(handle)
+            self.scheduler.advance(scheduled, time.monotonic())  # their tokens in flight
 
     def _feedable(self, seq: Sequence) -> bool:
         """The request's next token can be planned before the value of its newest one is

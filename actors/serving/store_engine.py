@@ -50,6 +50,7 @@ from typing import Any
 
 import ray
 
+from actors.disagg.kv_ipc_route import cache_device
 from actors.engine.config import EngineConfig
 from actors.engine.controller_builder import ControllerParts, build_parts
 from actors.engine.outputs import RequestOutput, StreamDelta
@@ -103,6 +104,11 @@ def store_engine(
     """A replica of a colocated group with a store: its engine, and the group's shards
     (``pool``: ``<app>/<group>``) started or attached (``AppShards``)."""
     check_store_layout(config)
+    if cache_device(config.device).type != "cpu":
+        raise ValueError(
+            "a colocated replica's store loads and writes move its KV cache through host "
+            "memory: with a store, its replicas run on the CPU (device: cpu)"
+        )
     cache = PrivateKVCache()
     parts = build_parts(model, config, worker_hooks=WorkerHooks(kv_cache=cache))
     layout = KVBlockLayout.of(cache.kv_caches)

@@ -102,3 +102,13 @@ def test_sessions_retention_is_kept_by_a_colocated_store():
     assert cfg.session_retention_s(10, None) == 10
     with pytest.raises(ConfigError, match="group 'main' has none"):
         ServeConfig.parse({"groups": [group()], "sessions": {"default_kv_retention_s": 30}})
+
+
+def test_a_colocated_store_replica_refuses_a_gpu_cache_before_building():
+    # its loads and writes move the cache through host memory (no GPU needed to check:
+    # the refusal comes before any model or cache is built)
+    from actors.engine.config import EngineConfig
+    from actors.serving.store_engine import store_engine
+
+    with pytest.raises(ValueError, match="run on the CPU"):
+        store_engine(None, EngineConfig(device="cuda"), "app/main", "r0", 64)

@@ -202,3 +202,21 @@ def test_overlap_steps_refuses_layouts_it_cannot_feed():
         ReplicaController.build(
             tiny_model_dir("dense"), overlap_steps=True, worker_hooks=WorkerHooks()
         )
+
+
+def test_no_step_is_left_pending_once_every_request_ended():
+    # a stream that ends on a stop string, or is closed early, leaves the step ahead
+    # holding only ended requests: it is completed and dropped, nothing stays pending
+    llm = LLM(tiny_model_dir("dense"), dtype=torch.float32, block_size=BS, overlap_steps=True)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = _prompts(8, (7,))[0]
+    text = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].text
+    stop = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[text[4:6]])
+    deltas = list(llm.stream(prompt_token_ids=prompt, sampling_params=stop))
+    assert deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == text[: text.find(text[4:6])]
+    assert not llm.engine.has_unfinished() and llm.engine.kv.num_used_blocks == 0
+    stream = llm.stream(prompt_token_ids=prompt, sampling_params=greedy)
+    next(stream), next(stream)
+    stream.close()  # aborted while the step ahead holds it
+    assert not llm.engine.has_unfinished() and llm.engine.kv.num_used_blocks == 0
