@@ -17,8 +17,9 @@ HBM fraction = bytes a decode step must read (every weight once, plus the batch'
 its mean context) / step time / the device's copy bandwidth, measured in the same run (a
 device-to-device copy, bytes read plus written).
 
-``--profile``: then the Python profile (cProfile, by own time) of 32 decode steps at batch 1
-(of the last mode), to show where a launch-bound step spends its host time.
+``--profile``: then the Python profile (cProfile, by own time) of 32 decode steps at batch
+``--profile-batch`` (default 1; of the last mode), to show where a step spends its host
+time.
 
     python bench/decode_gpu.py [--batches 1 32 256] [--prompt-len 128] [--new-tokens 64]
         [--modes eager graphs overlap]
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-batch", type=int, default=1)
     ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
     args = ap.parse_args()
 
@@ -177,17 +179,19 @@ def main() -> None:
         print(f"{b:>5}{cells} | {h * 1e3:>8.2f} {b / h:>8.0f} {step_bytes / h / bandwidth:>6.1%}")
 
     if args.profile:
-        profile_decode(
-            engines[args.modes[-1]].engine,
-            [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)],
-        )
+        prompts = [
+            [rng.randrange(3, cfg.vocab_size) for _ in range(args.prompt_len)]
+            for _ in range(args.profile_batch)
+        ]
+        profile_decode(engines[args.modes[-1]].engine, prompts)
 
 
-def profile_decode(engine, prompt: list[int], steps: int = 32) -> None:
+def profile_decode(engine, prompts: list[list[int]], steps: int = 32) -> None:
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    rid = engine.add_request(engine.request_builder().build(prompt, params))
-    for _ in range(4):  # the prefill and a few decode steps
-        engine.step()
+    builder = engine.request_builder()
+    rids = [engine.add_request(builder.build(prompt, params)) for prompt in prompts]
+    while min(len(engine.output(rid).token_ids) for rid in rids) < 2:
+        engine.step()  # every prompt's prefill, then pure decode steps only
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -197,11 +201,12 @@ def profile_decode(engine, prompt: list[int], steps: int = 32) -> None:
     torch.cuda.synchronize()
     profiler.disable()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    print(f"profiled {steps} decode steps at batch 1: {ms:.2f} ms/step")
+    print(f"profiled {steps} decode steps at batch {len(prompts)}: {ms:.2f} ms/step")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     while engine.has_unfinished():
         engine.step()
-    engine.release(rid)
+    for rid in rids:
+        engine.release(rid)
 
 
 if __name__ == "__main__":

