@@ -20,7 +20,6 @@ from policies.pd_costs import CostFitter
 from policies.replica_stats import ReplicaStats
 from policies.request import Request
 from policies.scheduler import ScheduledStep
-from policies.sequence import Sequence
 
 
 class ColocatedEngine(ReplicaController):
@@ -124,14 +123,9 @@ class ColocatedEngine(ReplicaController):
         self._predicted.pop(request_id, None)
         super().abort(request_id)
 
-    def _postprocess(
-        self,
-        scheduled: ScheduledStep,
-        result: StepResult,
-        advanced: list[Sequence] | None = None,
-    ) -> list[StreamDelta]:
+    def _observe(self, scheduled: ScheduledStep, result: StepResult, began: float) -> None:
         self._last_scheduled = scheduled  # the step that completed: its entries, for the fit
-        return super()._postprocess(scheduled, result, advanced)
+        super()._observe(scheduled, result, began)
 
     def serving_stats(self) -> ReplicaStats:
         kv = self.kv

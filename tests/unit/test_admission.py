@@ -254,3 +254,22 @@ def test_step_overruns_give_a_quantile_of_measured_over_predicted_never_below_on
         o.margin(1.5)
     with pytest.raises(ValueError):
         adm.StepOverruns(window=0)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap_steps"])
+def test_a_colocated_engine_fits_its_cost_model_from_every_completed_step(overlap):
+    from actors import SamplingParams
+    from actors.serving.colocated_engine import ColocatedEngine
+
+    engine = ColocatedEngine.build(ttft_slo=60.0, block_size=4, overlap_steps=overlap)
+    builder = engine.request_builder()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request(builder.build(list(range(3, 12)), params))  # alone: none measured yet
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert engine.fitter is not None
+    chunks = [chunk for step, _ in engine.fitter.prefill for chunk in step]
+    assert len(engine.fitter.prefill) == steps  # one sample per step that completed
+    assert chunks[0] == (9, 0) and (1, 9) in chunks  # its prompt, then its first decode
