@@ -289,11 +289,10 @@ class Worker:
                     tokens[rid] = s.token_id
                     if s.logprob is not None:
                         logprobs[rid] = s.logprob
-        if plan.keep_tokens:
-            known = torch.tensor(list(tokens.values()), dtype=torch.int64, device=hidden.device)
-            self._kept = unread or DeviceTokens(list(tokens), known)
-        else:
-            self._kept = None
+        self._kept = unread  # None unless keep_tokens
+        if plan.keep_tokens and unread is None:  # sampled on the host: kept on the device too
+            values = torch.tensor(list(tokens.values()), dtype=torch.int64, device=hidden.device)
+            self._kept = DeviceTokens(list(tokens), values)
         return StepResult(plan.step_id, tokens, timings, reports, logprobs, unread)
 
     def _decode_runner(self, plan: StepPlan) -> DecodeGraphRunner | None:
