@@ -159,12 +159,11 @@ class RotaryEmbedding(nn.Module):
         rows: RotaryRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``qkv [T, (Hq + 2 Hkv) * D]`` (a fused projection's output) -> rotated ``q [T, Hq,
-        D]``, rotated ``k [T, Hkv, D]`` and ``v [T, Hkv, D]`` (views, rows not contiguous:
-        backends take them so). On CPU in fp32
-        the rotation is one compiled pass over ``qkv`` in place (q and k come back as views
-        of it); elsewhere q's and k's heads rotate together, as one ``[T, Hq + Hkv, D]``
-        tensor, with the rows ``rows`` looked up (``at``; None: looked up here). Both are
-        the arithmetic of :meth:`forward`, element by element."""
+        D]``, rotated ``k [T, Hkv, D]`` and ``v [T, Hkv, D]`` (views whose rows are not
+        contiguous: backends take them so). On CPU in fp32 the rotation is one compiled pass
+        over ``qkv`` in place; elsewhere q's and k's heads rotate together, as one ``[T, Hq
+        + Hkv, D]`` tensor, with the rows ``rows`` looked up (``at``; None: looked up here).
+        Both are the arithmetic of :meth:`forward`, element by element."""
         tokens, head_dim = qkv.shape[0], self.head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         if layer_ops_cpu.usable(qkv) and self.cos.dtype == torch.float32:

@@ -550,13 +550,12 @@ class Scheduler:
         abort)."""
         for seq in advanced:
             token = sampled[seq.request_id]
-            seq.output_token_ids[-1] = token
-            seq.token_ids[-1] = token
+            seq.set_last_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if token in seq.stop_token_ids and seq.finish_reason is not FinishReason.ABORT:
+            if token in seq.stop_token_ids:
                 if seq.is_finished:
-                    seq.finish_reason = FinishReason.STOP
+                    seq.stopped_on_last_token()
                 else:
                     self._finish(seq, FinishReason.STOP, now)
 

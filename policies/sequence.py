@@ -106,3 +106,16 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def set_last_token(self, token_id: int) -> None:
+        """The newest token's value, in place of what ``append_token`` held for it (the
+        scheduler's placeholder)."""
+        self.output_token_ids[-1] = token_id
+        self.token_ids[-1] = token_id
+
+    def stopped_on_last_token(self) -> None:
+        """An ended request's newest token was a stop token or completed a stop string: it
+        ends with STOP, whatever it first ended for on that token (max_tokens); an abort
+        stays an abort."""
+        if self.finish_reason is not FinishReason.ABORT:
+            self.finish_reason = FinishReason.STOP

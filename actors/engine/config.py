@@ -305,13 +305,6 @@ class EngineConfig:
             return ()
         if num_blocks < 2:
             raise ValueError("cuda_graphs needs at least 2 KV blocks (one is its scratch)")
-        if self.overlap_steps and (
-            (self.tp, self.spp, self.kvp) != (1, 1, 1) or self.attention_workers
-        ):
-            raise ValueError(
-                "overlap_steps runs the in-process single-worker engine (tp = spp = kvp = 1, "
-                "no attention/expert workers); leave it unset for this layout"
-            )
         if self.cuda_graph_sizes is not None:
             return normalize_buckets(self.cuda_graph_sizes)
         return default_buckets(min(256, self.max_num_seqs))

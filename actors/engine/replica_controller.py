@@ -460,7 +460,7 @@ class ReplicaController:
             text = r.detok.add([token], final=r.seq.is_finished, check_stop=check_stop)
             if r.detok.stopped:
                 if r.seq.is_finished:  # the stop string completed on the last allowed token
-                    r.seq.finish_reason = FinishReason.STOP
+                    r.seq.stopped_on_last_token()
                 else:
                     self.scheduler.finish(rid, FinishReason.STOP, now)
             deltas.append(

@@ -70,6 +70,13 @@ def test_advance_then_settle_is_update():
     assert step.entries == [(stop, 1)] and step.starts == [3]
     sched.settle(sched.advance(step, 4.0), {"s": 9}, 5.0)
     assert stop.finish_reason is FinishReason.STOP and kv.num_used_blocks == 0
+    # aborted between advance and settle: its token is written in, it stays an abort
+    late = Sequence("a", [6, 7], max_tokens=4, stop_token_ids=frozenset({9}))
+    sched.add(late)
+    advanced = sched.advance(sched.schedule(6.0), 7.0)
+    sched.finish("a", FinishReason.ABORT, 7.5)
+    sched.settle(advanced, {"a": 9}, 8.0)
+    assert late.output_token_ids == [9] and late.finish_reason is FinishReason.ABORT
 
 
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
